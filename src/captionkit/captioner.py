@@ -1,0 +1,102 @@
+"""A trained captioner: encoder + decoder + vocabulary, loaded from a checkpoint folder."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .checkpoint import CheckpointError, load_into, read_config, read_weights
+from .decoding import Caption, decode
+from .encoders import Encoder, create_encoder
+from .images import ImageError, load_rgb, to_tensor
+from .models import create_decoder
+from .vocab import Vocab
+
+DEFAULT_MODEL = Path(__file__).parent / "pretrained" / "sat-lite2-flickr8k"
+
+
+@dataclass
+class Result:
+    words: list[str]
+    attention: torch.Tensor  # (len(words), L)
+    grid: tuple[int, int]
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.words)
+
+
+class Captioner:
+    def __init__(self, decoder: torch.nn.Module, vocab: Vocab, config: dict, encoder: Encoder | None = None):
+        self.decoder = decoder.eval()
+        self.vocab = vocab
+        self.config = config
+        self.encoder = encoder
+        self.grid = tuple(config["encoder"]["grid"])
+        self.max_len = int(config.get("decoding", {}).get("max_len", 20))
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, with_encoder: bool = True,
+             encoder_weights: str | None = None) -> "Captioner":
+        """Load a checkpoint folder (the shipped model when ``path`` is None)."""
+        path = Path(path) if path else DEFAULT_MODEL
+        if not path.exists():
+            raise CheckpointError(f"{path}: no such model folder")
+        cfg = read_config(path)
+        try:
+            family, enc_cfg, words = cfg["family"], cfg["encoder"], cfg["vocab"]
+            decoder = create_decoder(family, cfg["model"])
+        except (KeyError, ValueError, TypeError) as e:
+            raise CheckpointError(f"{path}/config.json: incompatible config ({e})") from None
+        vocab = Vocab.from_json(words)
+        if len(vocab) != decoder.cfg.vocab_size:
+            raise CheckpointError(f"{path}: vocabulary has {len(vocab)} words, model expects {decoder.cfg.vocab_size}")
+        load_into(decoder, read_weights(path), path)
+        encoder = None
+        if with_encoder:
+            encoder = create_encoder(enc_cfg["name"], weights=encoder_weights or enc_cfg.get("weights"))
+            grid = list(encoder.grid())
+            if encoder.dim != decoder.cfg.feat_dim or grid != list(enc_cfg["grid"]):
+                raise CheckpointError(
+                    f"{path}: trained on {enc_cfg['name']} features {enc_cfg['grid']} x {decoder.cfg.feat_dim}, "
+                    f"but the encoder gives {grid} x {encoder.dim}")
+        return cls(decoder, vocab, cfg, encoder)
+
+    @torch.no_grad()
+    def decode_features(self, feats: torch.Tensor, beam: int = 3, length_penalty: float = 0.0) -> list[Caption]:
+        """feats (B, L, D) -> one Caption per image."""
+        return decode(self.decoder, feats.float(), beam=beam, max_len=self.max_len, length_penalty=length_penalty)
+
+    def result(self, cap: Caption) -> Result:
+        return Result(self.vocab.decode(cap.ids), cap.attention, self.grid)
+
+    def caption_files(self, paths: list[Path], beam: int = 3, batch_size: int = 16,
+                      length_penalty: float = 0.0) -> Iterator[tuple[Path, Result | ImageError]]:
+        """Caption image files in order; a bad file yields its ImageError and the rest go on."""
+        if self.encoder is None:
+            raise RuntimeError("this Captioner was loaded without its encoder")
+        pre = self.encoder.preprocess
+
+        def load(p: Path):
+            try:
+                return to_tensor(load_rgb(p), pre)
+            except ImageError as e:
+                return e
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            batches = [paths[i:i + batch_size] for i in range(0, len(paths), batch_size)]
+            pending = pool.map(lambda b: [load(p) for p in b], batches)
+            for batch, loaded in zip(batches, pending):
+                good = [i for i, x in enumerate(loaded) if isinstance(x, torch.Tensor)]
+                caps: dict[int, Caption] = {}
+                if good:
+                    x = torch.stack([loaded[i] for i in good]).contiguous(memory_format=torch.channels_last)
+                    with torch.inference_mode():
+                        feats = self.encoder(x)  # (B, L, D)
+                    caps = dict(zip(good, self.decode_features(feats, beam, length_penalty)))
+                for i, p in enumerate(batch):
+                    yield p, (self.result(caps[i]) if i in caps else loaded[i])

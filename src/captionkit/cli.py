@@ -1,0 +1,229 @@
+"""The ``captionkit`` command line. Each subcommand is a typed function; errors a user can fix
+are printed as one line naming the file or field, never as a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .checkpoint import CheckpointError
+from .data import DatasetError
+from .encoders.base import WeightsUnavailable
+from .images import ImageError
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _write_json(path: str | Path, obj) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False))
+    os.replace(tmp, path)
+
+
+def _read_json(path: str | Path, what: str):
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such {what} file") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+
+
+def cmd_caption(paths: list[str], model: str | None, beam: int, json_out: str | None,
+                attention: str | None, batch_size: int, length_penalty: float) -> int:
+    from .captioner import Captioner
+    from .images import find_images, load_rgb
+
+    files = find_images(paths)
+    if not files:
+        raise UsageError(f"no image files found in {' '.join(paths)}")
+    cap = Captioner.load(model)
+    names = [f.name for f in files]
+    dup = {n for n in names if names.count(n) > 1}
+    captions: dict[str, str] = {}
+    failed = 0
+    for path, res in cap.caption_files(files, beam=beam, batch_size=batch_size, length_penalty=length_penalty):
+        if isinstance(res, ImageError):
+            failed += 1
+            print(f"error: {res}", file=sys.stderr)
+            continue
+        key = str(path) if path.name in dup else path.name
+        captions[key] = res.text
+        print(f"{key}\t{res.text}", flush=True)
+        if attention:
+            from .figures import save_attention_figure
+            fig = Path(attention) / f"{Path(key).stem if path.name not in dup else key.replace(os.sep, '_')}.png"
+            save_attention_figure(load_rgb(path), res.words, res.attention, res.grid, fig)
+    if json_out:
+        _write_json(json_out, captions)
+    if failed:
+        print(f"{failed} of {len(files)} images could not be captioned", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _refs_for(dataset: str, images: str | None, split: str) -> dict[str, list[str]]:
+    from .data import load_dataset
+    return {it.name: it.raw for it in load_dataset(dataset, images).split(split)}
+
+
+def cmd_evaluate(model: str | None, dataset: str, images: str | None, split: str, beam: int,
+                 out: str | None, batch_size: int) -> int:
+    from .captioner import Captioner
+    from .data import load_dataset
+    from .evaluation import coco_scores, format_scores
+
+    items = load_dataset(dataset, images).split(split)
+    cap = Captioner.load(model)
+    captions, failed = {}, []
+    for path, res in cap.caption_files([it.path for it in items], beam=beam, batch_size=batch_size):
+        if isinstance(res, ImageError):
+            failed.append(str(res))
+        else:
+            captions[path.name] = res.text
+    if failed:
+        raise UsageError(f"{len(failed)} {split} images could not be read, e.g. {failed[0]}")
+    scores = coco_scores(captions, {it.name: it.raw for it in items})
+    print(f"{split} split, {len(items)} images, beam {beam}, coco-caption scorers, x100:")
+    print(format_scores(scores))
+    if out:
+        _write_json(out, {"model": str(model or "shipped default"), "dataset": dataset, "split": split,
+                          "beam": beam, "scale": "x100",
+                          "scores": {k: round(100 * v, 4) for k, v in scores.items()}, "captions": captions})
+    return 0
+
+
+def cmd_score(captions: str, refs: str | None, dataset: str | None, images: str | None, split: str,
+              out: str | None) -> int:
+    from .evaluation import coco_scores, format_scores
+
+    cand = _read_json(captions, "captions")
+    if refs:
+        ref = _read_json(refs, "references")
+    elif dataset:
+        ref = _refs_for(dataset, images, split)
+    else:
+        raise UsageError("give the references: --refs R.json or --dataset D --split S")
+    only_c, only_r = sorted(set(cand) - set(ref)), sorted(set(ref) - set(cand))
+    if only_c or only_r:
+        raise UsageError(f"captions and references differ: {len(only_c)} images only in {captions} "
+                         f"(e.g. {only_c[:3]}), {len(only_r)} only in the references (e.g. {only_r[:3]})")
+    scores = coco_scores(cand, ref)
+    print(f"{len(cand)} images, coco-caption scorers, x100:")
+    print(format_scores(scores))
+    if out:
+        _write_json(out, {k: round(100 * v, 4) for k, v in scores.items()})
+    return 0
+
+
+def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool) -> int:
+    from .train import train
+    train(config, out=out, max_steps=max_steps, resume=resume)
+    return 0
+
+
+def cmd_features(dataset: str, images: str | None, encoder: str) -> int:
+    from .data import load_dataset
+    from .encoders import create_encoder
+    from .features import build_features
+
+    ds = load_dataset(dataset, images)
+    store = build_features(create_encoder(encoder), [it.path for it in ds.all_items()])
+    print(f"{len(store.index)} images, grid {store.grid}: {store.folder}")
+    return 0
+
+
+def cmd_pack(checkpoint: str, out: str, fp16: bool) -> int:
+    """Copy a trained checkpoint without its optimizer state (optionally float16) for shipping."""
+    import torch
+
+    from .checkpoint import read_config, read_weights, save_checkpoint
+
+    cfg = read_config(checkpoint)
+    cfg.pop("optimizer_groups", None)
+    cfg = {k: v for k, v in cfg.items() if k not in ("format", "version")}
+    w = read_weights(checkpoint)
+    if fp16:
+        w = {k: v.to(torch.float16) if v.is_floating_point() else v for k, v in w.items()}
+    save_checkpoint(out, w, cfg)
+    print(f"wrote {out} ({sum(v.numel() * v.element_size() for v in w.values()) / 1e6:.1f} MB)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="captionkit", description="Image captioning: caption, train, evaluate.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("caption", help="caption image files or folders")
+    c.add_argument("paths", nargs="+")
+    c.add_argument("--model", help="checkpoint folder (default: the shipped model)")
+    c.add_argument("--beam", type=int, default=3)
+    c.add_argument("--json", dest="json_out", help="write {filename: caption} here")
+    c.add_argument("--attention", metavar="DIR", help="write one attention figure per image here")
+    c.add_argument("--batch-size", type=int, default=16)
+    c.add_argument("--length-penalty", type=float, default=0.0,
+                   help="rank beams by logprob / (words + 1) ** this (0: plain sum)")
+
+    e = sub.add_parser("evaluate", help="caption a dataset split and score it (coco-caption scorers)")
+    e.add_argument("--model")
+    e.add_argument("--dataset", required=True)
+    e.add_argument("--images", help="image folder of a JSON dataset")
+    e.add_argument("--split", default="test")
+    e.add_argument("--beam", type=int, default=3)
+    e.add_argument("--out", help="write scores and every caption to this JSON")
+    e.add_argument("--batch-size", type=int, default=16)
+
+    s = sub.add_parser("score", help="score a {image: caption} JSON against references")
+    s.add_argument("--captions", required=True)
+    s.add_argument("--refs", help="{image: [reference, ...]} JSON")
+    s.add_argument("--dataset", help="take the references from this dataset instead")
+    s.add_argument("--images")
+    s.add_argument("--split", default="test")
+    s.add_argument("--json", dest="out", help="write the scores (x100) here")
+
+    t = sub.add_parser("train", help="train a decoder from a TOML config")
+    t.add_argument("--config", required=True)
+    t.add_argument("--out", help="run folder (default runs/<config name>)")
+    t.add_argument("--max-steps", type=int)
+    t.add_argument("--resume", action="store_true", help="continue from OUT/last")
+
+    f = sub.add_parser("features", help="compute and cache a dataset's encoder features")
+    f.add_argument("--dataset", required=True)
+    f.add_argument("--images")
+    f.add_argument("--encoder", default="efficientnet_lite2")
+
+    k = sub.add_parser("pack", help="copy a checkpoint without optimizer state, for shipping")
+    k.add_argument("checkpoint")
+    k.add_argument("out")
+    k.add_argument("--fp16", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    command = args.pop("command")
+    fn = globals()[f"cmd_{command}"]
+    try:
+        if args.get("beam") is not None and args["beam"] < 1:
+            raise UsageError(f"--beam must be at least 1, got {args['beam']}")
+        return fn(**args)
+    except (UsageError, ImageError, DatasetError, CheckpointError, WeightsUnavailable) as e:
+        print(f"captionkit {command}: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # config and dataset validation errors carry their file/field
+        print(f"captionkit {command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"captionkit {command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Greedy and batched beam search, written once against the decoder step contract:
+
+    mem = model.prepare(feats)                      # per-image memory, computed once
+    state = model.init_state(mem)
+    logprobs, state, attention = model.step(tokens, state, mem)
+
+``state`` is a tuple of tensors whose first dimension is the batch; ``mem`` has
+``index_select(idx)``. Both functions return one :class:`Caption` per image, with the
+attention weights of every generated word.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .vocab import Vocab
+
+
+@dataclass
+class Caption:
+    ids: list[int]  # word ids, without <start> and <end>
+    attention: torch.Tensor  # (len(ids), L): the weights each word was generated with
+    logprob: float  # sum of the words' log-probabilities, <end> included
+
+
+def _select(state, idx: torch.Tensor):
+    return tuple(s.index_select(0, idx) for s in state)
+
+
+def _allowed(logp: torch.Tensor, last_step: bool) -> torch.Tensor:
+    """<pad> and <start> are never generated; at the last step only <end> may follow."""
+    if last_step:
+        out = torch.full_like(logp, float("-inf"))
+        out[:, Vocab.end] = logp[:, Vocab.end]
+        return out
+    logp = logp.clone()
+    logp[:, [Vocab.pad, Vocab.start]] = float("-inf")
+    return logp
+
+
+@torch.no_grad()
+def greedy(model, feats: torch.Tensor, max_len: int = 20) -> list[Caption]:
+    """Most probable word at every step, until <end> or ``max_len`` words."""
+    B = feats.shape[0]
+    mem = model.prepare(feats)
+    state = model.init_state(mem)
+    tokens = torch.full((B,), Vocab.start, dtype=torch.long)
+    words, alphas = [], []
+    total = torch.zeros(B)
+    alive = torch.ones(B, dtype=torch.bool)
+    for t in range(max_len + 1):
+        logp, state, alpha = model.step(tokens, state, mem)
+        best, tokens = _allowed(logp, t == max_len).max(1)
+        total += torch.where(alive, best, torch.zeros_like(best))
+        words.append(tokens)
+        alphas.append(alpha)
+        alive &= tokens != Vocab.end
+        if not alive.any():
+            break
+    W = torch.stack(words, 1)  # (B, T)
+    Al = torch.stack(alphas, 1)  # (B, T, L)
+    out = []
+    for b in range(B):
+        ids = W[b].tolist()
+        n = ids.index(Vocab.end)
+        out.append(Caption(ids[:n], Al[b, :n].clone(), float(total[b])))
+    return out
+
+
+@torch.no_grad()
+def beam_search(model, feats: torch.Tensor, beam: int = 3, max_len: int = 20,
+                length_penalty: float = 0.0) -> list[Caption]:
+    """Batched beam search over all images at once.
+
+    Hypotheses are ranked by logprob / (words + 1) ** length_penalty (0 = plain sum, as in
+    the paper). With ``beam=1`` this returns exactly the greedy caption.
+    """
+    B, K = feats.shape[0], beam
+    mem = model.prepare(feats)
+    state = model.init_state(mem)
+    rows = torch.arange(B).repeat_interleave(K)  # (B*K,)
+    mem, state = mem.index_select(rows), _select(state, rows)
+    tokens = torch.full((B * K,), Vocab.start, dtype=torch.long)
+    scores = torch.full((B, K), float("-inf"))
+    scores[:, 0] = 0.0  # only the first beam is live at the start
+    seqs = torch.zeros(B * K, 0, dtype=torch.long)
+    hist: torch.Tensor | None = None  # (B*K, t, L)
+    finished: list[list[tuple[float, list[int], torch.Tensor, float]]] = [[] for _ in range(B)]
+    done = [False] * B
+
+    def norm(logprob: float, n_words: int) -> float:
+        return logprob / (n_words + 1) ** length_penalty if length_penalty else logprob
+
+    for t in range(max_len + 1):
+        logp, state, alpha = model.step(tokens, state, mem)  # (B*K, V), ..., (B*K, L)
+        V = logp.shape[1]
+        hist = alpha.unsqueeze(1) if hist is None else torch.cat([hist, alpha.unsqueeze(1)], 1)
+        logp = _allowed(logp, t == max_len)
+        cand = (scores.view(B * K, 1) + logp).view(B, K * V)
+        top_s, top_i = cand.topk(2 * K, dim=1)  # (B, 2K): enough to keep K live after ends
+        src, word = top_i // V, top_i % V  # (B, 2K)
+        is_end = word == Vocab.end
+        # A candidate ending in <end> among the best K becomes a finished hypothesis.
+        for b, r in (is_end[:, :K]).nonzero().tolist():
+            if done[b] or not torch.isfinite(top_s[b, r]):
+                continue
+            row = b * K + int(src[b, r])
+            ids = seqs[row].tolist()
+            lp = float(top_s[b, r])
+            finished[b].append((norm(lp, len(ids)), ids, hist[row, :len(ids)].clone(), lp))
+        live_s = top_s.masked_fill(is_end, float("-inf"))
+        pick = live_s.topk(K, dim=1).indices  # (B, K)
+        scores = live_s.gather(1, pick)
+        parent = (torch.arange(B).unsqueeze(1) * K + src.gather(1, pick)).view(-1)  # (B*K,)
+        tokens = word.gather(1, pick).view(-1)
+        seqs = torch.cat([seqs[parent], tokens.unsqueeze(1)], 1)
+        hist = hist[parent]
+        state = _select(state, parent)
+        for b in range(B):
+            if done[b] or not finished[b]:
+                continue
+            best_done = max(f[0] for f in finished[b])
+            # Without length normalisation a live beam can only lose probability.
+            if len(finished[b]) >= K or (length_penalty == 0.0 and best_done >= float(scores[b, 0])):
+                done[b] = True
+        if all(done):
+            break
+    out = []
+    for b in range(B):
+        _, ids, att, lp = max(finished[b], key=lambda f: f[0])
+        out.append(Caption(ids, att, lp))
+    return out
+
+
+def decode(model, feats: torch.Tensor, beam: int = 1, max_len: int = 20,
+           length_penalty: float = 0.0) -> list[Caption]:
+    if beam < 1:
+        raise ValueError(f"beam size must be at least 1, got {beam}")
+    if beam == 1 and length_penalty == 0.0:
+        return greedy(model, feats, max_len)
+    return beam_search(model, feats, beam, max_len, length_penalty)

@@ -1,0 +1,116 @@
+"""The encoder contract and registry.
+
+An encoder turns a batch of preprocessed images ``(B, 3, S, S)`` into annotation vectors
+``(B, L, D)``: one ``D``-dimensional vector per cell of a ``grid = (H, W)`` over the image,
+``L = H * W``, row-major. Everything an encoder needs to be reproduced (its input size and
+normalisation) lives in its :class:`Preprocess`, which is also the feature cache's key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+class WeightsUnavailable(RuntimeError):
+    """Pretrained weights were asked for but are not on this machine."""
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """How a photo becomes the encoder's input tensor.
+
+    size: the square side the photo is resized to (aspect ratio is not kept: Show, Attend
+        and Tell resizes whole images, and the Flickr8k copy is already squashed).
+    mean, std: per-channel normalisation applied to pixels scaled to [0, 1].
+    """
+
+    size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    resample: str = "bicubic"
+
+
+IMAGENET = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+
+
+class Encoder(nn.Module):
+    """Base class: subclasses implement ``features(x) -> (B, D, H, W)``."""
+
+    name: str
+    preprocess: Preprocess
+    dim: int
+    weights_id: str  # what weights were loaded: "random", or a file name / package name
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fmap = self.features(x)  # (B, D, H, W)
+        return fmap.flatten(2).transpose(1, 2)  # (B, L, D)
+
+    def grid(self) -> tuple[int, int]:
+        with torch.no_grad():
+            size = self.preprocess.size
+            fmap = self.features(torch.zeros(1, 3, size, size))
+        return int(fmap.shape[2]), int(fmap.shape[3])
+
+    def cache_key(self) -> str:
+        """A short stable id of (architecture, weights, preprocessing) for feature caches."""
+        blob = json.dumps({"name": self.name, "weights": self.weights_id,
+                           "pre": asdict(self.preprocess)}, sort_keys=True)
+        return f"{self.name}-{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
+
+
+EncoderFactory = Callable[..., Encoder]
+_REGISTRY: dict[str, EncoderFactory] = {}
+
+
+def register_encoder(name: str) -> Callable[[EncoderFactory], EncoderFactory]:
+    def wrap(fn: EncoderFactory) -> EncoderFactory:
+        if name in _REGISTRY:
+            raise ValueError(f"encoder {name!r} registered twice")
+        _REGISTRY[name] = fn
+        return fn
+    return wrap
+
+
+def list_encoders() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def create_encoder(name: str, weights: str | None = None) -> Encoder:
+    """Build a frozen encoder in eval mode.
+
+    weights: None for the pretrained weights (an error names what is missing when they are
+        not on this machine), ``"random"`` for random weights (tests only), or a file path.
+    """
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown encoder {name!r}; known: {', '.join(list_encoders())}")
+    if weights == "random":  # seeded, so a "random" encoder gives the same features in every process
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            enc = _REGISTRY[name](weights=weights)
+    else:
+        enc = _REGISTRY[name](weights=weights)
+    enc.name = name
+    enc.eval()
+    for p in enc.parameters():
+        p.requires_grad_(False)
+    return enc
+
+
+def load_state_file(path: str) -> dict[str, torch.Tensor]:
+    """Load a weights file without unpickling arbitrary objects."""
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import load_file
+        return load_file(path)
+    sd = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
+        sd = sd["state_dict"]
+    return sd

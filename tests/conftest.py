@@ -1,0 +1,104 @@
+"""Shared fixtures: synthetic photos of coloured shapes in the Flickr8k layout, a tiny training
+config on a random-weight encoder, and a tiny model trained from it once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from PIL import Image, ImageDraw
+
+SHAPES = [
+    ("red", (220, 30, 30), "circle"),
+    ("blue", (30, 60, 220), "square"),
+    ("green", (30, 180, 60), "triangle"),
+]
+TEMPLATES = ["a {c} {s} on a white background", "a {c} {s}", "one {c} {s} in the middle",
+             "the {s} is {c}", "a picture of a {c} {s}"]
+
+
+def shape_image(k: int, size: int = 96, jitter: int = 0) -> Image.Image:
+    _, rgb, shape = SHAPES[k % len(SHAPES)]
+    im = Image.new("RGB", (size, size), (255, 255, 255))
+    d = ImageDraw.Draw(im)
+    a, b = 20 + jitter, size - 20 + jitter
+    if shape == "circle":
+        d.ellipse([a, a, b, b], fill=rgb)
+    elif shape == "square":
+        d.rectangle([a, a, b, b], fill=rgb)
+    else:
+        d.polygon([(size // 2, a), (a, b), (b, b)], fill=rgb)
+    return im
+
+
+def write_flickr8k(root: Path, n_train: int = 9, n_dev: int = 3, n_test: int = 3) -> Path:
+    """A dataset in the original Flickr8k layout; image i shows shape i % 3."""
+    img_dir = root / "Flicker8k_Dataset"
+    img_dir.mkdir(parents=True)
+    lines, names = [], []
+    for i in range(n_train + n_dev + n_test):
+        name = f"img{i:03d}.jpg"
+        names.append(name)
+        shape_image(i, jitter=i % 4).save(img_dir / name, quality=95)
+        c, _, s = SHAPES[i % 3]
+        lines += [f"{name}#{j}\t{t.format(c=c, s=s)}" for j, t in enumerate(TEMPLATES)]
+    (root / "Flickr8k.token.txt").write_text("\n".join(lines) + "\n")
+    splits = {"train": names[:n_train], "dev": names[n_train:n_train + n_dev], "test": names[n_train + n_dev:]}
+    for split, ns in splits.items():
+        (root / f"Flickr_8k.{split}Images.txt").write_text("\n".join(ns) + "\n")
+    return root
+
+
+TINY_CONFIG = """
+[data]
+dataset = "{dataset}"
+min_count = 1
+
+[encoder]
+name = "efficientnet_lite0"
+weights = "random"
+
+[model]
+family = "sat"
+embed_dim = 16
+hidden_dim = 24
+attn_dim = 12
+dropout = 0.0
+
+[train]
+epochs = 3
+batch_size = 8
+lr = 1e-2
+precision = "fp32"
+val_beam = 2
+checkpoint_every = 0
+max_len = 12
+"""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    os.environ["CAPTIONKIT_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def flickr_dir(tmp_path_factory) -> Path:
+    return write_flickr8k(tmp_path_factory.mktemp("flickr"))
+
+
+@pytest.fixture(scope="session")
+def tiny_config(flickr_dir, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cfg") / "tiny.toml"
+    path.write_text(TINY_CONFIG.format(dataset=flickr_dir))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_config, tmp_path_factory) -> Path:
+    """A run folder with 'best' and 'last' checkpoints of a tiny model trained 3 epochs."""
+    from captionkit.train import train
+
+    out = tmp_path_factory.mktemp("run")
+    train(tiny_config, out=out, progress=False)
+    return out

@@ -1,0 +1,119 @@
+import json
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import shape_image
+from PIL import Image
+
+from captionkit.cli import main
+from captionkit.images import ImageError, load_rgb
+
+
+def _png_header_only(path: Path, w: int, h: int) -> None:
+    """A PNG that claims w x h pixels: enough for a decompression-bomb check, 60 bytes on disk."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
+
+
+@pytest.fixture(scope="module")
+def photo_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("photos")
+    base = shape_image(0, size=64)
+    base.save(d / "good.jpg")
+    base.convert("L").save(d / "gray.png")
+    base.convert("RGBA").save(d / "rgba.png")
+    base.convert("CMYK").save(d / "cmyk.jpg")
+    Image.fromarray((np.asarray(base.convert("L"), dtype=np.uint16) * 257)).save(d / "deep16.png")
+    Image.new("RGB", (1, 1)).save(d / "tiny.png")
+    (d / "empty.jpg").write_bytes(b"")
+    (d / "notes.jpg").write_text("this is not an image")
+    full = (d / "good.jpg").read_bytes()
+    (d / "truncated.jpg").write_bytes(full[: len(full) // 2])
+    _png_header_only(d / "bomb.png", 30000, 30000)
+    return d
+
+
+GOOD = ["cmyk.jpg", "deep16.png", "good.jpg", "gray.png", "rgba.png"]
+BAD = ["bomb.png", "empty.jpg", "notes.jpg", "tiny.png", "truncated.jpg"]
+
+
+@pytest.mark.parametrize("name", GOOD)
+def test_colour_modes_become_rgb(photo_dir, name):
+    im = load_rgb(photo_dir / name)
+    assert im.mode == "RGB" and im.size == (64, 64)
+
+
+@pytest.mark.parametrize("name,why", [("bomb.png", "decompression bomb"), ("empty.jpg", "empty file"),
+                                      ("notes.jpg", "cannot read image"), ("tiny.png", "too small"),
+                                      ("truncated.jpg", "cannot read image"), ("absent.jpg", "no such file")])
+def test_bad_images_get_one_line_naming_the_file(photo_dir, name, why):
+    with pytest.raises(ImageError) as e:
+        load_rgb(photo_dir / name)
+    msg = str(e.value)
+    assert msg.startswith(str(photo_dir / name)) and why in msg and "\n" not in msg
+
+
+def test_caption_cli_captions_the_good_and_reports_the_bad(tiny_run, photo_dir, tmp_path, capsys):
+    out_json, figs = tmp_path / "caps.json", tmp_path / "att"
+    rc = main(["caption", str(photo_dir), "--model", str(tiny_run / "best"), "--beam", "2",
+               "--json", str(out_json), "--attention", str(figs), "--batch-size", "3"])
+    out, err = capsys.readouterr()
+    assert rc == 1
+    printed = dict(line.split("\t") for line in out.strip().splitlines())
+    assert sorted(printed) == GOOD
+    assert all(printed.values())
+    assert json.loads(out_json.read_text()) == printed
+    assert sorted(p.name for p in figs.iterdir()) == [Path(n).stem + ".png" for n in GOOD]
+    err_lines = err.strip().splitlines()
+    for name in BAD:
+        assert sum(str(photo_dir / name) in l for l in err_lines) == 1
+    assert err_lines[-1] == f"{len(BAD)} of {len(BAD) + len(GOOD)} images could not be captioned"
+    assert "Traceback" not in err
+
+
+def test_attention_figure_is_a_real_png(tiny_run, photo_dir, tmp_path):
+    assert main(["caption", str(photo_dir / "good.jpg"), "--model", str(tiny_run / "best"),
+                 "--attention", str(tmp_path)]) == 0
+    im = Image.open(tmp_path / "good.png")
+    assert im.format == "PNG" and im.width > 200 and im.height > 150
+
+
+def test_cli_errors_are_one_line(tiny_run, tmp_path, capsys):
+    assert main(["caption", str(tmp_path), "--model", str(tiny_run / "best")]) == 2
+    assert "no image files found" in capsys.readouterr().err
+    assert main(["caption", str(tmp_path), "--model", str(tmp_path / "nope")]) == 2
+    bad_cfg = tmp_path / "x.toml"
+    bad_cfg.write_text("[data\n")
+    assert main(["train", "--config", str(bad_cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "x.toml: invalid TOML" in err and "Traceback" not in err
+
+
+def test_evaluate_and_score_end_to_end(tiny_run, flickr_dir, tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    assert main(["evaluate", "--model", str(tiny_run / "best"), "--dataset", str(flickr_dir),
+                 "--split", "test", "--beam", "2", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["split"] == "test" and doc["scale"] == "x100" and len(doc["captions"]) == 3
+    assert {"Bleu_1", "Bleu_4", "ROUGE_L", "CIDEr"} <= set(doc["scores"])
+    caps = tmp_path / "caps.json"
+    caps.write_text(json.dumps(doc["captions"]))
+    assert main(["score", "--captions", str(caps), "--dataset", str(flickr_dir), "--split", "test",
+                 "--json", str(tmp_path / "s.json")]) == 0
+    assert json.loads((tmp_path / "s.json").read_text()) == doc["scores"]
+    caps.write_text(json.dumps({**doc["captions"], "stray.jpg": "a cat"}))
+    assert main(["score", "--captions", str(caps), "--dataset", str(flickr_dir)]) == 2
+    assert "stray.jpg" in capsys.readouterr().err
+
+
+def test_console_script_runs(tiny_run, photo_dir):
+    r = subprocess.run([sys.executable, "-m", "captionkit.cli", "caption", str(photo_dir / "good.jpg"),
+                        "--model", str(tiny_run / "best")], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("good.jpg\t")

