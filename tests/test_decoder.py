@@ -77,7 +77,7 @@ def test_doubly_stochastic_penalty():
     targets = torch.tensor([[4, 2]])
     alphas = torch.tensor([[[0.5, 0.5, 0.0], [0.5, 0.5, 0.0]]])  # location sums 1, 1, 0
     total, ce = caption_loss(logits, targets, alphas, alpha_c=2.0)
-    assert float(total - ce) == pytest.approx(2.0 * 1.0)
+    assert float(total - ce) == pytest.approx(2.0 * (0 + 0 + 1) / 3)  # mean over locations
 
 
 def test_beam_one_equals_greedy_and_shapes():

@@ -37,7 +37,10 @@ class Captioner:
         self.config = config
         self.encoder = encoder
         self.grid = tuple(config["encoder"]["grid"])
-        self.max_len = int(config.get("decoding", {}).get("max_len", 20))
+        decoding = config.get("decoding", {})
+        self.max_len = int(decoding.get("max_len", 20))
+        # the length normalisation the model was tuned with on its dev split (0: none)
+        self.length_penalty = float(decoding.get("length_penalty", 0.0))
 
     @classmethod
     def load(cls, path: str | Path | None = None, with_encoder: bool = True,
@@ -67,15 +70,17 @@ class Captioner:
         return cls(decoder, vocab, cfg, encoder)
 
     @torch.no_grad()
-    def decode_features(self, feats: torch.Tensor, beam: int = 3, length_penalty: float = 0.0) -> list[Caption]:
-        """feats (B, L, D) -> one Caption per image."""
-        return decode(self.decoder, feats.float(), beam=beam, max_len=self.max_len, length_penalty=length_penalty)
+    def decode_features(self, feats: torch.Tensor, beam: int = 3,
+                        length_penalty: float | None = None) -> list[Caption]:
+        """feats (B, L, D) -> one Caption per image (length_penalty None: the model's own)."""
+        lp = self.length_penalty if length_penalty is None else length_penalty
+        return decode(self.decoder, feats.float(), beam=beam, max_len=self.max_len, length_penalty=lp)
 
     def result(self, cap: Caption) -> Result:
         return Result(self.vocab.decode(cap.ids), cap.attention, self.grid)
 
     def caption_files(self, paths: list[Path], beam: int = 3, batch_size: int = 16,
-                      length_penalty: float = 0.0) -> Iterator[tuple[Path, Result | ImageError]]:
+                      length_penalty: float | None = None) -> Iterator[tuple[Path, Result | ImageError]]:
         """Caption image files in order; a bad file yields its ImageError and the rest go on."""
         if self.encoder is None:
             raise RuntimeError("this Captioner was loaded without its encoder")

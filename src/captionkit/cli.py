@@ -37,7 +37,7 @@ def _read_json(path: str | Path, what: str):
 
 
 def cmd_caption(paths: list[str], model: str | None, beam: int, json_out: str | None,
-                attention: str | None, batch_size: int, length_penalty: float) -> int:
+                attention: str | None, batch_size: int, length_penalty: float | None) -> int:
     from .captioner import Captioner
     from .images import find_images, load_rgb
 
@@ -75,7 +75,7 @@ def _refs_for(dataset: str, images: str | None, split: str) -> dict[str, list[st
 
 
 def cmd_evaluate(model: str | None, dataset: str, images: str | None, split: str, beam: int,
-                 out: str | None, batch_size: int) -> int:
+                 out: str | None, batch_size: int, length_penalty: float | None) -> int:
     from .captioner import Captioner
     from .data import load_dataset
     from .evaluation import coco_scores, format_scores
@@ -83,7 +83,8 @@ def cmd_evaluate(model: str | None, dataset: str, images: str | None, split: str
     items = load_dataset(dataset, images).split(split)
     cap = Captioner.load(model)
     captions, failed = {}, []
-    for path, res in cap.caption_files([it.path for it in items], beam=beam, batch_size=batch_size):
+    for path, res in cap.caption_files([it.path for it in items], beam=beam, batch_size=batch_size,
+                                       length_penalty=length_penalty):
         if isinstance(res, ImageError):
             failed.append(str(res))
         else:
@@ -91,11 +92,12 @@ def cmd_evaluate(model: str | None, dataset: str, images: str | None, split: str
     if failed:
         raise UsageError(f"{len(failed)} {split} images could not be read, e.g. {failed[0]}")
     scores = coco_scores(captions, {it.name: it.raw for it in items})
-    print(f"{split} split, {len(items)} images, beam {beam}, coco-caption scorers, x100:")
+    lp = cap.length_penalty if length_penalty is None else length_penalty
+    print(f"{split} split, {len(items)} images, beam {beam}, length penalty {lp:g}, coco-caption scorers, x100:")
     print(format_scores(scores))
     if out:
         _write_json(out, {"model": str(model or "shipped default"), "dataset": dataset, "split": split,
-                          "beam": beam, "scale": "x100",
+                          "beam": beam, "length_penalty": lp, "scale": "x100",
                           "scores": {k: round(100 * v, 4) for k, v in scores.items()}, "captions": captions})
     return 0
 
@@ -168,8 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", dest="json_out", help="write {filename: caption} here")
     c.add_argument("--attention", metavar="DIR", help="write one attention figure per image here")
     c.add_argument("--batch-size", type=int, default=16)
-    c.add_argument("--length-penalty", type=float, default=0.0,
-                   help="rank beams by logprob / (words + 1) ** this (0: plain sum)")
+    c.add_argument("--length-penalty", type=float, default=None,
+                   help="rank beams by logprob / (words + 1) ** this (0: plain sum; default: the model's)")
 
     e = sub.add_parser("evaluate", help="caption a dataset split and score it (coco-caption scorers)")
     e.add_argument("--model")
@@ -179,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--beam", type=int, default=3)
     e.add_argument("--out", help="write scores and every caption to this JSON")
     e.add_argument("--batch-size", type=int, default=16)
+    e.add_argument("--length-penalty", type=float, default=None)
 
     s = sub.add_parser("score", help="score a {image: caption} JSON against references")
     s.add_argument("--captions", required=True)

@@ -136,15 +136,18 @@ def read_flickr8k(root: str | Path) -> CaptionDataset:
             continue
         captions[img].append(caption.strip())
     bad.summary()
-    items = _drop_missing("flickr8k", captions, folder)
+    return _flickr8k_splits(root, _drop_missing("flickr8k", captions, folder))
+
+
+def _flickr8k_splits(root: Path, items: dict[str, ImageItem]) -> CaptionDataset:
+    """Splits from the official Flickr_8k.{train,dev,test}Images.txt beside the captions,
+    or a seeded split when there are none."""
     lists = {}
     for split in ("train", "dev", "test"):
         f = root / f"Flickr_8k.{split}Images.txt"
         if f.is_file():
             lists[split] = [ln.strip() for ln in f.read_text().splitlines() if ln.strip()]
-    if not lists:
-        lists = _deterministic_splits(list(items))
-    return CaptionDataset("flickr8k", _assign_splits(items, lists))
+    return CaptionDataset("flickr8k", _assign_splits(items, lists or _deterministic_splits(list(items))))
 
 
 def read_kaggle_flickr(root: str | Path) -> CaptionDataset:
@@ -169,13 +172,7 @@ def read_kaggle_flickr(root: str | Path) -> CaptionDataset:
                 continue
             captions[row[0].strip()].append(",".join(row[1:]).strip())
     bad.summary()
-    items = _drop_missing("flickr8k (kaggle)", captions, folder)
-    lists = {}
-    for split in ("train", "dev", "test"):
-        f = root / f"Flickr_8k.{split}Images.txt"
-        if f.is_file():
-            lists[split] = [ln.strip() for ln in f.read_text().splitlines() if ln.strip()]
-    return CaptionDataset("flickr8k", _assign_splits(items, lists or _deterministic_splits(list(items))))
+    return _flickr8k_splits(root, _drop_missing("flickr8k (kaggle)", captions, folder))
 
 
 def _load_json(path: Path) -> dict:

@@ -43,14 +43,14 @@ def save_attention_figure(photo: Image.Image, words: list[str], attention: torch
     for ax in axes.flat:
         ax.axis("off")
     axes.flat[0].imshow(img)
-    axes.flat[0].set_title(" ".join(words)[:40] + ("..." if len(" ".join(words)) > 40 else ""), fontsize=8)
+    axes.flat[0].set_title("photo", fontsize=11)
     att = attention.float().numpy().reshape(len(words), *grid)  # (n, H, W)
     for i, word in enumerate(words):
         ax = axes.flat[i + 1]
-        ax.imshow(img)
-        ax.imshow(attention_overlay(att[i], photo.size), cmap="gray", alpha=0.6,
-                  extent=(0, img.shape[1], img.shape[0], 0))
+        weight = attention_overlay(att[i], photo.size)[..., None]  # (h, w, 1) in [0, 1]
+        ax.imshow((img * (0.15 + 0.85 * weight)).astype(np.uint8))  # dark where it did not look
         ax.set_title(word, fontsize=11)
+    fig.suptitle(" ".join(words), fontsize=12)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.png")

@@ -166,10 +166,15 @@ class SoftAttentionDecoder(nn.Module):
 def caption_loss(logits: torch.Tensor, targets: torch.Tensor, alphas: torch.Tensor,
                  alpha_c: float, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean word cross-entropy plus the doubly stochastic penalty
-    alpha_c * sum_i (1 - sum_t alpha_ti)^2 (averaged over the batch).
-    Returns (total loss, cross-entropy alone)."""
+    alpha_c * mean_i (1 - sum_t alpha_ti)^2, averaged over locations and the batch.
+
+    The paper adds lambda * sum_i (...)^2 to a sentence's summed log-likelihood; with the word
+    loss averaged over words, the penalty is averaged over the L locations too, so that
+    alpha_c = 1 stays a mild pull towards attending to every location over the sentence
+    rather than a force flattening every word's attention (with L = 81 and 12 words the
+    summed penalty would be ~60 against a word loss of ~2). Returns (total, cross-entropy)."""
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=pad)
     mask = (targets != pad).unsqueeze(2).to(alphas.dtype)  # (B, T, 1)
     attn_sum = (alphas * mask).sum(1)  # (B, L)
-    penalty = ((1.0 - attn_sum) ** 2).sum(1).mean()
+    penalty = ((1.0 - attn_sum) ** 2).mean()
     return ce + alpha_c * penalty, ce
