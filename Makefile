@@ -13,6 +13,11 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e '.[test]'
+	@# WordNet for nltk's METEOR (used only where Java is absent); optional, needs root and apt
+	-@if [ ! -f /usr/share/wordnet/data.noun ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get install -y -qq wordnet-base wordnet-sense-index >/dev/null 2>&1 || \
+		{ apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq wordnet-base wordnet-sense-index >/dev/null 2>&1; } || \
+		echo "note: WordNet not installed; nltk METEOR will be unavailable"; fi
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -24,6 +29,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/speed.py
+	$(BIN)/python benchmarks/scoring.py
 
 clean:
 	rm -rf demo-out .pytest_cache

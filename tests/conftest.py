@@ -74,6 +74,7 @@ precision = "fp32"
 val_beam = 2
 checkpoint_every = 0
 max_len = 12
+length_penalties = [0.0, 1.0]
 """
 
 

@@ -30,6 +30,9 @@ def test_training_run_writes_best_and_last_with_history(tiny_run):
     cfg = read_config(tiny_run / "best")
     assert cfg["state"]["epoch"] >= 1 and cfg["state"]["best_score"] is not None
     assert len(cfg["vocab"]) > 4 and cfg["encoder"]["grid"] == [7, 7]
+    search = cfg["length_penalty_search"]
+    assert set(search["scores"]) == {"0.0", "1.0"}
+    assert search["scores"][str(cfg["decoding"]["length_penalty"])] == max(search["scores"].values())
     last = read_config(tiny_run / "last")
     assert last["state"]["epoch"] == 3
     assert set(read_weights(tiny_run / "last", "optimizer.safetensors")) >= {"rng.torch"}
@@ -88,3 +91,14 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tiny_run, tmp_path, monkeyp
         save_checkpoint(tmp_path / "ck", w, {"family": "sat", "note": "second"})
     assert read_config(tmp_path / "ck")["note"] == "first"
     assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no temporary left behind
+
+
+def test_the_models_own_length_penalty_is_the_default(tiny_run, tmp_path):
+    from captionkit.decoding import beam_search
+    cfg = {k: v for k, v in read_config(tiny_run / "best").items() if k not in ("format", "version")}
+    cfg["decoding"] = dict(cfg["decoding"], length_penalty=1.0)
+    save_checkpoint(tmp_path / "lp", read_weights(tiny_run / "best"), cfg)
+    cap = Captioner.load(tmp_path / "lp", with_encoder=False)
+    feats = torch.randn(3, 49, 1280).abs()
+    want = beam_search(cap.decoder, feats, beam=3, max_len=cap.max_len, length_penalty=1.0)
+    assert [c.ids for c in cap.decode_features(feats, beam=3)] == [c.ids for c in want]

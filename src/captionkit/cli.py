@@ -75,10 +75,11 @@ def _refs_for(dataset: str, images: str | None, split: str) -> dict[str, list[st
 
 
 def cmd_evaluate(model: str | None, dataset: str, images: str | None, split: str, beam: int,
-                 out: str | None, batch_size: int, length_penalty: float | None) -> int:
+                 out: str | None, batch_size: int, length_penalty: float | None,
+                 tokenizer: str, meteor: str, no_brevity_penalty: bool) -> int:
     from .captioner import Captioner
     from .data import load_dataset
-    from .evaluation import coco_scores, format_scores
+    from .evaluation import score_captions
 
     items = load_dataset(dataset, images).split(split)
     cap = Captioner.load(model)
@@ -91,38 +92,112 @@ def cmd_evaluate(model: str | None, dataset: str, images: str | None, split: str
             captions[path.name] = res.text
     if failed:
         raise UsageError(f"{len(failed)} {split} images could not be read, e.g. {failed[0]}")
-    scores = coco_scores(captions, {it.name: it.raw for it in items})
+    rep = score_captions(captions, {it.name: it.raw for it in items},
+                         **_score_opts(tokenizer, meteor, no_brevity_penalty))
     lp = cap.length_penalty if length_penalty is None else length_penalty
-    print(f"{split} split, {len(items)} images, beam {beam}, length penalty {lp:g}, coco-caption scorers, x100:")
-    print(format_scores(scores))
+    print(f"{split} split, {len(items)} images, beam {beam}, length penalty {lp:g}")
+    _print_report(rep)
     if out:
         _write_json(out, {"model": str(model or "shipped default"), "dataset": dataset, "split": split,
                           "beam": beam, "length_penalty": lp, "scale": "x100",
-                          "scores": {k: round(100 * v, 4) for k, v in scores.items()}, "captions": captions})
+                          "scores": {k: round(100 * v, 4) for k, v in rep.scores.items()},
+                          "implementation": rep.implementation, "tokenizer": rep.tokenizer,
+                          "captions": captions})
     return 0
 
 
-def cmd_score(captions: str, refs: str | None, dataset: str | None, images: str | None, split: str,
-              out: str | None) -> int:
-    from .evaluation import coco_scores, format_scores
+def _print_report(rep, ci: dict | None = None) -> None:
+    print(f"tokenisation: {rep.tokenizer}; scores x100")
+    for k, v in rep.scores.items():
+        interval = f"  [{100 * ci[k][0]:.2f}, {100 * ci[k][1]:.2f}] 95% CI" if ci and k in ci else ""
+        print(f"  {k:8s} {100 * v:6.2f}{interval}   {rep.implementation[k]}")
 
-    cand = _read_json(captions, "captions")
+
+def _score_opts(tokenizer: str, meteor: str, no_brevity_penalty: bool) -> dict:
+    return {"tokenizer": tokenizer, "meteor": meteor, "brevity_penalty": not no_brevity_penalty}
+
+
+def cmd_score(captions: str | None, refs: str | None, dataset: str | None, images: str | None, split: str,
+              out: str | None, per_image: str | None, bootstrap: int, compare: list[str] | None,
+              tokenizer: str, meteor: str, no_brevity_penalty: bool, seed: int) -> int:
+    from .evaluation import bootstrap as run_bootstrap
+    from .evaluation import paired_bootstrap, score_captions
+
     if refs:
         ref = _read_json(refs, "references")
     elif dataset:
         ref = _refs_for(dataset, images, split)
     else:
         raise UsageError("give the references: --refs R.json or --dataset D --split S")
+    opts = _score_opts(tokenizer, meteor, no_brevity_penalty)
+    if compare:
+        if captions:
+            raise UsageError("give either --captions or --compare A.json B.json")
+        reps = []
+        for path in compare:
+            cand = _read_json(path, "captions")
+            _check_same_images(cand, ref, path)
+            reps.append(score_captions(cand, ref, **opts))
+        rounds = bootstrap or 1000
+        result = paired_bootstrap(reps[0], reps[1], rounds=rounds, seed=seed)
+        print(f"A = {compare[0]}, B = {compare[1]}: {len(ref)} images, paired bootstrap, {rounds} resamples; x100")
+        for k, r in result.items():
+            verdict = ("A beats B" if r["p_A_not_better"] < 0.05 else
+                       "B beats A" if r["p_B_not_better"] < 0.05 else "no significant difference")
+            p = min(r["p_A_not_better"], r["p_B_not_better"])
+            print(f"  {k:8s} A {100 * r['A']:6.2f}  B {100 * r['B']:6.2f}  delta {100 * r['delta']:+6.2f}  "
+                  f"p = {p:.4f}  {verdict}")
+        if out:
+            _write_json(out, {k: {**{x: round(100 * r[x], 4) for x in ("A", "B", "delta")},
+                                  "p_A_not_better": r["p_A_not_better"], "p_B_not_better": r["p_B_not_better"]}
+                              for k, r in result.items()})
+        return 0
+    if not captions:
+        raise UsageError("give --captions C.json (or --compare A.json B.json)")
+    cand = _read_json(captions, "captions")
+    _check_same_images(cand, ref, captions)
+    rep = score_captions(cand, ref, **opts)
+    ci = run_bootstrap(rep, rounds=bootstrap, seed=seed) if bootstrap else None
+    print(f"{len(cand)} images" + (f", bootstrap {bootstrap} resamples" if bootstrap else ""))
+    _print_report(rep, ci)
+    if out:
+        doc = {k: round(100 * v, 4) for k, v in rep.scores.items()}
+        if ci:
+            doc["ci95"] = {k: [round(100 * lo, 4), round(100 * hi, 4)] for k, (lo, hi) in ci.items()}
+        doc["implementation"] = rep.implementation
+        doc["tokenizer"] = rep.tokenizer
+        _write_json(out, doc)
+    if per_image:
+        _write_per_image(per_image, rep, cand)
+    return 0
+
+
+def _check_same_images(cand: dict, ref: dict, where: str) -> None:
     only_c, only_r = sorted(set(cand) - set(ref)), sorted(set(ref) - set(cand))
     if only_c or only_r:
-        raise UsageError(f"captions and references differ: {len(only_c)} images only in {captions} "
+        raise UsageError(f"captions and references differ: {len(only_c)} images only in {where} "
                          f"(e.g. {only_c[:3]}), {len(only_r)} only in the references (e.g. {only_r[:3]})")
-    scores = coco_scores(cand, ref)
-    print(f"{len(cand)} images, coco-caption scorers, x100:")
-    print(format_scores(scores))
-    if out:
-        _write_json(out, {k: round(100 * v, 4) for k, v in scores.items()})
-    return 0
+
+
+def _write_per_image(path: str, rep, cand: dict) -> None:
+    import csv
+    import io
+
+    from .metrics import bleu_from_sums
+    cols = {}
+    if rep.bleu is not None:
+        b = bleu_from_sums(rep.bleu.testlen, rep.bleu.reflen, rep.bleu.correct, rep.bleu.guess,
+                           brevity_penalty=rep.bleu_brevity_penalty)
+        cols["Bleu_4"] = [row[3] for row in b]
+    cols.update({k: v.tolist() for k, v in rep.per_image.items()})
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["image", "caption", *cols])
+    for i, img in enumerate(rep.images):
+        w.writerow([img, cand[img], *(f"{100 * cols[c][i]:.4f}" for c in cols)])
+    tmp = Path(path).with_name(f".{Path(path).name}.{os.getpid()}.tmp")
+    tmp.write_text(buf.getvalue())
+    os.replace(tmp, path)
 
 
 def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool) -> int:
@@ -159,6 +234,15 @@ def cmd_pack(checkpoint: str, out: str, fp16: bool) -> int:
     return 0
 
 
+def _add_score_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", choices=("auto", "java", "python"), default="auto",
+                   help="PTB tokenisation by the Java jar or the Python re-implementation (auto: Java if present)")
+    p.add_argument("--meteor", choices=("auto", "jar", "nltk", "none"), default="auto",
+                   help="METEOR 1.5 jar (Java) or nltk's approximation (auto: the jar if Java is present)")
+    p.add_argument("--no-brevity-penalty", action="store_true",
+                   help="BLEU without the brevity penalty, as the Show, Attend and Tell paper reports")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="captionkit", description="Image captioning: caption, train, evaluate.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -182,14 +266,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", help="write scores and every caption to this JSON")
     e.add_argument("--batch-size", type=int, default=16)
     e.add_argument("--length-penalty", type=float, default=None)
+    _add_score_opts(e)
 
     s = sub.add_parser("score", help="score a {image: caption} JSON against references")
-    s.add_argument("--captions", required=True)
+    s.add_argument("--captions", help="{image: caption} JSON")
     s.add_argument("--refs", help="{image: [reference, ...]} JSON")
     s.add_argument("--dataset", help="take the references from this dataset instead")
     s.add_argument("--images")
     s.add_argument("--split", default="test")
     s.add_argument("--json", dest="out", help="write the scores (x100) here")
+    s.add_argument("--per-image", help="write every image's caption and scores to this CSV")
+    s.add_argument("--bootstrap", type=int, default=0, metavar="N", help="95%% intervals from N resamples")
+    s.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
+                   help="paired bootstrap test: does system A beat system B?")
+    s.add_argument("--seed", type=int, default=0)
+    _add_score_opts(s)
 
     t = sub.add_parser("train", help="train a decoder from a TOML config")
     t.add_argument("--config", required=True)

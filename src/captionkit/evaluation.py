@@ -1,91 +1,224 @@
-"""Scoring captions with the coco-caption scorers (the ``pycocoevalcap`` package).
+"""Scoring captions the coco-caption way, with confidence intervals and paired comparisons.
 
-One function, :func:`coco_scores`, used by ``captionkit evaluate``, ``captionkit score`` and
-the trainer's validation, so training-time and reported scores are computed the same way.
-Scores are returned unscaled (0..1, CIDEr 0..10); :func:`format_scores` prints them x100.
+One entry point, :func:`score_captions`, used by ``captionkit evaluate``, ``captionkit score``
+and the trainer's validation, so training-time and reported scores can never disagree.
+
+- Tokenisation: coco-caption's PTB tokenisation, through the Java jar when Java is present or
+  the Python re-implementation otherwise (:mod:`captionkit.tokenize`).
+- BLEU-1..4, ROUGE-L, CIDEr-D: :mod:`captionkit.metrics`, equal to pycocoevalcap's to 1e-6.
+- METEOR: the METEOR 1.5 jar shipped by pycocoevalcap (Java), or nltk's METEOR with WordNet,
+  labelled as the approximation it is.
+- SPICE: run when its jars and models are present; otherwise one line says what is missing.
+Scores are unscaled (0..1, CIDEr 0..10); :func:`format_scores` prints them x100.
 """
 
 from __future__ import annotations
 
-import shutil
 import sys
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable
 
-METRICS = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr")
+import numpy as np
+
+from . import metrics as M
+from .tokenize import java_available, tokenize
+
+METRICS = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr", "SPICE")
+DEFAULT_METRICS = ("bleu", "meteor", "rouge", "cider")
 
 
-def have_java() -> bool:
-    return shutil.which("java") is not None
+@dataclass
+class Report:
+    """Corpus scores with what computed them, and what bootstrap needs."""
+
+    scores: dict[str, float]
+    implementation: dict[str, str]
+    tokenizer: str
+    images: list[str]
+    per_image: dict[str, np.ndarray] = field(default_factory=dict)  # ROUGE_L, CIDEr, METEOR, BLEU sentence
+    bleu: M.BleuStats | None = None
+    bleu_brevity_penalty: bool = True
+
+    def resampled(self, weights: np.ndarray) -> dict[str, np.ndarray]:
+        """Corpus scores under image weights (R, N) -> {metric: (R,)}."""
+        out: dict[str, np.ndarray] = {}
+        if self.bleu is not None:
+            b = np.asarray(self.bleu.corpus(weights, self.bleu_brevity_penalty))  # (R, 4)
+            for k in range(b.shape[1]):
+                out[f"Bleu_{k + 1}"] = b[:, k]
+        for name, vals in self.per_image.items():
+            if name in self.scores:
+                out[name] = weights @ vals / weights.sum(1)
+        return out
 
 
-def ptb_tokenize(captions: dict[str, list[dict]]) -> dict[str, list[str]]:
-    """coco-caption's tokenisation: Stanford PTBTokenizer (the jar pycocoevalcap ships), lower
-    case, then its punctuation list removed. Same as pycocoevalcap's PTBTokenizer, but quiet and
-    without writing a temporary file into site-packages."""
-    import subprocess
-    from pathlib import Path
+def _wordnet():
+    """nltk's WordNet: the user's nltk data if present, else Debian's wordnet-base files (in a
+    folder of links under the captionkit cache, with the lexnames table Debian leaves out)."""
+    import nltk
+    from nltk.corpus.reader.wordnet import WordNetCorpusReader
 
-    from pycocoevalcap.tokenizer import ptbtokenizer as ptb
+    from .features import default_cache_root
+    try:
+        from nltk.corpus import wordnet
+        wordnet.ensure_loaded()
+        return wordnet
+    except LookupError:
+        pass
+    debian = Path("/usr/share/wordnet")
+    if not (debian / "data.noun").is_file():
+        raise ValueError("nltk METEOR needs WordNet: install nltk's wordnet data or Debian's "
+                         "wordnet-base and wordnet-sense-index")
+    root = default_cache_root() / "wordnet"
+    if not (root / "lexnames").is_file():  # copied once: nltk refuses links out of its root
+        import shutil
+        root.mkdir(parents=True, exist_ok=True)
+        for f in debian.iterdir():
+            if f.is_file():
+                shutil.copyfile(f, root / f.name)
+        (root / "lexnames").write_text("".join(f"{i:02d}\t{n}\t{p}\n" for i, (n, p) in enumerate(_LEXNAMES)))
+    if str(root) not in nltk.data.path:  # nltk only opens files under its data paths
+        nltk.data.path.append(str(root))
+    class LocalWordNet(WordNetCorpusReader):
+        def map_wn(self, version="wordnet"):
+            return None  # no mapping to nltk's own WordNet copy, which is not there
 
-    keys = [k for k, v in captions.items() for _ in v]
-    text = "\n".join(c["caption"].replace("\n", " ") for v in captions.values() for c in v)
-    jar = Path(ptb.__file__).with_name(ptb.STANFORD_CORENLP_3_4_1_JAR)
-    cmd = ["java", "-cp", str(jar), "edu.stanford.nlp.process.PTBTokenizer", "-preserveLines", "-lowerCase"]
-    out = subprocess.run(cmd, input=(text + "\n").encode(), capture_output=True, check=True).stdout.decode()
-    lines = out.split("\n")
-    if len(lines) < len(keys):
-        raise RuntimeError(f"PTBTokenizer returned {len(lines)} lines for {len(keys)} captions")
-    result: dict[str, list[str]] = {}
-    for k, line in zip(keys, lines):
-        result.setdefault(k, []).append(" ".join(w for w in line.rstrip().split(" ") if w not in ptb.PUNCTUATIONS))
-    return result
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "multilingual functions are not available": not needed
+        return LocalWordNet(str(root), None)
 
 
-def _simple_tokenize(texts: dict[str, list[str]]) -> dict[str, list[str]]:
-    from .data import normalize
-    return {k: [" ".join(normalize(t)) for t in v] for k, v in texts.items()}
+_LEXNAMES = [("adj.all", 3), ("adj.pert", 3), ("adv.all", 4)] + \
+    [(f"noun.{n}", 1) for n in ("Tops act animal artifact attribute body cognition communication event "
+                               "feeling food group location motive object person phenomenon plant "
+                               "possession process quantity relation shape state substance time").split()] + \
+    [(f"verb.{n}", 2) for n in ("body change cognition communication competition consumption contact "
+                               "creation emotion motion perception possession social stative weather").split()] + \
+    [("adj.ppl", 3)]
+
+
+def meteor_nltk(res: dict[str, str], gts: dict[str, list[str]]) -> tuple[float, np.ndarray]:
+    from nltk.translate.meteor_score import meteor_score
+    wn = _wordnet()
+    per = np.array([meteor_score([r.split() for r in gts[k]], res[k].split(), wordnet=wn) for k in gts])
+    return float(per.mean()), per
+
+
+def meteor_jar(res: dict[str, str], gts: dict[str, list[str]]) -> tuple[float, np.ndarray]:
+    from pycocoevalcap.meteor.meteor import Meteor
+    meteor = Meteor()  # a Java subprocess, stopped when the object is collected
+    score, per = meteor.compute_score(gts, {k: [v] for k, v in res.items()})
+    del meteor
+    return float(score), np.asarray(per, dtype=np.float64)
+
+
+def _spice(res, gts, quiet: bool) -> tuple[float, np.ndarray] | None:
+    from pycocoevalcap.spice import spice as spice_mod
+    lib = Path(spice_mod.__file__).parent / "lib"
+    needed = ["stanford-corenlp-3.6.0.jar", "stanford-corenlp-3.6.0-models.jar"]
+    missing = [n for n in needed if not (lib / n).is_file()]
+    if not java_available() or missing:
+        if not quiet:
+            why = "Java is not installed" if not java_available() else f"{', '.join(missing)} not in {lib}"
+            print(f"SPICE skipped: {why} (its set-up downloads Stanford CoreNLP)", file=sys.stderr)
+        return None
+    score, per = spice_mod.Spice().compute_score(gts, {k: [v] for k, v in res.items()})
+    return float(score), np.array([p["All"]["f"] for p in per], dtype=np.float64)
+
+
+def score_captions(captions: dict[str, str], refs: dict[str, list[str]],
+                   metrics: Iterable[str] = DEFAULT_METRICS, tokenizer: str = "auto", meteor: str = "auto",
+                   brevity_penalty: bool = True, quiet: bool = False) -> Report:
+    """Corpus scores of ``captions`` ({image: caption}) against ``refs`` ({image: [refs]}).
+
+    metrics: any of bleu, meteor, rouge, cider, spice. tokenizer: java, python or auto.
+    meteor: jar (METEOR 1.5, Java), nltk (approximation), or auto (the jar when Java is there).
+    brevity_penalty: False gives BLEU without it, as the Show, Attend and Tell paper reports.
+    """
+    only_c, only_r = sorted(set(captions) - set(refs)), sorted(set(refs) - set(captions))
+    if only_c or only_r:
+        raise ValueError(f"captions and references cover different images: {len(only_c)} only in the "
+                         f"captions (e.g. {only_c[:3]}), {len(only_r)} only in the references (e.g. {only_r[:3]})")
+    wanted = set(metrics)
+    unknown = wanted - {"bleu", "meteor", "rouge", "cider", "spice"}
+    if unknown:
+        raise ValueError(f"unknown metric(s): {', '.join(sorted(unknown))}")
+    keys = list(refs)
+    both = {**{("r", k): refs[k] for k in keys}, **{("c", k): [captions[k]] for k in keys}}
+    toks, tok_name = tokenize(both, tokenizer)
+    gts = {k: toks[("r", k)] for k in keys}
+    res = {k: toks[("c", k)][0] for k in keys}
+    tok_label = "PTB tokenizer (Java jar)" if tok_name == "java" else "PTB tokenizer (Python re-implementation)"
+    rep = Report({}, {}, tok_label, keys, bleu_brevity_penalty=brevity_penalty)
+    corpus = M.Corpus.build(res, gts)
+    if "bleu" in wanted:
+        rep.bleu = M.bleu_stats(corpus)
+        for i, s in enumerate(rep.bleu.corpus(brevity_penalty=brevity_penalty)):
+            rep.scores[f"Bleu_{i + 1}"] = float(s)
+            rep.implementation[f"Bleu_{i + 1}"] = "captionkit (= coco-caption BLEU, closest ref length" + \
+                ("" if brevity_penalty else ", no brevity penalty") + ")"
+    if "meteor" in wanted:
+        kind = meteor if meteor != "auto" else ("jar" if java_available() else "nltk")
+        if kind == "jar" and not java_available():
+            raise ValueError("METEOR 1.5 needs Java (apt-get install default-jre), or use --meteor nltk")
+        if kind not in ("jar", "nltk", "none"):
+            raise ValueError(f"unknown METEOR implementation {meteor!r} (jar, nltk, none or auto)")
+        if kind != "none":
+            score, per = meteor_jar(res, gts) if kind == "jar" else meteor_nltk(res, gts)
+            rep.scores["METEOR"], rep.per_image["METEOR"] = score, per
+            rep.implementation["METEOR"] = ("METEOR 1.5 jar (coco-caption)" if kind == "jar" else
+                                            "nltk METEOR with WordNet: an approximation, not coco-caption's")
+    if "rouge" in wanted:
+        per = M.rouge_l_scores(res, gts)
+        rep.scores["ROUGE_L"], rep.per_image["ROUGE_L"] = float(per.mean()), per
+        rep.implementation["ROUGE_L"] = "captionkit (= coco-caption ROUGE-L, beta 1.2)"
+    if "cider" in wanted:
+        per = M.cider_d_scores(corpus)
+        rep.scores["CIDEr"], rep.per_image["CIDEr"] = float(per.mean()), per
+        rep.implementation["CIDEr"] = "captionkit (= coco-caption CIDEr-D, sigma 6, x10)"
+    if "spice" in wanted:
+        got = _spice(res, gts, quiet)
+        if got is not None:
+            rep.scores["SPICE"], rep.per_image["SPICE"] = got
+            rep.implementation["SPICE"] = "SPICE 1.0 jar (coco-caption)"
+    rep.scores = {k: rep.scores[k] for k in METRICS if k in rep.scores}
+    return rep
 
 
 def coco_scores(captions: dict[str, str], refs: dict[str, list[str]],
-                metrics: Iterable[str] = ("bleu", "meteor", "rouge", "cider"),
-                quiet: bool = False) -> dict[str, float]:
-    """Corpus scores of ``captions`` ({image: caption}) against ``refs`` ({image: [refs]}).
+                metrics: Iterable[str] = DEFAULT_METRICS, quiet: bool = False) -> dict[str, float]:
+    """Just the corpus scores (see :func:`score_captions`)."""
+    return score_captions(captions, refs, metrics=metrics, quiet=quiet).scores
 
-    Tokenisation is coco-caption's PTB tokenizer (Java). Without Java, captions are
-    tokenised by lower-casing and dropping punctuation, and METEOR is left out with a message.
-    """
-    missing = sorted(set(refs) ^ set(captions))
-    if missing:
-        raise ValueError(f"captions and references cover different images, e.g. {missing[:3]}")
-    metrics = set(metrics)
-    gts = {k: [{"caption": r} for r in refs[k]] for k in refs}
-    res = {k: [{"caption": captions[k]}] for k in refs}
-    if have_java():
-        gts, res = ptb_tokenize(gts), ptb_tokenize(res)
-    else:
-        gts = _simple_tokenize({k: [c["caption"] for c in v] for k, v in gts.items()})
-        res = _simple_tokenize({k: [c["caption"] for c in v] for k, v in res.items()})
-        if "meteor" in metrics and not quiet:
-            print("METEOR skipped: the METEOR 1.5 scorer needs Java (apt-get install default-jre)",
-                  file=sys.stderr)
-        metrics.discard("meteor")
-    out: dict[str, float] = {}
-    if "bleu" in metrics:
-        from pycocoevalcap.bleu.bleu import Bleu
-        score, _ = Bleu(4).compute_score(gts, res, verbose=0)
-        out.update({f"Bleu_{i + 1}": float(s) for i, s in enumerate(score)})
-    if "meteor" in metrics:
-        from pycocoevalcap.meteor.meteor import Meteor
-        meteor = Meteor()  # a Java subprocess, stopped when the object is collected
-        out["METEOR"] = float(meteor.compute_score(gts, res)[0])
-        del meteor
-    if "rouge" in metrics:
-        from pycocoevalcap.rouge.rouge import Rouge
-        out["ROUGE_L"] = float(Rouge().compute_score(gts, res)[0])
-    if "cider" in metrics:
-        from pycocoevalcap.cider.cider import Cider
-        out["CIDEr"] = float(Cider().compute_score(gts, res)[0])
-    return {k: out[k] for k in METRICS if k in out}
+
+def _weights(n: int, rounds: int, seed: int) -> np.ndarray:
+    """(rounds, n) bootstrap counts: each row draws n images with replacement."""
+    return np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=rounds).astype(np.float64)
+
+
+def bootstrap(report: Report, rounds: int = 1000, seed: int = 0, level: float = 0.95) -> dict[str, tuple[float, float]]:
+    """Percentile confidence intervals over images for every metric of ``report``."""
+    samples = report.resampled(_weights(len(report.images), rounds, seed))
+    lo, hi = (1 - level) / 2, 1 - (1 - level) / 2
+    return {k: (float(np.quantile(v, lo)), float(np.quantile(v, hi))) for k, v in samples.items()}
+
+
+def paired_bootstrap(a: Report, b: Report, rounds: int = 1000, seed: int = 0) -> dict[str, dict]:
+    """Does system A beat system B? For each metric: both systems are rescored on the same
+    resampled image sets; p is the share of resamples where A does not beat B."""
+    if a.images != b.images:
+        raise ValueError("the two systems were scored on different images")
+    w = _weights(len(a.images), rounds, seed)
+    sa, sb = a.resampled(w), b.resampled(w)
+    out = {}
+    for k in sa:
+        if k in sb:
+            delta = sa[k] - sb[k]
+            out[k] = {"A": a.scores[k], "B": b.scores[k], "delta": a.scores[k] - b.scores[k],
+                      "p_A_not_better": float(np.mean(delta <= 0)), "p_B_not_better": float(np.mean(delta >= 0))}
+    return out
 
 
 def format_scores(scores: dict[str, float]) -> str:

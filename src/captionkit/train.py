@@ -62,7 +62,9 @@ class TrainConfig:
     alpha_c: weight of the doubly stochastic attention penalty.
     val_metric: the dev score that selects the best checkpoint (a coco-caption metric name).
     patience: epochs without improvement before stopping; lr_patience: before lr *= lr_decay.
-    checkpoint_every: also save the resumable checkpoint every N steps."""
+    checkpoint_every: also save the resumable checkpoint every N steps.
+    length_penalties: after training, the best checkpoint's beam-search length normalisation
+        is chosen among these on the dev split (by val_metric) and saved in its config."""
 
     epochs: int = 20
     batch_size: int = 32
@@ -81,6 +83,7 @@ class TrainConfig:
     lr_decay: float = 0.5
     max_len: int = 20
     checkpoint_every: int = 1000
+    length_penalties: list[float] = field(default_factory=lambda: [0.0])
 
     def __post_init__(self):
         if self.optimizer not in ("adam", "rmsprop"):
@@ -228,13 +231,14 @@ class Trainer:
         restore_optimizer(self.opt, optim, cfg["optimizer_groups"])
         self.state = cfg["state"]
 
-    def validate(self) -> dict[str, float]:
+    def validate(self, length_penalty: float = 0.0) -> dict[str, float]:
         tc = self.cfg.train
         cap = Captioner(self.model, self.vocab, self.checkpoint_config())
         captions = {}
         for i in range(0, len(self.val_items), 100):
             feats = self.val_feats[i:i + 100].float()
-            for it, c in zip(self.val_items[i:i + 100], cap.decode_features(feats, beam=tc.val_beam)):
+            for it, c in zip(self.val_items[i:i + 100],
+                             cap.decode_features(feats, beam=tc.val_beam, length_penalty=length_penalty)):
                 captions[it.name] = " ".join(self.vocab.decode(c.ids))
         refs = {it.name: it.raw for it in self.val_items}
         return coco_scores(captions, refs, metrics=("bleu", "cider"), quiet=True)
@@ -309,7 +313,24 @@ class Trainer:
             if st["bad_epochs"] >= tc.patience:
                 print(f"early stop: no {tc.val_metric} gain for {tc.patience} epochs", file=sys.stderr)
                 break
+        self.tune_length_penalty()
         return st
+
+    def tune_length_penalty(self) -> None:
+        """Pick the best checkpoint's length normalisation on the dev split and save it there."""
+        tc = self.cfg.train
+        best = self.out / "best"
+        cfg = read_config(best)
+        load_into(self.model, read_weights(best), best)
+        self.model.eval()
+        tried = {lp: self.validate(lp)[tc.val_metric] for lp in tc.length_penalties}
+        choice = max(tried, key=lambda lp: (tried[lp], -abs(lp)))
+        cfg["decoding"] = dict(cfg["decoding"], length_penalty=choice)
+        cfg["length_penalty_search"] = {"metric": tc.val_metric, "split": self.cfg.data.val_split,
+                                        "beam": tc.val_beam, "scores": {str(k): v for k, v in tried.items()}}
+        save_checkpoint(best, read_weights(best), {k: v for k, v in cfg.items() if k not in ("format", "version")})
+        print(f"length penalty {choice:g} chosen on {self.cfg.data.val_split} "
+              f"({', '.join(f'{k:g}: {100 * v:.2f}' for k, v in tried.items())} {tc.val_metric})", file=sys.stderr)
 
 
 def train(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,

@@ -19,7 +19,7 @@ output layer. The loop only runs what needs h_{t-1}: one fused matmul of h_{t-1}
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,7 @@ class SATConfig:
     embed_dim: m, the word embedding size.
     hidden_dim: n, the LSTM size.
     attn_dim: the attention MLP's hidden size.
-    dropout: dropout on the deep output layer's input and on h_0 / c_0's MLP input.
+    dropout: dropout on the deep output layer's input.
     gate: use the gating scalar beta (paper section 4.2.1).
     """
 
@@ -58,9 +58,6 @@ class SATConfig:
             raise ValueError("SATConfig.vocab_size must include the 4 special tokens and a word")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"SATConfig.dropout must be in [0, 1), got {self.dropout}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class Memory:

@@ -1,0 +1,158 @@
+"""captionkit's scorers against pycocoevalcap's: equal to 1e-6 on Flickr8k caption sets (when
+../shared is there) and on randomly generated captions, with Java and Python tokenisation."""
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from captionkit import metrics as M
+from captionkit.evaluation import bootstrap, paired_bootstrap, score_captions
+from captionkit.tokenize import java_available, tokenize_java, tokenize_python
+
+FLICKR8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "flickr8k"
+MODEL_CAPTIONS = Path(__file__).parent / "data" / "flickr8k_test_shipped_model.json"
+needs_java = pytest.mark.skipif(not java_available(), reason="Java not installed: the coco-caption jars cannot run")
+needs_flickr = pytest.mark.skipif(not (FLICKR8K / "Flickr8k.token.txt").is_file(),
+                                  reason=f"Flickr8k not found at {FLICKR8K}")
+
+
+def reference_scores(gts: dict, res: dict) -> dict:
+    """pycocoevalcap on already tokenised text."""
+    from pycocoevalcap.bleu.bleu import Bleu
+    from pycocoevalcap.cider.cider import Cider
+    from pycocoevalcap.rouge.rouge import Rouge
+    res = {k: [v] for k, v in res.items()}
+    b, _ = Bleu(4).compute_score(gts, res, verbose=0)
+    return {**{f"Bleu_{i + 1}": s for i, s in enumerate(b)},
+            "ROUGE_L": Rouge().compute_score(gts, res)[0], "CIDEr": Cider().compute_score(gts, res)[0]}
+
+
+def ours(gts: dict, res: dict) -> dict:
+    b = M.bleu_stats(res, gts).corpus()
+    return {**{f"Bleu_{i + 1}": s for i, s in enumerate(b)},
+            "ROUGE_L": M.rouge_l_scores(res, gts).mean(), "CIDEr": M.cider_d_scores(res, gts).mean()}
+
+
+def assert_parity(cands: dict, refs: dict, tokenizers=("java", "python")) -> None:
+    both = {**{("r", k): v for k, v in refs.items()}, **{("c", k): [v] for k, v in cands.items()}}
+    for name in tokenizers:
+        toks = tokenize_java(both) if name == "java" else tokenize_python(both)
+        gts = {k: toks[("r", k)] for k in refs}
+        res = {k: toks[("c", k)][0] for k in refs}
+        want, got = reference_scores(gts, res), ours(gts, res)
+        for k in want:
+            assert got[k] == pytest.approx(want[k], abs=1e-6), (name, k)
+
+
+def random_captions(n: int, seed: int) -> tuple[dict, dict]:
+    rng = random.Random(seed)
+    words = ("a the dog dogs man woman girl boy runs jumps on in grass red blue ball two people water "
+             "snow bike t-shirt it's man's don't").split()
+    punct = ["", "", "", ".", ",", "!", " .", " ,", "'s"]
+
+    def sent():
+        return " ".join(rng.choice(words) + rng.choice(punct) for _ in range(rng.randint(1, 15)))
+    refs = {f"img{i}": [sent() for _ in range(rng.randint(1, 5))] for i in range(n)}
+    cands = {k: sent() if rng.random() > 0.05 else "" for k in refs}
+    return cands, refs
+
+
+def test_random_captions_parity_python_tokens():
+    cands, refs = random_captions(300, seed=0)
+    assert_parity(cands, refs, tokenizers=("python",))
+
+
+@needs_java
+def test_random_captions_parity_and_tokenizers_agree():
+    cands, refs = random_captions(300, seed=1)
+    assert_parity(cands, refs)
+    both = {**{("r", k): v for k, v in refs.items()}, **{("c", k): [v] for k, v in cands.items()}}
+    assert tokenize_python(both) == tokenize_java(both)
+
+
+def _flickr_sets():
+    from captionkit.data import load_dataset
+    items = load_dataset(FLICKR8K).split("test")
+    rest = {it.name: it.raw[1:] for it in items}
+    first = {it.name: it.raw[0] for it in items}
+    names = sorted(first)
+    shuffled = dict(zip(names, [first[n] for n in random.Random(0).sample(names, len(names))]))
+    sets = {"first reference vs the other four": (first, rest),
+            "shuffled assignment": (shuffled, {it.name: it.raw for it in items})}
+    if MODEL_CAPTIONS.is_file():
+        sets["shipped model, beam 3"] = (json.loads(MODEL_CAPTIONS.read_text()), {it.name: it.raw for it in items})
+    return sets
+
+
+@needs_java
+@needs_flickr
+def test_flickr8k_test_split_parity_java_and_python_tokens():
+    sets = _flickr_sets()
+    assert len(sets) == 3, "tests/data/flickr8k_test_shipped_model.json is missing"
+    for name, (cands, refs) in sets.items():
+        assert_parity(cands, refs)
+        both = {**{("r", k): v for k, v in refs.items()}, **{("c", k): [v] for k, v in cands.items()}}
+        assert tokenize_python(both) == tokenize_java(both), name
+
+
+@needs_java
+@needs_flickr
+def test_meteor_jar_equals_pycocoevalcap():
+    from pycocoevalcap.meteor.meteor import Meteor
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+    cands, refs = _flickr_sets()["first reference vs the other four"]
+    tok = PTBTokenizer()
+    gts = tok.tokenize({k: [{"caption": r} for r in v] for k, v in refs.items()})
+    res = tok.tokenize({k: [{"caption": cands[k]}] for k in refs})
+    want, _ = Meteor().compute_score(gts, res)
+    got = score_captions(cands, refs, metrics=("meteor",), tokenizer="java", meteor="jar")
+    assert got.scores["METEOR"] == pytest.approx(want, abs=1e-9)
+    assert "jar" in got.implementation["METEOR"]
+
+
+def _wordnet_available() -> bool:
+    from captionkit.evaluation import _wordnet
+    try:
+        _wordnet()
+        return True
+    except (ValueError, LookupError):
+        return False
+
+
+@pytest.mark.skipif(not _wordnet_available(), reason="no WordNet for nltk's METEOR (Debian wordnet-base)")
+def test_nltk_meteor_is_labelled_an_approximation():
+    cands, refs = random_captions(20, seed=2)
+    rep = score_captions(cands, refs, metrics=("meteor",), tokenizer="python", meteor="nltk")
+    assert 0.0 <= rep.scores["METEOR"] <= 1.0
+    assert "approximation" in rep.implementation["METEOR"]
+
+
+def test_bleu_without_brevity_penalty():
+    refs = {"a": ["a dog runs on the grass"]}
+    short = {"a": "a dog"}
+    with_bp = score_captions(short, refs, metrics=("bleu",), tokenizer="python")
+    without = score_captions(short, refs, metrics=("bleu",), tokenizer="python", brevity_penalty=False)
+    assert without.scores["Bleu_1"] == pytest.approx(1.0)
+    assert with_bp.scores["Bleu_1"] == pytest.approx(np.exp(1 - 6 / 2))
+
+
+def test_mismatched_images_are_named():
+    with pytest.raises(ValueError, match=r"1 only in the captions \(e.g. \['extra.jpg'\]\)"):
+        score_captions({"a": "x", "extra.jpg": "y"}, {"a": ["x"]})
+
+
+def test_bootstrap_interval_contains_the_score_and_paired_test_detects_a_better_system():
+    cands, refs = random_captions(200, seed=3)
+    good = {k: v[0] for k, v in refs.items()}  # a reference itself: clearly better
+    rep_bad = score_captions(cands, refs, metrics=("bleu", "rouge", "cider"), tokenizer="python")
+    rep_good = score_captions(good, refs, metrics=("bleu", "rouge", "cider"), tokenizer="python")
+    ci = bootstrap(rep_bad, rounds=300)
+    for k, (lo, hi) in ci.items():
+        assert lo <= rep_bad.scores[k] <= hi and lo < hi
+    cmp = paired_bootstrap(rep_good, rep_bad, rounds=300)
+    assert all(r["p_A_not_better"] < 0.01 for r in cmp.values())
+    same = paired_bootstrap(rep_bad, rep_bad, rounds=300)
+    assert all(r["delta"] == 0 for r in same.values())
