@@ -91,7 +91,8 @@ def test_beam_one_equals_greedy_and_shapes():
         assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
         torch.testing.assert_close(x.attention, y.attention)
         assert x.attention.shape == (len(x.ids), 6)
-        assert len(x.ids) <= 8 and Vocab.end not in x.ids
+        assert len(x.ids) <= 8
+        assert not {Vocab.pad, Vocab.start, Vocab.end, Vocab.unk} & set(x.ids + y.ids)
 
 
 @torch.no_grad()
@@ -110,14 +111,14 @@ def _exhaustive_best(m, feats, max_len):
                 if end_lp > top[0]:
                     top = (end_lp, ids)
                 if t < max_len:
-                    nxt += [(ids + [w], lp + float(logp[0, w]), st, w) for w in range(3, logp.shape[1])]
+                    nxt += [(ids + [w], lp + float(logp[0, w]), st, w) for w in range(4, logp.shape[1])]
             frontier = nxt
         best.append(top)
     return best
 
 
 def test_wide_beam_finds_the_exhaustive_optimum():
-    m = tiny(vocab_size=6)  # words: <unk> and two more
+    m = tiny(vocab_size=7)  # three words besides the specials
     torch.manual_seed(4)
     feats = torch.randn(4, 6, 10)
     exact = _exhaustive_best(m, feats, max_len=3)

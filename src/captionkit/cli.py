@@ -76,7 +76,7 @@ def _refs_for(dataset: str, images: str | None, split: str) -> dict[str, list[st
 
 def cmd_evaluate(model: str | None, dataset: str, images: str | None, split: str, beam: int,
                  out: str | None, batch_size: int, length_penalty: float | None,
-                 tokenizer: str, meteor: str, no_brevity_penalty: bool) -> int:
+                 tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str) -> int:
     from .captioner import Captioner
     from .data import load_dataset
     from .evaluation import score_captions
@@ -93,7 +93,7 @@ def cmd_evaluate(model: str | None, dataset: str, images: str | None, split: str
     if failed:
         raise UsageError(f"{len(failed)} {split} images could not be read, e.g. {failed[0]}")
     rep = score_captions(captions, {it.name: it.raw for it in items},
-                         **_score_opts(tokenizer, meteor, no_brevity_penalty))
+                         **_score_opts(tokenizer, meteor, no_brevity_penalty, metrics))
     lp = cap.length_penalty if length_penalty is None else length_penalty
     print(f"{split} split, {len(items)} images, beam {beam}, length penalty {lp:g}")
     _print_report(rep)
@@ -113,13 +113,14 @@ def _print_report(rep, ci: dict | None = None) -> None:
         print(f"  {k:8s} {100 * v:6.2f}{interval}   {rep.implementation[k]}")
 
 
-def _score_opts(tokenizer: str, meteor: str, no_brevity_penalty: bool) -> dict:
-    return {"tokenizer": tokenizer, "meteor": meteor, "brevity_penalty": not no_brevity_penalty}
+def _score_opts(tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str) -> dict:
+    return {"tokenizer": tokenizer, "meteor": meteor, "brevity_penalty": not no_brevity_penalty,
+            "metrics": [m.strip() for m in metrics.split(",") if m.strip()]}
 
 
 def cmd_score(captions: str | None, refs: str | None, dataset: str | None, images: str | None, split: str,
               out: str | None, per_image: str | None, bootstrap: int, compare: list[str] | None,
-              tokenizer: str, meteor: str, no_brevity_penalty: bool, seed: int) -> int:
+              tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str, seed: int) -> int:
     from .evaluation import bootstrap as run_bootstrap
     from .evaluation import paired_bootstrap, score_captions
 
@@ -129,7 +130,7 @@ def cmd_score(captions: str | None, refs: str | None, dataset: str | None, image
         ref = _refs_for(dataset, images, split)
     else:
         raise UsageError("give the references: --refs R.json or --dataset D --split S")
-    opts = _score_opts(tokenizer, meteor, no_brevity_penalty)
+    opts = _score_opts(tokenizer, meteor, no_brevity_penalty, metrics)
     if compare:
         if captions:
             raise UsageError("give either --captions or --compare A.json B.json")
@@ -241,6 +242,8 @@ def _add_score_opts(p: argparse.ArgumentParser) -> None:
                    help="METEOR 1.5 jar (Java) or nltk's approximation (auto: the jar if Java is present)")
     p.add_argument("--no-brevity-penalty", action="store_true",
                    help="BLEU without the brevity penalty, as the Show, Attend and Tell paper reports")
+    p.add_argument("--metrics", default="bleu,meteor,rouge,cider",
+                   help="comma-separated: bleu, meteor, rouge, cider, spice")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -312,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"captionkit {command}: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:  # config and dataset validation errors carry their file/field
+        if os.environ.get("CAPTIONKIT_DEBUG"):
+            raise
         print(f"captionkit {command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -30,13 +30,14 @@ def _select(state, idx: torch.Tensor):
 
 
 def _allowed(logp: torch.Tensor, last_step: bool) -> torch.Tensor:
-    """<pad> and <start> are never generated; at the last step only <end> may follow."""
+    """<pad>, <start> and <unk> are never generated (an unknown word is no word to show a
+    reader); at the last step only <end> may follow."""
     if last_step:
         out = torch.full_like(logp, float("-inf"))
         out[:, Vocab.end] = logp[:, Vocab.end]
         return out
     logp = logp.clone()
-    logp[:, [Vocab.pad, Vocab.start]] = float("-inf")
+    logp[:, [Vocab.pad, Vocab.start, Vocab.unk]] = float("-inf")
     return logp
 
 
