@@ -43,7 +43,11 @@ def save_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], config
         if optimizer:
             save_file({k: v.contiguous().cpu() for k, v in optimizer.items()}, tmp / "optimizer.safetensors")
         (tmp / "config.json").write_text(json.dumps({"format": FORMAT, "version": VERSION, **config}, indent=1))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a checkpoint is an ordinary folder
         for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         if folder.exists() and not folder.is_symlink():

@@ -39,6 +39,7 @@ class Report:
     per_image: dict[str, np.ndarray] = field(default_factory=dict)  # ROUGE_L, CIDEr, METEOR, BLEU sentence
     bleu: M.BleuStats | None = None
     bleu_brevity_penalty: bool = True
+    meteor_stats: list[str] | None = None  # the METEOR jar's per-image statistics
 
     def resampled(self, weights: np.ndarray) -> dict[str, np.ndarray]:
         """Corpus scores under image weights (R, N) -> {metric: (R,)}."""
@@ -48,7 +49,9 @@ class Report:
             for k in range(b.shape[1]):
                 out[f"Bleu_{k + 1}"] = b[:, k]
         for name, vals in self.per_image.items():
-            if name in self.scores:
+            if name == "METEOR" and self.meteor_stats is not None:
+                out[name] = meteor_jar_resampled(self.meteor_stats, weights)
+            elif name in self.scores:  # corpus score = mean of image scores
                 out[name] = weights @ vals / weights.sum(1)
         return out
 
@@ -106,12 +109,37 @@ def meteor_nltk(res: dict[str, str], gts: dict[str, list[str]]) -> tuple[float, 
     return float(per.mean()), per
 
 
-def meteor_jar(res: dict[str, str], gts: dict[str, list[str]]) -> tuple[float, np.ndarray]:
+def _meteor_eval(meteor, stats: list[str]) -> tuple[float, list[float]]:
+    """The jar's corpus METEOR and segment scores from per-image statistics lines (what
+    pycocoevalcap's Meteor.compute_score sends, in the same protocol)."""
+    with meteor.lock:
+        meteor.meteor_p.stdin.write(("EVAL ||| " + " ||| ".join(stats) + "\n").encode())
+        meteor.meteor_p.stdin.flush()
+        per = [float(meteor.meteor_p.stdout.readline().strip()) for _ in stats]
+        return float(meteor.meteor_p.stdout.readline().strip()), per
+
+
+def meteor_jar(res: dict[str, str], gts: dict[str, list[str]]) -> tuple[float, np.ndarray, list[str]]:
+    """METEOR 1.5 as pycocoevalcap computes it, plus each image's statistics line, from which
+    the jar recomputes the corpus score of any resample (its corpus score is not a mean of
+    image scores, so bootstrap must go back to the jar)."""
     from pycocoevalcap.meteor.meteor import Meteor
     meteor = Meteor()  # a Java subprocess, stopped when the object is collected
-    score, per = meteor.compute_score(gts, {k: [v] for k, v in res.items()})
+    with meteor.lock:
+        stats = [meteor._stat(res[k], gts[k]) for k in gts]
+    score, per = _meteor_eval(meteor, stats)
     del meteor
-    return float(score), np.asarray(per, dtype=np.float64)
+    return score, np.asarray(per, dtype=np.float64), stats
+
+
+def meteor_jar_resampled(stats: list[str], weights: np.ndarray) -> np.ndarray:
+    """Corpus METEOR of every bootstrap resample: weights (R, N) image counts -> (R,)."""
+    from pycocoevalcap.meteor.meteor import Meteor
+    meteor = Meteor()
+    out = np.array([_meteor_eval(meteor, [st for st, c in zip(stats, row) for _ in range(int(c))])[0]
+                    for row in weights])
+    del meteor
+    return out
 
 
 def _spice(res, gts, quiet: bool) -> tuple[float, np.ndarray] | None:
@@ -166,7 +194,10 @@ def score_captions(captions: dict[str, str], refs: dict[str, list[str]],
         if kind not in ("jar", "nltk", "none"):
             raise ValueError(f"unknown METEOR implementation {meteor!r} (jar, nltk, none or auto)")
         if kind != "none":
-            score, per = meteor_jar(res, gts) if kind == "jar" else meteor_nltk(res, gts)
+            if kind == "jar":
+                score, per, rep.meteor_stats = meteor_jar(res, gts)
+            else:
+                score, per = meteor_nltk(res, gts)
             rep.scores["METEOR"], rep.per_image["METEOR"] = score, per
             rep.implementation["METEOR"] = ("METEOR 1.5 jar (coco-caption)" if kind == "jar" else
                                             "nltk METEOR with WordNet: an approximation, not coco-caption's")

@@ -39,6 +39,7 @@ class SATConfig:
     hidden_dim: n, the LSTM size.
     attn_dim: the attention MLP's hidden size.
     dropout: dropout on the deep output layer's input.
+    embed_dropout: dropout on the word embeddings (the LSTM's and the deep output's input).
     gate: use the gating scalar beta (paper section 4.2.1).
     """
 
@@ -49,6 +50,7 @@ class SATConfig:
     attn_dim: int = 512
     dropout: float = 0.5
     gate: bool = True
+    embed_dropout: float = 0.0
 
     def __post_init__(self):
         for k in ("vocab_size", "feat_dim", "embed_dim", "hidden_dim", "attn_dim"):
@@ -56,8 +58,9 @@ class SATConfig:
                 raise ValueError(f"SATConfig.{k} must be positive, got {getattr(self, k)}")
         if self.vocab_size < 5:
             raise ValueError("SATConfig.vocab_size must include the 4 special tokens and a word")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"SATConfig.dropout must be in [0, 1), got {self.dropout}")
+        for k in ("dropout", "embed_dropout"):
+            if not 0.0 <= getattr(self, k) < 1.0:
+                raise ValueError(f"SATConfig.{k} must be in [0, 1), got {getattr(self, k)}")
 
 
 class Memory:
@@ -94,6 +97,7 @@ class SoftAttentionDecoder(nn.Module):
         self.out_z = nn.Linear(D, M, bias=False)  # L_z
         self.out = nn.Linear(M, V)  # L_o
         self.drop = nn.Dropout(cfg.dropout)
+        self.embed_drop = nn.Dropout(cfg.embed_dropout)
         with torch.no_grad():  # LSTM forget-gate bias 1 (Jozefowicz et al. 2015)
             self.gates_emb.bias.zero_()
             self.gates_emb.bias[H:2 * H].fill_(1.0)
@@ -135,7 +139,7 @@ class SoftAttentionDecoder(nn.Module):
     def step(self, tokens: torch.Tensor, state, mem: Memory):
         """tokens (B,) previous words -> (log-probs (B, V), new state, alpha (B, L))."""
         h, c = state
-        emb = self.embed(tokens)  # (B, M)
+        emb = self.embed_drop(self.embed(tokens))  # (B, M)
         alpha, z, gates_h = self._attend(h, mem)
         h, c = self._lstm(self.gates_emb(emb) + self.gates_ctx(z) + gates_h, c)
         return F.log_softmax(self._logits(emb, h, z), dim=-1), (h, c), alpha
@@ -146,7 +150,7 @@ class SoftAttentionDecoder(nn.Module):
         -> logits (B, T, V) and alphas (B, T, L)."""
         mem = self.prepare(feats)
         h, c = self.init_state(mem)
-        emb = self.embed(inputs)  # (B, T, M)
+        emb = self.embed_drop(self.embed(inputs))  # (B, T, M)
         gates_emb = self.gates_emb(emb)  # (B, T, 4H), all steps at once
         hs, zs, alphas = [], [], []
         for t in range(inputs.shape[1]):
