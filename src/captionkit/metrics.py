@@ -10,6 +10,7 @@ Scores are unscaled (BLEU and ROUGE-L in 0..1, CIDEr-D in 0..10), as pycocoevalc
 from __future__ import annotations
 
 import math
+import operator
 from collections import Counter
 from dataclasses import dataclass
 
@@ -19,8 +20,9 @@ _TINY, _SMALL = 1e-15, 1e-9  # coco-caption's guards against division by zero
 
 
 def _ngrams(words: list[str], n: int) -> list[Counter]:
-    """Counts of the 1..n-grams of ``words``, one Counter per order."""
-    return [Counter(zip(*(words[j:] for j in range(k)))) for k in range(1, n + 1)]
+    """Counts of the 1..n-grams of ``words``, one Counter per order (unigrams keyed by the
+    word itself, longer n-grams by tuples)."""
+    return [Counter(words)] + [Counter(zip(*(words[j:] for j in range(k)))) for k in range(2, n + 1)]
 
 
 @dataclass
@@ -152,11 +154,9 @@ def cider_d_scores(cands: dict[str, str] | Corpus, refs: dict[str, list[str]] | 
         vs, norms = [], []
         for counts in grams:
             v = {g: float(tf) * idf.get(g, log_n) for g, tf in counts.items()}
-            norm = 0.0
-            for w in v.values():
-                norm += w * w
+            w = list(v.values())
             vs.append(v)
-            norms.append(math.sqrt(norm))
+            norms.append(math.sqrt(sum(map(operator.mul, w, w))))
         return vs, norms, sum(grams[1].values())  # "length": the number of bigrams
 
     two_sigma2 = 2 * sigma ** 2
@@ -168,12 +168,9 @@ def cider_d_scores(cands: dict[str, str] | Corpus, refs: dict[str, list[str]] | 
             vr, nr, lr = vec(grams)
             penalty = math.e ** (-((lh - lr) ** 2) / two_sigma2)
             for k in range(n):
-                vrk = vr[k]
-                val = 0.0
-                for g, w in vh[k].items():  # n-grams the reference lacks add exactly 0
-                    if g in vrk:
-                        r = vrk[g]
-                        val += min(w, r) * r
+                vhk, vrk = vh[k], vr[k]
+                # only shared n-grams contribute: min(w, 0) * 0 is 0
+                val = sum(min(vhk[g], vrk[g]) * vrk[g] for g in vhk.keys() & vrk.keys())
                 if nh[k] != 0 and nr[k] != 0:
                     val /= nh[k] * nr[k]
                 total[k] += val * penalty
