@@ -25,7 +25,7 @@ import torch
 from .captioner import Captioner
 from .checkpoint import (CheckpointError, load_into, optimizer_tensors, read_config, read_weights,
                          resolve, restore_optimizer, save_checkpoint)
-from .data import CaptionDataset, ImageItem, load_dataset
+from .data import ImageItem, load_dataset
 from .encoders import create_encoder
 from .evaluation import coco_scores, format_scores
 from .features import build_features
@@ -157,7 +157,7 @@ def length_batches(lengths: list[int], batch_size: int, seed: int) -> list[list[
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, out: Path, config_dict: dict | None = None):
+    def __init__(self, cfg: RunConfig, out: Path):
         self.cfg, self.out = cfg, out
         tc = cfg.train
         torch.manual_seed(tc.seed)
@@ -174,8 +174,6 @@ class Trainer:
         self.train_feats = self._load_feats(store, self.train_items)  # (N, L, D) float16
         self.val_feats = self._load_feats(store, self.val_items)
         self.vocab: Vocab | None = None
-        self.ds = ds
-        self.store = store
 
     @staticmethod
     def _load_feats(store, items: list[ImageItem]) -> torch.Tensor:

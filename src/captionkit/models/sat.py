@@ -116,7 +116,7 @@ class SoftAttentionDecoder(nn.Module):
 
     def _attend(self, h: torch.Tensor, mem: Memory):
         """One recurrence step's h_{t-1} work: attention weights, gated context, W_hh h."""
-        A, H = self.cfg.attn_dim, self.cfg.hidden_dim
+        A = self.cfg.attn_dim
         hp = self.h_proj(h)  # (B, A + 1 + 4H)
         q, beta_logit, gates_h = hp[:, :A], hp[:, A:A + 1], hp[:, A + 1:]
         e = mem.energy(q, self.att_w)  # (B, L) = w . tanh(W_a a_i + U_a h)
