@@ -156,3 +156,22 @@ def test_bootstrap_interval_contains_the_score_and_paired_test_detects_a_better_
     assert all(r["p_A_not_better"] < 0.01 for r in cmp.values())
     same = paired_bootstrap(rep_bad, rep_bad, rounds=300)
     assert all(r["delta"] == 0 for r in same.values())
+
+
+def test_without_java_or_wordnet_the_rest_is_scored(monkeypatch, capsys):
+    import captionkit.evaluation as ev
+    import captionkit.tokenize as tk
+    monkeypatch.setattr(ev, "java_available", lambda: False)
+    monkeypatch.setattr(tk, "java_available", lambda: False)
+
+    def no_wordnet():
+        raise ValueError("nltk METEOR needs WordNet")
+
+    monkeypatch.setattr(ev, "_wordnet", no_wordnet)
+    cands, refs = random_captions(10, seed=4)
+    rep = score_captions(cands, refs)
+    assert "METEOR" not in rep.scores and {"Bleu_4", "ROUGE_L", "CIDEr"} <= set(rep.scores)
+    assert "Python" in rep.tokenizer
+    assert "METEOR skipped: no Java" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="METEOR 1.5 needs Java"):
+        score_captions(cands, refs, meteor="jar")

@@ -193,12 +193,20 @@ def score_captions(captions: dict[str, str], refs: dict[str, list[str]],
             raise ValueError("METEOR 1.5 needs Java (apt-get install default-jre), or use --meteor nltk")
         if kind not in ("jar", "nltk", "none"):
             raise ValueError(f"unknown METEOR implementation {meteor!r} (jar, nltk, none or auto)")
-        if kind != "none":
-            if kind == "jar":
-                score, per, rep.meteor_stats = meteor_jar(res, gts)
-            else:
-                score, per = meteor_nltk(res, gts)
-            rep.scores["METEOR"], rep.per_image["METEOR"] = score, per
+        got = None
+        if kind == "jar":
+            score, per, rep.meteor_stats = meteor_jar(res, gts)
+            got = score, per
+        elif kind == "nltk":
+            try:
+                got = meteor_nltk(res, gts)
+            except (ValueError, LookupError) as e:
+                if meteor != "auto":
+                    raise
+                if not quiet:  # neither Java nor WordNet: say so, score the rest
+                    print(f"METEOR skipped: no Java for the METEOR 1.5 jar, and {e}", file=sys.stderr)
+        if got is not None:
+            rep.scores["METEOR"], rep.per_image["METEOR"] = got
             rep.implementation["METEOR"] = ("METEOR 1.5 jar (coco-caption)" if kind == "jar" else
                                             "nltk METEOR with WordNet: an approximation, not coco-caption's")
     if "rouge" in wanted:
