@@ -49,12 +49,28 @@ def main() -> None:
     else:
         cands, refs = {it.name: it.raw[0] for it in items}, {it.name: it.raw[1:] for it in items}
         what = "first reference vs the other four"
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    tmp = tempfile.mkdtemp()
+    cpath, rpath = os.path.join(tmp, "c.json"), os.path.join(tmp, "r.json")
+    Path(cpath).write_text(json.dumps(cands))
+    Path(rpath).write_text(json.dumps(refs))
+    cli = [sys.executable, "-m", "captionkit.cli", "score", "--captions", cpath, "--refs", rpath,
+           "--metrics", "bleu,rouge,cider", "--tokenizer", "python"]
+
+    def run_cli():
+        subprocess.run(cli, check=True, capture_output=True)
+        return scores["captionkit, Python tokenizer"]
+
     runs = {
         "pycocoevalcap (Java tokenizer)": lambda: pycocoevalcap_three(cands, refs),
         "captionkit, Python tokenizer": lambda: score_captions(cands, refs, ("bleu", "rouge", "cider"),
                                                                tokenizer="python").scores,
         "captionkit, Java tokenizer": lambda: score_captions(cands, refs, ("bleu", "rouge", "cider"),
                                                              tokenizer="java").scores,
+        "`captionkit score` command, whole process": run_cli,
     }
     print(f"{len(refs)} Flickr8k test images, {what}; BLEU-1..4 + ROUGE-L + CIDEr-D, "
           f"median of {args.repeats} runs")
@@ -69,7 +85,7 @@ def main() -> None:
     base = times["pycocoevalcap (Java tokenizer)"]
     for name, t in times.items():
         s = scores[name]
-        print(f"  {name:32s} {t:6.3f} s  ({t / base:5.1%} of pycocoevalcap)  "
+        print(f"  {name:42s} {t:6.3f} s  ({t / base:5.1%} of pycocoevalcap)  "
               f"BLEU-4 {100 * s['Bleu_4']:.4f} ROUGE-L {100 * s['ROUGE_L']:.4f} CIDEr {100 * s['CIDEr']:.4f}")
 
 

@@ -17,11 +17,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .errors import CheckpointError
+
 FORMAT, VERSION = "captionkit-checkpoint", 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the folder."""
 
 
 def _fsync_dir(path: Path) -> None:

@@ -9,10 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from .checkpoint import CheckpointError
-from .data import DatasetError
-from .encoders.base import WeightsUnavailable
-from .images import ImageError
+from .errors import CheckpointError, DatasetError, ImageError, WeightsUnavailable
 
 
 class UsageError(ValueError):

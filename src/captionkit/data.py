@@ -17,11 +17,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import DatasetError
+
 _PUNCT = str.maketrans("", "", string.punctuation)
-
-
-class DatasetError(ValueError):
-    """A dataset that cannot be read; the message names the file (and line)."""
 
 
 def normalize(caption: str) -> list[str]:

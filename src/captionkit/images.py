@@ -10,15 +10,12 @@ import torch
 from PIL import Image, ImageFile
 
 from .encoders.base import Preprocess
+from .errors import ImageError
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 MAX_PIXELS = 89_478_485  # Pillow's own default bomb threshold (about 9459 x 9459)
 MIN_SIDE = 8  # smaller images hold nothing to describe
 ImageFile.LOAD_TRUNCATED_IMAGES = False
-
-
-class ImageError(ValueError):
-    """A file that cannot be used as a photo; the message names the file."""
 
 
 def load_rgb(path: str | Path) -> Image.Image:

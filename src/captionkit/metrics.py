@@ -1,6 +1,7 @@
-"""BLEU-1..4, ROUGE-L and CIDEr-D in Python, computing exactly what the coco-caption scorers
-(``pycocoevalcap``) compute, from per-image sufficient statistics so that bootstrap resampling
-over images costs a matrix product instead of a rescoring.
+"""BLEU-1..4, ROUGE-L and CIDEr-D in Python, computing what the coco-caption scorers
+(``pycocoevalcap``) compute (equal to 1e-6), with n-grams counted once as integer ids in numpy
+arrays, and BLEU kept as per-image sufficient statistics so that bootstrap resampling over
+images costs a matrix product instead of a rescoring.
 
 All functions take already tokenised text: {image: "space separated tokens"} for the
 candidates and {image: ["tokens", ...]} for the references (see :mod:`captionkit.tokenize`).
@@ -10,8 +11,6 @@ Scores are unscaled (BLEU and ROUGE-L in 0..1, CIDEr-D in 0..10), as pycocoevalc
 from __future__ import annotations
 
 import math
-import operator
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,32 +18,78 @@ import numpy as np
 _TINY, _SMALL = 1e-15, 1e-9  # coco-caption's guards against division by zero
 
 
-def _ngrams(words: list[str], n: int) -> list[Counter]:
-    """Counts of the 1..n-grams of ``words``, one Counter per order (unigrams keyed by the
-    word itself, longer n-grams by tuples)."""
-    return [Counter(words)] + [Counter(zip(*(words[j:] for j in range(k)))) for k in range(2, n + 1)]
-
-
 @dataclass
 class Corpus:
-    """Candidates and references split into words and counted once, shared by the metrics."""
+    """Every candidate and reference as words, and all their 1..n-grams counted once, in flat
+    arrays shared by BLEU and CIDEr-D. Sentences 0..N-1 are the candidates (one per image, in
+    ``keys`` order), N.. the references; n-grams get integer ids, so counting, clipping and
+    tf-idf are numpy operations instead of dictionary loops."""
 
     keys: list[str]
-    cand_words: list[list[str]]
-    cand_ngrams: list[list[Counter]]
-    ref_words: list[list[list[str]]]
-    ref_ngrams: list[list[list[Counter]]]
+    n: int
+    cand_len: np.ndarray  # (N,) words per candidate
+    ref_img: np.ndarray  # (M,) image of each reference
+    ref_len: np.ndarray  # (M,) words per reference
+    sent: np.ndarray  # (E,) sentence of each (sentence, n-gram) entry
+    order: np.ndarray  # (E,) n-gram order - 1
+    gram: np.ndarray  # (E,) n-gram id
+    count: np.ndarray  # (E,) occurrences of the n-gram in the sentence
+    n_grams: int
 
     @classmethod
     def build(cls, cands: dict[str, str], refs: dict[str, list[str]], n: int = 4) -> "Corpus":
         keys = list(refs)
-        cw = [cands[k].split() for k in keys]
-        rw = [[r.split() for r in refs[k]] for k in keys]
-        return cls(keys, cw, [_ngrams(w, n) for w in cw], rw, [[_ngrams(w, n) for w in ws] for ws in rw])
+        sentences = [cands[k].split() for k in keys]
+        ref_img = [i for i, k in enumerate(keys) for _ in refs[k]]
+        sentences += [r.split() for k in keys for r in refs[k]]
+        lens = np.array([len(s) for s in sentences], dtype=np.int64)
+        vocab: dict[str, int] = {}
+        stream = np.array([vocab.setdefault(w, len(vocab)) for s in sentences for w in s], dtype=np.int64)
+        sent_of = np.repeat(np.arange(len(sentences)), lens)  # sentence of every token
+        sent, order, gram, count = [], [], [], []
+        offset = 0
+        for k in range(1, n + 1):
+            m = len(stream) - k + 1
+            if m <= 0:
+                break
+            start = np.arange(m)
+            ok = sent_of[start] == sent_of[start + k - 1]  # the window stays inside a sentence
+            windows = np.stack([stream[j:j + m][ok] for j in range(k)], axis=1)  # (E_k, k)
+            if len(windows) == 0:
+                continue
+            V = max(len(vocab), 1)
+            if V ** k < 2 ** 62:  # one int64 code per n-gram: a 1-d sort instead of a row sort
+                code = windows @ (V ** np.arange(k, dtype=np.int64))
+                _, gid = np.unique(code, return_inverse=True)
+            else:
+                _, gid = np.unique(windows, axis=0, return_inverse=True)
+            gid = gid.reshape(-1) + offset
+            offset = int(gid.max()) + 1
+            pairs, c = np.unique(sent_of[start[ok]] * (offset + 1) + gid, return_counts=True)
+            sent.append(pairs // (offset + 1))
+            gram.append(pairs % (offset + 1))
+            order.append(np.full(len(pairs), k - 1))
+            count.append(c)
+        cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))
+        N = len(keys)
+        return cls(keys, n, lens[:N], np.array(ref_img, dtype=np.int64), lens[N:],
+                   cat(sent), cat(order), cat(gram), cat(count).astype(np.float64), offset)
+
+    def image_of(self, sent: np.ndarray) -> np.ndarray:
+        N = len(self.keys)
+        return np.where(sent < N, sent, self.ref_img[np.maximum(sent - N, 0)])
 
 
 def _corpus(cands, refs) -> Corpus:
     return cands if isinstance(cands, Corpus) else Corpus.build(cands, refs)
+
+
+def _lookup(keys_sorted: np.ndarray, values: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """values of ``query`` keys in a sorted key array, 0 where absent."""
+    if len(keys_sorted) == 0:
+        return np.zeros(len(query))
+    pos = np.clip(np.searchsorted(keys_sorted, query), 0, len(keys_sorted) - 1)
+    return np.where(keys_sorted[pos] == query, values[pos], 0.0)
 
 
 # ---- BLEU --------------------------------------------------------------------------------
@@ -79,24 +124,30 @@ def bleu_from_sums(testlen, reflen, correct, guess, brevity_penalty: bool = True
     return scores.tolist()
 
 
-def bleu_stats(cands: dict[str, str] | Corpus, refs: dict[str, list[str]] | None = None, n: int = 4) -> BleuStats:
+def bleu_stats(cands: dict[str, str] | Corpus, refs: dict[str, list[str]] | None = None) -> BleuStats:
     c = _corpus(cands, refs)
-    N = len(c.keys)
-    testlen, reflen = np.zeros(N), np.zeros(N)
-    correct, guess = np.zeros((N, n)), np.zeros((N, n))
-    for i in range(N):
-        tl = len(c.cand_words[i])
-        testlen[i] = tl
-        reflen[i] = min((abs(len(w) - tl), len(w)) for w in c.ref_words[i])[1]  # "closest", ties to shorter
-        guess[i] = [max(0, tl - k + 1) for k in range(1, n + 1)]
-        for k in range(n):
-            maxref: dict[tuple, int] = {}
-            for rc in c.ref_ngrams[i]:
-                for g, cnt in rc[k].items():
-                    if cnt > maxref.get(g, 0):
-                        maxref[g] = cnt
-            correct[i, k] = sum(min(maxref.get(g, 0), cnt) for g, cnt in c.cand_ngrams[i][k].items())
-    return BleuStats(testlen, reflen, correct, guess)
+    N, n, G = len(c.keys), c.n, np.int64(c.n_grams + 1)
+    tl = c.cand_len.astype(np.float64)
+    # closest reference length, ties to the shorter (coco-caption's "closest")
+    reflen = np.zeros(N)
+    best = np.full(N, np.inf)
+    for r in np.argsort(c.ref_len, kind="stable"):
+        i = c.ref_img[r]
+        d = abs(c.ref_len[r] - tl[i])
+        if d < best[i]:
+            best[i], reflen[i] = d, c.ref_len[r]
+    guess = np.maximum(0, tl[:, None] - np.arange(n)[None, :])  # (N, n)
+    is_ref = c.sent >= N
+    img = c.image_of(c.sent)
+    key = img * G + c.gram
+    # per (image, n-gram): the most times any one reference has it
+    rkeys, rinv = np.unique(key[is_ref], return_inverse=True)
+    maxref = np.zeros(len(rkeys))
+    np.maximum.at(maxref, rinv.reshape(-1), c.count[is_ref])
+    hyp = ~is_ref
+    clipped = np.minimum(c.count[hyp], _lookup(rkeys, maxref, key[hyp]))
+    correct = np.bincount(c.sent[hyp] * n + c.order[hyp], weights=clipped, minlength=N * n).reshape(N, n)
+    return BleuStats(tl, reflen, correct, guess)
 
 
 # ---- ROUGE-L ------------------------------------------------------------------------------
@@ -133,46 +184,40 @@ def rouge_l_scores(cands: dict[str, str], refs: dict[str, list[str]], beta: floa
 
 
 # ---- CIDEr-D ------------------------------------------------------------------------------
-def cider_d_scores(cands: dict[str, str] | Corpus, refs: dict[str, list[str]] | None = None, n: int = 4,
-                   sigma: float = 6.0, df_refs: dict[str, list[str]] | None = None) -> np.ndarray:
+def cider_d_scores(cands: dict[str, str] | Corpus, refs: dict[str, list[str]] | None = None,
+                   sigma: float = 6.0) -> np.ndarray:
     """(N,) per-image CIDEr-D (x10, as coco-caption; the corpus score is their mean).
 
-    Document frequencies come from ``df_refs`` (default: the references themselves, as
-    coco-caption). As in coco-caption, the Gaussian length penalty compares bigram counts.
-    Every sentence's tf-idf vector is computed once (coco-caption recomputes the references')."""
+    Document frequencies come from the references; as in coco-caption, the Gaussian length
+    penalty compares bigram counts."""
     c = _corpus(cands, refs)
-    df_counts = c.ref_ngrams if df_refs is None else \
-        [[_ngrams(r.split(), n) for r in rs] for rs in df_refs.values()]
-    df: Counter = Counter()
-    for sentences in df_counts:
-        df.update({g for grams in sentences for order in grams for g in order})
-    log_n = math.log(float(len(df_counts)))
-    # an n-gram no reference has gets df 0, clipped to 1: weight log_n
-    idf = {g: log_n - math.log(max(1.0, d)) for g, d in df.items()}
-
-    def vec(grams: list[Counter]):
-        vs, norms = [], []
-        for counts in grams:
-            v = {g: float(tf) * idf.get(g, log_n) for g, tf in counts.items()}
-            w = list(v.values())
-            vs.append(v)
-            norms.append(math.sqrt(sum(map(operator.mul, w, w))))
-        return vs, norms, sum(grams[1].values())  # "length": the number of bigrams
-
-    two_sigma2 = 2 * sigma ** 2
-    out = np.zeros(len(c.keys))
-    for i in range(len(c.keys)):
-        vh, nh, lh = vec(c.cand_ngrams[i])
-        total = [0.0] * n
-        for grams in c.ref_ngrams[i]:
-            vr, nr, lr = vec(grams)
-            penalty = math.e ** (-((lh - lr) ** 2) / two_sigma2)
-            for k in range(n):
-                vhk, vrk = vh[k], vr[k]
-                # only shared n-grams contribute: min(w, 0) * 0 is 0
-                val = sum(min(vhk[g], vrk[g]) * vrk[g] for g in vhk.keys() & vrk.keys())
-                if nh[k] != 0 and nr[k] != 0:
-                    val /= nh[k] * nr[k]
-                total[k] += val * penalty
-        out[i] = float(np.mean(total)) / len(c.ref_ngrams[i]) * 10.0
-    return out
+    N, n, G = len(c.keys), c.n, np.int64(c.n_grams + 1)
+    S = N + len(c.ref_img)
+    is_ref = c.sent >= N
+    img = c.image_of(c.sent)
+    # document frequency: the number of images whose references contain the n-gram
+    df = np.bincount(c.gram[is_ref][np.unique(img[is_ref] * G + c.gram[is_ref], return_index=True)[1]],
+                     minlength=int(G))
+    log_n = math.log(float(N))
+    w = c.count * (log_n - np.log(np.maximum(1.0, df[c.gram])))  # tf-idf of every entry
+    norm = np.sqrt(np.bincount(c.sent * n + c.order, weights=w * w, minlength=S * n)).reshape(S, n)
+    bigrams = np.bincount(c.sent[c.order == 1], weights=c.count[c.order == 1], minlength=S)
+    # shared n-grams of every (reference, candidate of its image) pair: sum min(w_h, w_r) * w_r
+    hyp = ~is_ref
+    hkeys = img[hyp] * G + c.gram[hyp]
+    hsort = np.argsort(hkeys)
+    wh = _lookup(hkeys[hsort], w[hyp][hsort], img[is_ref] * G + c.gram[is_ref])
+    wr = w[is_ref]
+    ref_rows = c.sent[is_ref] - N
+    M = len(c.ref_img)
+    dot = np.bincount(ref_rows * n + c.order[is_ref], weights=np.minimum(wh, wr) * wr,
+                      minlength=M * n).reshape(M, n)
+    nh, nr = norm[c.ref_img], norm[N:]  # (M, n)
+    denom = nh * nr
+    val = np.where(denom != 0, dot / np.where(denom != 0, denom, 1.0), dot)
+    delta = bigrams[c.ref_img] - bigrams[N:]
+    val *= np.exp(-(delta ** 2) / (2 * sigma ** 2))[:, None]
+    total = np.zeros((N, n))
+    np.add.at(total, c.ref_img, val)
+    n_refs = np.bincount(c.ref_img, minlength=N)
+    return total.mean(1) / n_refs * 10.0

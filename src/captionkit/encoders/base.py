@@ -16,9 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-
-class WeightsUnavailable(RuntimeError):
-    """Pretrained weights were asked for but are not on this machine."""
+from ..errors import WeightsUnavailable
 
 
 @dataclass(frozen=True)

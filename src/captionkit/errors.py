@@ -1,0 +1,18 @@
+"""Errors a user can act on; each message names the file or field. Kept free of heavy imports
+so that light commands (``captionkit score``) never load torch."""
+
+
+class ImageError(ValueError):
+    """A file that cannot be used as a photo; the message names the file."""
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be read; the message names the file (and line)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the folder."""
+
+
+class WeightsUnavailable(RuntimeError):
+    """Pretrained weights were asked for but are not on this machine."""
