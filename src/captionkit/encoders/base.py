@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..errors import WeightsUnavailable
+from ..errors import WeightsUnavailable  # noqa: F401  (re-exported for the encoder modules)
 
 
 @dataclass(frozen=True)
