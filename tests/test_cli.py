@@ -119,3 +119,28 @@ def test_console_script_runs(tiny_run, photo_dir):
     r = subprocess.run([sys.executable, "-m", "captionkit.cli", "caption", str(photo_dir / "good.jpg"),
                         "--model", str(tiny_run / "best")], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("good.jpg\t")
+
+
+def test_score_bootstrap_per_image_and_compare(tmp_path, capsys):
+    refs = {f"i{k}.jpg": [f"a dog runs on the grass number {k}", "a dog is running", "the dog runs fast"]
+            for k in range(30)}
+    good = {k: v[0] for k, v in refs.items()}
+    bad = {k: "a cat sleeps on a sofa" for k in refs}
+    for name, caps in (("good", good), ("bad", bad)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(caps))
+    (tmp_path / "refs.json").write_text(json.dumps(refs))
+    assert main(["score", "--captions", str(tmp_path / "bad.json"), "--refs", str(tmp_path / "refs.json"),
+                 "--bootstrap", "200", "--per-image", str(tmp_path / "pi.csv"), "--json", str(tmp_path / "s.json"),
+                 "--metrics", "bleu,rouge,cider", "--tokenizer", "python"]) == 0
+    out = capsys.readouterr().out
+    assert "95% CI" in out and "PTB tokenizer (Python re-implementation)" in out
+    doc = json.loads((tmp_path / "s.json").read_text())
+    lo, hi = doc["ci95"]["CIDEr"]
+    assert lo <= doc["CIDEr"] <= hi
+    rows = (tmp_path / "pi.csv").read_text().splitlines()
+    assert rows[0] == "image,caption,Bleu_4,ROUGE_L,CIDEr" and len(rows) == 31
+    assert main(["score", "--compare", str(tmp_path / "good.json"), str(tmp_path / "bad.json"),
+                 "--refs", str(tmp_path / "refs.json"), "--bootstrap", "200", "--metrics", "bleu,rouge,cider",
+                 "--tokenizer", "python"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("A beats B") == 6  # BLEU-1..4, ROUGE-L, CIDEr
