@@ -92,10 +92,16 @@ class Captioner:
             except ImageError as e:
                 return e
 
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            batches = [paths[i:i + batch_size] for i in range(0, len(paths), batch_size)]
-            pending = pool.map(lambda b: [load(p) for p in b], batches)
-            for batch, loaded in zip(batches, pending):
+        batches = [paths[i:i + batch_size] for i in range(0, len(paths), batch_size)]
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            # a reader thread decodes the next batch while this one is encoded: one batch
+            # ahead, so memory stays flat however large the folder
+            read = (lambda b: [load(p) for p in b])
+            nxt = pool.submit(read, batches[0]) if batches else None
+            for bi, batch in enumerate(batches):
+                loaded = nxt.result()
+                if bi + 1 < len(batches):
+                    nxt = pool.submit(read, batches[bi + 1])
                 good = [i for i, x in enumerate(loaded) if isinstance(x, torch.Tensor)]
                 caps: dict[int, Caption] = {}
                 if good:
