@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from tutorial_decoder import TutorialDecoder  # noqa: E402
 
+from captionkit.cli import tune_allocator  # noqa: E402
 from captionkit.models.sat import SATConfig, SoftAttentionDecoder, caption_loss  # noqa: E402
 from captionkit.train import TrainConfig, make_optimizer  # noqa: E402
 
@@ -144,6 +145,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer repeats and images")
     args = ap.parse_args()
+    tune_allocator()  # as the captionkit command does
     reps, n_img = (3, 32) if args.quick else (7, 160)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     peak32, peak16 = matmul_peak(torch.float32, reps), matmul_peak(torch.bfloat16, reps)

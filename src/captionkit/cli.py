@@ -300,8 +300,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def tune_allocator() -> None:
+    """Keep freed tensor memory in the process (glibc): by default every large tensor is
+    mmapped and returned to the OS when freed, so each batch pays page faults again; this
+    made captioning ~1.5x slower. Process-wide, so done by the command line, not the library."""
+    import ctypes
+    import platform
+    if platform.system() != "Linux":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    libc.mallopt(M_MMAP_THRESHOLD, 128 << 20)
+    libc.mallopt(M_TRIM_THRESHOLD, 256 << 20)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
+    tune_allocator()
     command = args.pop("command")
     fn = globals()[f"cmd_{command}"]
     try:
