@@ -127,10 +127,11 @@ def ptb_tokens_python(text: str) -> list[str]:
         if chunk.isalnum() and chunk.lower() not in _SPLIT_WORDS:  # the common case: a plain word
             out.append(chunk)
             continue
-        if chunk in ("--", "-", "...", "/") or re.fullmatch(r"-+|\.+|[!?]+", chunk):
-            out.append(chunk if chunk not in ("..",) else ".")
-            if chunk == "..":
-                out.append(".")
+        if chunk == "..":  # two dots stand alone as two periods
+            out += [".", "."]
+            continue
+        if chunk == "/" or re.fullmatch(r"-+|\.+|[!?]+", chunk):
+            out.append(chunk)
             continue
         out += _tokenize_chunk(chunk)
     return out
