@@ -28,7 +28,7 @@ def default_cache_root() -> Path:
 
 
 class FeatureStore:
-    """Read side: ``store[name]`` -> (L, D) float16 array, rows memory-mapped."""
+    """Read side: ``store.rows(names)`` -> (B, L, D) float16 rows of the memory-mapped array."""
 
     def __init__(self, folder: Path):
         meta = json.loads((folder / "meta.json").read_text())
