@@ -57,14 +57,14 @@ def test_checkpoint_round_trip_gives_identical_captions(tiny_run, tmp_path):
     cap = Captioner.load(tiny_run / "best", with_encoder=False)
     feats = torch.randn(4, 49, 1280).abs()
     before = [c.ids for c in cap.decode_features(feats, beam=2)]
-    cfg = {k: v for k, v in read_config(tiny_run / "best").items() if k not in ("format", "version")}
+    cfg = read_config(tiny_run / "best")
     save_checkpoint(tmp_path / "copy", cap.decoder.state_dict(), cfg)
     again = Captioner.load(tmp_path / "copy", with_encoder=False)
     assert [c.ids for c in again.decode_features(feats, beam=2)] == before
 
 
 def test_incompatible_checkpoint_gets_a_clear_error(tiny_run, tmp_path):
-    cfg = {k: v for k, v in read_config(tiny_run / "best").items() if k not in ("format", "version")}
+    cfg = read_config(tiny_run / "best")
     cfg["model"] = dict(cfg["model"], hidden_dim=cfg["model"]["hidden_dim"] + 1)
     save_checkpoint(tmp_path / "bad", read_weights(tiny_run / "best"), cfg)
     with pytest.raises(CheckpointError, match=r"bad: weights do not fit the model its config describes"):
@@ -95,7 +95,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tiny_run, tmp_path, monkeyp
 
 def test_the_models_own_length_penalty_is_the_default(tiny_run, tmp_path):
     from captionkit.decoding import beam_search
-    cfg = {k: v for k, v in read_config(tiny_run / "best").items() if k not in ("format", "version")}
+    cfg = read_config(tiny_run / "best")
     cfg["decoding"] = dict(cfg["decoding"], length_penalty=1.0)
     save_checkpoint(tmp_path / "lp", read_weights(tiny_run / "best"), cfg)
     cap = Captioner.load(tmp_path / "lp", with_encoder=False)

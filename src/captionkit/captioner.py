@@ -73,8 +73,12 @@ class Captioner:
     def decode_features(self, feats: torch.Tensor, beam: int = 3,
                         length_penalty: float | None = None) -> list[Caption]:
         """feats (B, L, D) -> one Caption per image (length_penalty None: the model's own)."""
-        lp = self.length_penalty if length_penalty is None else length_penalty
-        return decode(self.decoder, feats.float(), beam=beam, max_len=self.max_len, length_penalty=lp)
+        return decode(self.decoder, feats.float(), beam=beam, max_len=self.max_len,
+                      length_penalty=self.length_penalty_or(length_penalty))
+
+    def length_penalty_or(self, length_penalty: float | None) -> float:
+        """The given length normalisation, or the model's own when None."""
+        return self.length_penalty if length_penalty is None else length_penalty
 
     def result(self, cap: Caption) -> Result:
         return Result(self.vocab.decode(cap.ids), cap.attention, self.grid)

@@ -40,7 +40,8 @@ def save_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], config
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, tmp / "model.safetensors")
         if optimizer:
             save_file({k: v.contiguous().cpu() for k, v in optimizer.items()}, tmp / "optimizer.safetensors")
-        (tmp / "config.json").write_text(json.dumps({"format": FORMAT, "version": VERSION, **config}, indent=1))
+        body = {k: v for k, v in config.items() if k not in ("format", "version")}  # ours, never a copy's
+        (tmp / "config.json").write_text(json.dumps({"format": FORMAT, "version": VERSION, **body}, indent=1))
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a checkpoint is an ordinary folder

@@ -158,17 +158,18 @@ def _spice(res, gts, quiet: bool) -> tuple[float, np.ndarray] | None:
 
 def score_captions(captions: dict[str, str], refs: dict[str, list[str]],
                    metrics: Iterable[str] = DEFAULT_METRICS, tokenizer: str = "auto", meteor: str = "auto",
-                   brevity_penalty: bool = True, quiet: bool = False) -> Report:
+                   brevity_penalty: bool = True, quiet: bool = False, source: str = "the captions") -> Report:
     """Corpus scores of ``captions`` ({image: caption}) against ``refs`` ({image: [refs]}).
 
     metrics: any of bleu, meteor, rouge, cider, spice. tokenizer: java, python or auto.
     meteor: jar (METEOR 1.5, Java), nltk (approximation), or auto (the jar when Java is there).
     brevity_penalty: False gives BLEU without it, as the Show, Attend and Tell paper reports.
+    source: what to call the captions in errors (e.g. their file).
     """
     only_c, only_r = sorted(set(captions) - set(refs)), sorted(set(refs) - set(captions))
     if only_c or only_r:
-        raise ValueError(f"captions and references cover different images: {len(only_c)} only in the "
-                         f"captions (e.g. {only_c[:3]}), {len(only_r)} only in the references (e.g. {only_r[:3]})")
+        raise ValueError(f"captions and references cover different images: {len(only_c)} only in "
+                         f"{source} (e.g. {only_c[:3]}), {len(only_r)} only in the references (e.g. {only_r[:3]})")
     wanted = set(metrics)
     unknown = wanted - {"bleu", "meteor", "rouge", "cider", "spice"}
     if unknown:
@@ -180,7 +181,7 @@ def score_captions(captions: dict[str, str], refs: dict[str, list[str]],
     res = {k: toks[("c", k)][0] for k in keys}
     tok_label = "PTB tokenizer (Java jar)" if tok_name == "java" else "PTB tokenizer (Python re-implementation)"
     rep = Report({}, {}, tok_label, keys, bleu_brevity_penalty=brevity_penalty)
-    corpus = M.Corpus.build(res, gts)
+    corpus = M.Corpus.build(res, gts) if wanted & {"bleu", "cider"} else None
     if "bleu" in wanted:
         rep.bleu = M.bleu_stats(corpus)
         for i, s in enumerate(rep.bleu.corpus(brevity_penalty=brevity_penalty)):

@@ -318,15 +318,15 @@ class Trainer:
         """Pick the best checkpoint's length normalisation on the dev split and save it there."""
         tc = self.cfg.train
         best = self.out / "best"
-        cfg = read_config(best)
-        load_into(self.model, read_weights(best), best)
+        cfg, weights = read_config(best), read_weights(best)
+        load_into(self.model, weights, best)
         self.model.eval()
         tried = {lp: self.validate(lp)[tc.val_metric] for lp in tc.length_penalties}
         choice = max(tried, key=lambda lp: (tried[lp], -abs(lp)))
         cfg["decoding"] = dict(cfg["decoding"], length_penalty=choice)
         cfg["length_penalty_search"] = {"metric": tc.val_metric, "split": self.cfg.data.val_split,
                                         "beam": tc.val_beam, "scores": {str(k): v for k, v in tried.items()}}
-        save_checkpoint(best, read_weights(best), {k: v for k, v in cfg.items() if k not in ("format", "version")})
+        save_checkpoint(best, weights, cfg)
         print(f"length penalty {choice:g} chosen on {self.cfg.data.val_split} "
               f"({', '.join(f'{k:g}: {100 * v:.2f}' for k, v in tried.items())} {tc.val_metric})", file=sys.stderr)
 
