@@ -48,9 +48,7 @@ def _split_core(word: str) -> list[str]:
     if len(parts) > 1:
         return [t for p in parts for t in (_split_core(p) if p not in "&=*%$#" else [p]) if t]
     m = _CLITIC.match(word)
-    if m and m.group(2).lower() == "n't":
-        return _split_core(m.group(1)) + [m.group(2)]
-    if m:
+    if m:  # don't -> do n't, dog's -> dog 's
         return _split_core(m.group(1)) + [m.group(2)]
     return [word]
 
@@ -102,10 +100,9 @@ def _tokenize_chunk(chunk: str) -> list[str]:
             trail.insert(0, "-")
         elif c == "%":
             trail.insert(0, "%")
-        elif c == "'" and not chunk.lower().endswith(("s'", "'n'")) and len(chunk) > 1:
-            trail.insert(0, "'")
-        elif c == "'" and chunk.lower().endswith("s'") and len(chunk) > 2:
-            trail.insert(0, "'")
+        elif c == "'" and (len(chunk) > 2 if chunk.lower().endswith("s'")
+                           else len(chunk) > 1 and not chunk.lower().endswith("'n'")):
+            trail.insert(0, "'")  # a closing quote, or the possessive of a plural (dogs')
         elif c == ".":
             body = chunk[:-1]
             if body.endswith("."):  # ".." and the like: one token per dot
