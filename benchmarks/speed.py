@@ -71,7 +71,7 @@ def bench_training(repeats: int) -> dict:
     out = {}
     for precision in ("bf16", "fp32"):
         model = SoftAttentionDecoder(SATConfig(vocab_size=V, feat_dim=D, embed_dim=DIM, hidden_dim=DIM, attn_dim=DIM))
-        opt = make_optimizer(model, TrainConfig(precision=precision))
+        opt = make_optimizer([{"params": list(model.parameters()), "lr": 4e-4}], TrainConfig(precision=precision))
         x = feats.to(torch.bfloat16) if precision == "bf16" else feats
 
         def step():

@@ -9,9 +9,9 @@ from typing import Iterator
 
 import torch
 
-from .checkpoint import CheckpointError, load_into, read_config, read_weights
+from .checkpoint import CheckpointError, load_into, read_config, read_weights, split_weights
 from .decoding import Caption, decode
-from .encoders import Encoder, create_encoder
+from .encoders import Encoder, create_encoder, load_finetuned
 from .images import ImageError, load_rgb, to_tensor
 from .models import create_decoder
 from .vocab import Vocab
@@ -58,10 +58,13 @@ class Captioner:
         vocab = Vocab.from_json(words)
         if len(vocab) != decoder.cfg.vocab_size:
             raise CheckpointError(f"{path}: vocabulary has {len(vocab)} words, model expects {decoder.cfg.vocab_size}")
-        load_into(decoder, read_weights(path), path)
+        decoder_weights, encoder_tuned = split_weights(read_weights(path))
+        load_into(decoder, decoder_weights, path)
         encoder = None
         if with_encoder:
             encoder = create_encoder(enc_cfg["name"], weights=encoder_weights or enc_cfg.get("weights"))
+            if encoder_tuned:  # the blocks fine-tuned with this decoder
+                load_finetuned(encoder, encoder_tuned, str(path))
             grid = list(encoder.grid())
             if encoder.dim != decoder.cfg.feat_dim or grid != list(enc_cfg["grid"]):
                 raise CheckpointError(
@@ -81,7 +84,11 @@ class Captioner:
         return self.length_penalty if length_penalty is None else length_penalty
 
     def result(self, cap: Caption) -> Result:
-        return Result(self.vocab.decode(cap.ids), cap.attention, self.grid)
+        attention = cap.attention
+        if self.config["model"].get("attention") == "hard":  # show the location each word most
+            # likely came from (hard attention trains on one location per word)
+            attention = torch.nn.functional.one_hot(attention.argmax(1), attention.shape[1]).float()
+        return Result(self.vocab.decode(cap.ids), attention, self.grid)
 
     def caption_files(self, paths: list[Path], beam: int = 3, batch_size: int = 16,
                       length_penalty: float | None = None) -> Iterator[tuple[Path, Result | ImageError]]:

@@ -20,6 +20,14 @@ from safetensors.torch import load_file, save_file
 from .errors import CheckpointError
 
 FORMAT, VERSION = "captionkit-checkpoint", 1
+ENCODER_PREFIX = "encoder."  # fine-tuned encoder tensors, stored beside the decoder's
+
+
+def split_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A checkpoint's tensors -> (the decoder's, the fine-tuned encoder's without the prefix)."""
+    decoder = {k: v for k, v in weights.items() if not k.startswith(ENCODER_PREFIX)}
+    encoder = {k[len(ENCODER_PREFIX):]: v for k, v in weights.items() if k.startswith(ENCODER_PREFIX)}
+    return decoder, encoder
 
 
 def _fsync_dir(path: Path) -> None:

@@ -206,16 +206,18 @@ def cmd_features(dataset: str, images: str | None, encoder: str) -> int:
 
 
 def cmd_pack(checkpoint: str, out: str, fp16: bool) -> int:
-    """Copy a trained checkpoint without its optimizer state (optionally float16) for shipping."""
+    """Copy a trained checkpoint without its optimizer state (optionally its decoder in float16)
+    for shipping; fine-tuned encoder blocks stay float32, like the rest of the encoder."""
     import torch
 
-    from .checkpoint import read_config, read_weights, save_checkpoint
+    from .checkpoint import ENCODER_PREFIX, read_config, read_weights, save_checkpoint
 
     cfg = read_config(checkpoint)
     cfg.pop("optimizer_groups", None)
     w = read_weights(checkpoint)
     if fp16:
-        w = {k: v.to(torch.float16) if v.is_floating_point() else v for k, v in w.items()}
+        w = {k: v.to(torch.float16) if v.is_floating_point() and not k.startswith(ENCODER_PREFIX) else v
+             for k, v in w.items()}
     save_checkpoint(out, w, cfg)
     print(f"wrote {out} ({sum(v.numel() * v.element_size() for v in w.values()) / 1e6:.1f} MB)")
     return 0

@@ -221,3 +221,58 @@ def cider_d_scores(cands: dict[str, str] | Corpus, refs: dict[str, list[str]] | 
     np.add.at(total, c.ref_img, val)
     n_refs = np.bincount(c.ref_img, minlength=N)
     return total.mean(1) / n_refs * 10.0
+
+
+class CiderD:
+    """CIDEr-D of single candidates against fixed references and document frequencies, for
+    rewards during self-critical training: the n-gram statistics of the training references
+    are computed once, and a candidate is scored alone (``cider_d_scores`` instead takes the
+    document frequencies from the evaluated set itself). With the evaluated set's references
+    it gives ``cider_d_scores``' numbers. Sentences are sequences of tokens (words or ids)."""
+
+    def __init__(self, refs: dict, n: int = 4, sigma: float = 6.0):
+        self.n, self.sigma = n, sigma
+        grams = {k: [self._count(r) for r in rs] for k, rs in refs.items()}
+        self.df: dict[tuple, int] = {}
+        for rs in grams.values():  # the number of images whose references hold the n-gram
+            for g in {g for c in rs for g in c}:
+                self.df[g] = self.df.get(g, 0) + 1
+        self.log_n = math.log(float(max(len(refs), 1)))
+        self.refs = {k: [self._vector(c) for c in rs] for k, rs in grams.items()}
+
+    def _count(self, words) -> dict[tuple, int]:
+        words = list(words)
+        out: dict[tuple, int] = {}
+        for k in range(1, self.n + 1):
+            for i in range(len(words) - k + 1):
+                g = tuple(words[i:i + k])
+                out[g] = out.get(g, 0) + 1
+        return out
+
+    def _vector(self, counts: dict[tuple, int]):
+        """tf-idf per n-gram, the norm of each order's vector, and the bigram count."""
+        vec: dict[tuple, float] = {}
+        norm = [0.0] * self.n
+        bigrams = 0
+        for g, tf in counts.items():
+            w = tf * (self.log_n - math.log(max(1.0, self.df.get(g, 0.0))))
+            vec[g] = w
+            norm[len(g) - 1] += w * w
+            if len(g) == 2:
+                bigrams += tf
+        return vec, [math.sqrt(x) for x in norm], bigrams
+
+    def score(self, key, words) -> float:
+        """CIDEr-D (x10) of one candidate for the image ``key``."""
+        hv, hn, hb = self._vector(self._count(words))
+        refs = self.refs[key]
+        total = 0.0
+        for rv, rn, rb in refs:
+            val = [0.0] * self.n
+            for g, w in hv.items():
+                r = rv.get(g)
+                if r is not None:
+                    val[len(g) - 1] += min(w, r) * r
+            penalty = math.exp(-((hb - rb) ** 2) / (2 * self.sigma ** 2))
+            total += sum((v / (hn[i] * rn[i]) if hn[i] * rn[i] != 0 else v) for i, v in enumerate(val)) * penalty
+        return total / self.n / len(refs) * 10.0

@@ -6,6 +6,12 @@ batches (every batch holds captions of one length, as in the paper), Adam/RMSPro
 gradient clipping, then validation by free-running beam search on the dev split scored with
 the coco-caption scorers; the best checkpoint is kept, the learning rate decays on plateaus and
 training stops early when the score stops improving.
+
+Two objectives: ``xe`` (cross-entropy under teacher forcing, or the model family's own
+training loss, e.g. hard attention's lower bound) and ``scst`` (self-critical training, see
+:mod:`captionkit.scst`; batches of images instead of captions). A run can start from a trained
+checkpoint (``train.init``) and can fine-tune the encoder's last blocks (``finetune_blocks``):
+what stays frozen is cached, the rest runs in every step.
 """
 
 from __future__ import annotations
@@ -23,14 +29,14 @@ import numpy as np
 import torch
 
 from .captioner import Captioner
-from .checkpoint import (CheckpointError, load_into, optimizer_tensors, read_config, read_weights,
-                         resolve, restore_optimizer, save_checkpoint)
+from .checkpoint import (ENCODER_PREFIX, CheckpointError, load_into, optimizer_tensors, read_config,
+                         read_weights, resolve, restore_optimizer, save_checkpoint)
 from .data import ImageItem, load_dataset
-from .encoders import create_encoder
+from .encoders import create_encoder, load_finetuned
 from .evaluation import coco_scores, format_scores
 from .features import build_features
 from .models import create_decoder, family_config
-from .models.sat import caption_loss
+from .scst import SelfCritical
 from .vocab import Vocab
 
 
@@ -64,7 +70,13 @@ class TrainConfig:
     patience: epochs without improvement before stopping; lr_patience: before lr *= lr_decay.
     checkpoint_every: also save the resumable checkpoint every N steps.
     length_penalties: after training, the best checkpoint's beam-search length normalisation
-        is chosen among these on the dev split (by val_metric) and saved in its config."""
+        is chosen among these on the dev split (by val_metric) and saved in its config.
+    objective: "xe" (cross-entropy / the family's training loss) or "scst" (self-critical).
+    init: a checkpoint folder to start from; its vocabulary, model and encoder are used (the
+        config's [model] table must then be left out). Its dev score is the one to beat.
+    samples: scst only, captions sampled per image.
+    finetune_blocks: train the encoder's last N blocks too (0: frozen encoder).
+    encoder_lr: their learning rate (decayed together with lr)."""
 
     epochs: int = 20
     batch_size: int = 32
@@ -84,8 +96,17 @@ class TrainConfig:
     max_len: int = 20
     checkpoint_every: int = 1000
     length_penalties: list[float] = field(default_factory=lambda: [0.0])
+    objective: str = "xe"
+    init: str = ""
+    samples: int = 5
+    finetune_blocks: int = 0
+    encoder_lr: float = 1e-4
 
     def __post_init__(self):
+        if self.objective not in ("xe", "scst"):
+            raise ValueError(f"train.objective must be xe or scst, not {self.objective!r}")
+        if self.samples < 1 or self.finetune_blocks < 0 or self.encoder_lr <= 0:
+            raise ValueError("train.samples and train.encoder_lr must be positive, train.finetune_blocks >= 0")
         if self.optimizer not in ("adam", "rmsprop"):
             raise ValueError(f"train.optimizer must be adam or rmsprop, not {self.optimizer!r}")
         if self.precision not in ("bf16", "fp32"):
@@ -115,10 +136,14 @@ class RunConfig:
         unknown = sorted(set(d) - {"data", "encoder", "model", "train"})
         if unknown:
             raise ValueError(f"{where}: unknown table(s): {', '.join(unknown)}")
+        train = build(TrainConfig, d.get("train", {}), "train")
+        if train.init and "model" in d:
+            raise ValueError(f"{where}: with train.init the model comes from that checkpoint; leave out [model]")
         model = dict(d.get("model", {}))
-        model.setdefault("family", "sat")
+        if not train.init:
+            model.setdefault("family", "sat")
         return cls(build(DataConfig, d["data"], "data"), build(EncoderConfig, d.get("encoder", {}), "encoder"),
-                   model, build(TrainConfig, d.get("train", {}), "train"))
+                   model, train)
 
     @classmethod
     def load(cls, path: str | Path) -> "RunConfig":
@@ -135,10 +160,11 @@ class RunConfig:
                 "train": asdict(self.train)}
 
 
-def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(groups: list[dict], tc: TrainConfig) -> torch.optim.Optimizer:
+    """groups: [{"params": ..., "lr": ...}, ...] (the decoder's, then the encoder's if tuned)."""
     if tc.optimizer == "adam":  # the fused CPU kernel is ~4x faster than the per-tensor loop
-        return torch.optim.Adam(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, fused=True)
-    return torch.optim.RMSprop(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+        return torch.optim.Adam(groups, lr=tc.lr, weight_decay=tc.weight_decay, fused=True)
+    return torch.optim.RMSprop(groups, lr=tc.lr, weight_decay=tc.weight_decay)
 
 
 def length_batches(lengths: list[int], batch_size: int, seed: int) -> list[list[int]]:
@@ -168,11 +194,39 @@ class Trainer:
             self.val_items = self.val_items[:tc.val_max_images]
         if not self.train_items:
             raise ValueError(f"{cfg.data.dataset}: the {cfg.data.train_split} split is empty")
+        self.init_cfg = read_config(tc.init) if tc.init else None
+        self.init_weights = read_weights(tc.init) if tc.init else {}
+        enc_cfg = self.init_cfg["encoder"] if self.init_cfg else {}
+        if enc_cfg and enc_cfg["name"] != cfg.encoder.name:
+            raise ValueError(f"train.init {tc.init} was trained on {enc_cfg['name']}, the config names {cfg.encoder.name}")
         self.encoder = create_encoder(cfg.encoder.name, weights=cfg.encoder.weights or None)
-        store = build_features(self.encoder, [it.path for it in ds.all_items()])
-        self.grid = store.grid
-        self.train_feats = self._load_feats(store, self.train_items)  # (N, L, D) float16
+        tuned = {k[len(ENCODER_PREFIX):]: v for k, v in self.init_weights.items() if k.startswith(ENCODER_PREFIX)}
+        if tuned:
+            load_finetuned(self.encoder, tuned, tc.init)
+        # Blocks run at every step: those fine-tuned now, or earlier (then frozen; their
+        # output is computed once below). Everything before them comes from the cache.
+        inherited = int(enc_cfg.get("finetuned_blocks", 0))
+        if tc.finetune_blocks and tc.finetune_blocks < inherited:
+            raise ValueError(f"train.finetune_blocks must be 0 or at least the {inherited} blocks {tc.init} tuned")
+        self.tuned_blocks = max(tc.finetune_blocks, inherited)
+        self.tail = None
+        source = self.encoder
+        if self.tuned_blocks:
+            source, self.tail = self.encoder.split(self.tuned_blocks)
+        paths = [it.path for it in ds.all_items()]
+        store = build_features(source, paths)
+        self.source_grid = store.grid
+        self.grid = tuple(self.encoder.grid())
+        self.train_feats = self._load_feats(store, self.train_items)  # (N, L, C) float16
         self.val_feats = self._load_feats(store, self.val_items)
+        if self.tail is not None and not tc.finetune_blocks:  # tuned before, frozen now
+            self.train_feats, self.val_feats = self._run_tail(self.train_feats), self._run_tail(self.val_feats)
+            self.source_grid = self.grid
+            self.tail_params: list[torch.nn.Parameter] = []
+        elif self.tail is not None:
+            self.tail_params = list(self.tail.parameters())
+            for p in self.tail_params:
+                p.requires_grad_(True)
         self.vocab: Vocab | None = None
 
     @staticmethod
@@ -182,31 +236,70 @@ class Trainer:
             raise ValueError(f"{len(missing)} images have no features (unreadable?), e.g. {missing[0]}")
         return torch.from_numpy(np.ascontiguousarray(store.rows([it.name for it in items])))
 
+    @torch.no_grad()
+    def _run_tail(self, feats: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.tail(feats[i:i + 256].float(), self.source_grid).half()
+                          for i in range(0, len(feats), 256)])
+
+    def features(self, feats: torch.Tensor) -> torch.Tensor:
+        """Cached rows (B, L, C) -> annotation vectors (B, L, D), through the tuned blocks if
+        they are being trained. Call under the training autocast."""
+        if self.cfg.train.finetune_blocks:
+            return self.tail(feats.float(), self.source_grid)
+        return feats.to(torch.bfloat16) if self.cfg.train.precision == "bf16" else feats.float()
+
     def setup(self, vocab: Vocab) -> None:
         cfg, tc = self.cfg, self.cfg.train
         self.vocab = vocab
-        model_cfg = {k: v for k, v in cfg.model.items() if k != "family"}
-        model_cfg.update(vocab_size=len(vocab), feat_dim=self.encoder.dim)
-        family_config(cfg.model["family"], model_cfg)  # validates before building
-        self.family = cfg.model["family"]
+        if self.init_cfg:
+            self.family, model_cfg = self.init_cfg["family"], dict(self.init_cfg["model"])
+        else:
+            self.family = cfg.model["family"]
+            model_cfg = {k: v for k, v in cfg.model.items() if k != "family"}
+            model_cfg.update(vocab_size=len(vocab), feat_dim=self.encoder.dim)
+        family_config(self.family, model_cfg)  # validates before building
         self.model_cfg = model_cfg
         self.model = create_decoder(self.family, model_cfg)
-        self.opt = make_optimizer(self.model, tc)
+        if self.init_cfg:
+            load_into(self.model, self.decoder_weights(self.init_weights), tc.init)
+        groups = [{"params": list(self.model.parameters()), "lr": tc.lr}]
+        if tc.finetune_blocks:
+            groups.append({"params": self.tail_params, "lr": tc.encoder_lr})
+        self.lr_scales = [g["lr"] / tc.lr for g in groups]
+        self.opt = make_optimizer(groups, tc)
         # (image row, token ids) for every training caption
         self.examples: list[tuple[int, list[int]]] = []
         for row, it in enumerate(self.train_items):
             for toks in it.tokens:
                 if toks:
                     self.examples.append((row, vocab.encode(toks[:cfg.data.max_words])))
+        self.scst = None
+        if tc.objective == "scst":  # CIDEr-D document frequencies from the training references
+            refs = {row: [t for t in it.tokens if t] for row, it in enumerate(self.train_items)}
+            self.scst = SelfCritical(refs, vocab, tc.samples, tc.max_len)
         self.state = {"epoch": 0, "step": 0, "batch_in_epoch": 0, "best_score": None, "best_epoch": 0,
                       "bad_epochs": 0, "lr_bad_epochs": 0, "lr": tc.lr, "history": []}
 
+    @staticmethod
+    def decoder_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in weights.items() if not k.startswith(ENCODER_PREFIX)}
+
     def checkpoint_config(self) -> dict:
-        return {"family": self.family, "model": self.model_cfg,
-                "encoder": {"name": self.cfg.encoder.name, "weights": self.cfg.encoder.weights or None,
-                            "grid": list(self.grid), "cache_key": self.encoder.cache_key()},
+        encoder = {"name": self.cfg.encoder.name, "weights": self.cfg.encoder.weights or None,
+                   "grid": list(self.grid), "cache_key": self.encoder.cache_key()}
+        if self.tuned_blocks:
+            encoder["finetuned_blocks"] = self.tuned_blocks
+        return {"family": self.family, "model": self.model_cfg, "encoder": encoder,
                 "vocab": self.vocab.to_json(), "decoding": {"max_len": self.cfg.train.max_len},
                 "train": self.cfg.to_dict(), "state": self.state}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The decoder's weights, and the tuned encoder blocks' under ``encoder.``."""
+        out = dict(self.model.state_dict())
+        if self.tail is not None:
+            tail = {id(p) for p in self.tail.parameters()}
+            out.update({ENCODER_PREFIX + k: p.detach() for k, p in self.encoder.named_parameters() if id(p) in tail})
+        return out
 
     def save(self, name: str, with_optimizer: bool) -> None:
         optim = None
@@ -215,7 +308,15 @@ class Trainer:
             optim, groups = optimizer_tensors(self.opt)
             optim["rng.torch"] = torch.get_rng_state()
             cfg["optimizer_groups"] = groups
-        save_checkpoint(self.out / name, self.model.state_dict(), cfg, optim)
+        save_checkpoint(self.out / name, self.weights(), cfg, optim)
+
+    def load_weights(self, folder: Path) -> dict[str, torch.Tensor]:
+        weights = read_weights(folder)
+        load_into(self.model, self.decoder_weights(weights), folder)
+        if self.cfg.train.finetune_blocks:
+            load_finetuned(self.encoder, {k[len(ENCODER_PREFIX):]: v for k, v in weights.items()
+                                          if k.startswith(ENCODER_PREFIX)}, str(folder))
+        return weights
 
     def resume(self) -> None:
         folder = resolve(self.out / "last")
@@ -223,74 +324,102 @@ class Trainer:
         self.setup(Vocab.from_json(cfg["vocab"]))
         if cfg["model"] != self.model_cfg or cfg["family"] != self.family:
             raise CheckpointError(f"{folder}: saved with a different model config than {self.cfg.model}")
-        load_into(self.model, read_weights(folder), folder)
+        self.load_weights(folder)
         optim = read_weights(folder, "optimizer.safetensors")
         torch.set_rng_state(optim.pop("rng.torch"))
         restore_optimizer(self.opt, optim, cfg["optimizer_groups"])
         self.state = cfg["state"]
 
+    @torch.no_grad()
     def validate(self, length_penalty: float = 0.0) -> dict[str, float]:
         tc = self.cfg.train
+        self.model.eval()
         cap = Captioner(self.model, self.vocab, self.checkpoint_config())
         captions = {}
         for i in range(0, len(self.val_items), 100):
-            feats = self.val_feats[i:i + 100].float()
+            feats = self.val_feats[i:i + 100]
+            feats = self.tail(feats.float(), self.source_grid) if tc.finetune_blocks else feats.float()
             for it, c in zip(self.val_items[i:i + 100],
                              cap.decode_features(feats, beam=tc.val_beam, length_penalty=length_penalty)):
                 captions[it.name] = " ".join(self.vocab.decode(c.ids))
         refs = {it.name: it.raw for it in self.val_items}
         return coco_scores(captions, refs, metrics=("bleu", "cider"), quiet=True)
 
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """xe: caption indices, one length per batch; scst: image rows."""
+        tc = self.cfg.train
+        seed = tc.seed * 1000 + epoch
+        if tc.objective == "scst":
+            rows = list(range(len(self.train_items)))
+            random.Random(seed).shuffle(rows)
+            return [rows[i:i + tc.batch_size] for i in range(0, len(rows), tc.batch_size)]
+        return length_batches([len(ids) for _, ids in self.examples], tc.batch_size, seed)
+
+    def batch_loss(self, idx: list[int]) -> tuple[torch.Tensor, float]:
+        """-> (loss to minimise, the figure to report: cross-entropy, or scst's sample reward)."""
+        tc = self.cfg.train
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.precision == "bf16"):
+            if tc.objective == "scst":
+                feats = self.features(self.train_feats.index_select(0, torch.tensor(idx)))  # (B, L, D)
+                loss, stats = self.scst.loss(self.model, feats, idx)
+                return loss, stats.sample_reward
+            rows = torch.tensor([self.examples[i][0] for i in idx])
+            ids = torch.tensor([self.examples[i][1] for i in idx])  # (B, T+1), one length
+            feats = self.features(self.train_feats.index_select(0, rows))  # (B, L, D)
+            loss, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], tc.alpha_c)
+            return loss, float(ce.detach())
+
+    def set_lr(self, lr: float) -> None:
+        for pg, scale in zip(self.opt.param_groups, self.lr_scales):
+            pg["lr"] = lr * scale
+
     def run(self, max_steps: int | None = None, progress: bool = True) -> dict:
         tc, st = self.cfg.train, self.state
-        lengths = [len(ids) for _, ids in self.examples]
-        autocast = tc.precision == "bf16"
-        for pg in self.opt.param_groups:
-            pg["lr"] = st["lr"]
+        figure = "reward" if tc.objective == "scst" else "loss"
+        self.set_lr(st["lr"])
+        if self.init_cfg and st["best_score"] is None:  # the starting point is the score to beat
+            scores = self.validate()
+            st.update(best_score=scores[tc.val_metric], best_epoch=0)
+            st["history"].append({"epoch": 0, "step": 0, **scores})
+            print(f"epoch 0 ({tc.init}): dev {format_scores(scores)}", file=sys.stderr)
+            self.save("best", with_optimizer=False)
+        params = list(self.model.parameters()) + (self.tail_params if tc.finetune_blocks else [])
         while st["epoch"] < tc.epochs:
-            batches = length_batches(lengths, tc.batch_size, seed=tc.seed * 1000 + st["epoch"])
-            self.model.train()
-            t0, seen, loss_sum, n_batches = time.time(), 0, 0.0, 0
+            batches = self.epoch_batches(st["epoch"])
+            # self-critical training samples without dropout (see captionkit.scst)
+            self.model.train(tc.objective == "xe")
+            t0, seen, fig_sum, n_batches = time.time(), 0, 0.0, 0
             for bi in range(st["batch_in_epoch"], len(batches)):
                 if max_steps is not None and st["step"] >= max_steps:
                     self.save("last", with_optimizer=True)
                     return st
-                idx = batches[bi]
-                rows = torch.tensor([self.examples[i][0] for i in idx])
-                ids = torch.tensor([self.examples[i][1] for i in idx])  # (B, T+1), one length
-                feats = self.train_feats.index_select(0, rows)  # (B, L, D) float16
-                feats = feats.to(torch.bfloat16) if autocast else feats.float()
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                    logits, alphas = self.model(feats, ids[:, :-1])
-                loss, ce = caption_loss(logits.float(), ids[:, 1:], alphas, tc.alpha_c)
+                loss, fig = self.batch_loss(batches[bi])
+                if not math.isfinite(float(loss.detach())):
+                    raise FloatingPointError(f"loss became {float(loss.detach())} at step {st['step']}")
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 if tc.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
+                    torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
                 self.opt.step()
                 st["step"] += 1
                 st["batch_in_epoch"] = bi + 1
-                seen += len(idx)
-                ce_val = float(ce.detach())
-                loss_sum, n_batches = loss_sum + ce_val, n_batches + 1
-                loss_avg = loss_sum / n_batches  # mean cross-entropy over this epoch so far
-                if not math.isfinite(ce_val):
-                    raise FloatingPointError(f"loss became {ce_val} at step {st['step']}")
+                seen += len(batches[bi])
+                fig_sum, n_batches = fig_sum + fig, n_batches + 1
                 if progress and (bi % 20 == 0 or bi == len(batches) - 1):
                     rate = seen / max(time.time() - t0, 1e-9)
+                    unit = "images" if tc.objective == "scst" else "captions"
                     print(f"\repoch {st['epoch'] + 1}/{tc.epochs} {bi + 1}/{len(batches)} "
-                          f"loss {loss_avg:.3f} {rate:.0f} captions/s", end="", file=sys.stderr)
+                          f"{figure} {fig_sum / n_batches:.3f} {rate:.0f} {unit}/s", end="", file=sys.stderr)
                 if tc.checkpoint_every and st["step"] % tc.checkpoint_every == 0:
                     self.save("last", with_optimizer=True)
             if progress:
                 print(file=sys.stderr)
-            self.model.eval()
             scores = self.validate()
             score = scores[tc.val_metric]
             st["epoch"] += 1
             st["batch_in_epoch"] = 0
             improved = st["best_score"] is None or score > st["best_score"]
-            st["history"].append({"epoch": st["epoch"], "step": st["step"], "loss": loss_sum / max(n_batches, 1),
+            st["history"].append({"epoch": st["epoch"], "step": st["step"], figure: fig_sum / max(n_batches, 1),
                                   "lr": st["lr"], "seconds": round(time.time() - t0, 1), **scores})
             if improved:
                 st.update(best_score=score, best_epoch=st["epoch"], bad_epochs=0, lr_bad_epochs=0)
@@ -301,8 +430,7 @@ class Trainer:
                 if st["lr_bad_epochs"] >= tc.lr_patience:
                     st["lr"] *= tc.lr_decay
                     st["lr_bad_epochs"] = 0
-                    for pg in self.opt.param_groups:
-                        pg["lr"] = st["lr"]
+                    self.set_lr(st["lr"])
             print(f"epoch {st['epoch']}: dev {format_scores(scores)} "
                   f"({tc.val_metric} {'best' if improved else 'no gain'}; lr {st['lr']:.2e})", file=sys.stderr)
             with open(self.out / "history.jsonl", "a") as fh:
@@ -318,9 +446,8 @@ class Trainer:
         """Pick the best checkpoint's length normalisation on the dev split and save it there."""
         tc = self.cfg.train
         best = self.out / "best"
-        cfg, weights = read_config(best), read_weights(best)
-        load_into(self.model, weights, best)
-        self.model.eval()
+        cfg = read_config(best)
+        weights = self.load_weights(best)
         tried = {lp: self.validate(lp)[tc.val_metric] for lp in tc.length_penalties}
         choice = max(tried, key=lambda lp: (tried[lp], -abs(lp)))
         cfg["decoding"] = dict(cfg["decoding"], length_penalty=choice)
@@ -342,6 +469,10 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
     else:
         if resume:
             print(f"--resume: no checkpoint in {out}, starting fresh", file=sys.stderr)
-        words = [toks for it in trainer.train_items for toks in it.tokens]
-        trainer.setup(Vocab.build(words, cfg.data.min_count, cfg.data.top_k or None))
+        if trainer.init_cfg:
+            vocab = Vocab.from_json(trainer.init_cfg["vocab"])
+        else:
+            words = [toks for it in trainer.train_items for toks in it.tokens]
+            vocab = Vocab.build(words, cfg.data.min_count, cfg.data.top_k or None)
+        trainer.setup(vocab)
     return trainer.run(max_steps=max_steps, progress=progress)

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..errors import WeightsUnavailable  # noqa: F401  (re-exported for the encoder modules)
+from ..errors import CheckpointError, WeightsUnavailable  # noqa: F401  (re-exported for the encoder modules)
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,12 @@ class Encoder(nn.Module):
             size = self.preprocess.size
             fmap = self.features(torch.zeros(1, 3, size, size))
         return int(fmap.shape[2]), int(fmap.shape[3])
+
+    def split(self, blocks: int) -> tuple["Encoder", nn.Module]:
+        """(trunk, tail) for fine-tuning the last ``blocks`` blocks: the trunk is a frozen
+        encoder of its own (its output can be cached), the tail maps the trunk's (B, L, C)
+        to this encoder's (B, L, D) and shares this encoder's parameters."""
+        raise ValueError(f"encoder {self.name!r} does not support fine-tuning its last blocks")
 
     def cache_key(self) -> str:
         """A short stable id of (architecture, weights, preprocessing) for feature caches."""
@@ -112,3 +118,18 @@ def load_state_file(path: str) -> dict[str, torch.Tensor]:
     if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
         sd = sd["state_dict"]
     return sd
+
+
+def load_finetuned(encoder: Encoder, weights: dict[str, torch.Tensor], where: str) -> None:
+    """Put fine-tuned tensors (a subset of the encoder's state dict, e.g. its last blocks) into
+    ``encoder``; its ``weights_id`` then names them, so feature caches never mix the two."""
+    own = encoder.state_dict()
+    bad = [k for k in weights if k not in own or own[k].shape != weights[k].shape]
+    if bad:
+        raise CheckpointError(f"{where}: fine-tuned encoder weights do not fit {encoder.name} ({', '.join(bad[:3])})")
+    encoder.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.items()}, strict=False)
+    digest = hashlib.sha1()
+    for k in sorted(weights):
+        digest.update(k.encode())
+        digest.update(weights[k].float().numpy().tobytes())
+    encoder.weights_id = f"{encoder.weights_id}+finetuned-{digest.hexdigest()[:10]}"

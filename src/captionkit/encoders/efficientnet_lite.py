@@ -96,10 +96,56 @@ class EfficientNetLite(Encoder):
         self._bn1 = _bn(1280)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self._head(self._trunk(x, len(self._blocks)))  # (B, 1280, H, W)
+
+    def _trunk(self, x: torch.Tensor, n_blocks: int) -> torch.Tensor:
         x = F.relu6(self._bn0(self._conv_stem(x)))
-        for block in self._blocks:
+        for block in self._blocks[:n_blocks]:
             x = block(x)
-        return F.relu6(self._bn1(self._conv_head(x)))  # (B, 1280, H, W)
+        return x
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu6(self._bn1(self._conv_head(x)))
+
+    def split(self, blocks: int) -> tuple[Encoder, nn.Module]:
+        if not 1 <= blocks <= len(self._blocks):
+            raise ValueError(f"{self.name}: can fine-tune 1..{len(self._blocks)} blocks, not {blocks}")
+        return _Trunk(self, len(self._blocks) - blocks), _Tail(self, len(self._blocks) - blocks)
+
+
+class _Trunk(Encoder):
+    """The frozen first blocks of an EfficientNet-Lite, as an encoder whose output is cached."""
+
+    def __init__(self, full: EfficientNetLite, n_blocks: int):
+        super().__init__()
+        object.__setattr__(self, "full", full)  # not a submodule: the trunk owns no parameters
+        self.n_blocks = n_blocks
+        self.name, self.preprocess, self.weights_id = full.name, full.preprocess, full.weights_id
+        self.dim = full._blocks[n_blocks - 1]._project_conv.out_channels if n_blocks else 32
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.full._trunk(x, self.n_blocks)  # (B, C, H, W)
+
+    def cache_key(self) -> str:
+        return f"{self.full.cache_key()}-trunk{self.n_blocks}"
+
+
+class _Tail(nn.Module):
+    """The last blocks and the head: trunk output (B, L, C) on a (H, W) grid -> (B, L', 1280)."""
+
+    def __init__(self, full: EfficientNetLite, first: int):
+        super().__init__()
+        self.blocks = full._blocks[first:]
+        self.conv_head, self.bn_head = full._conv_head, full._bn1
+
+    def forward(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        B, L, C = x.shape
+        x = x.transpose(1, 2).reshape(B, C, *grid)  # (B, C, H, W)
+        x = x.contiguous(memory_format=torch.channels_last)
+        for block in self.blocks:
+            x = block(x)
+        x = F.relu6(self.bn_head(self.conv_head(x)))  # (B, 1280, H', W')
+        return x.flatten(2).transpose(1, 2)  # (B, L', 1280)
 
 
 def _fold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> None:

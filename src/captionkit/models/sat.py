@@ -1,5 +1,5 @@
-"""Show, Attend and Tell (Xu et al. 2015): an LSTM decoder with soft attention over a grid of
-annotation vectors (sections 3.1.2 and 4.2 of the paper).
+"""Show, Attend and Tell (Xu et al. 2015): an LSTM decoder attending over a grid of annotation
+vectors, with soft (deterministic, section 4.2) or hard (stochastic, section 4.1) attention.
 
 Per word t, with a = (a_1..a_L) the annotation vectors and h_{t-1} the previous hidden state:
     e_ti  = w^T tanh(W_a a_i + U_a h_{t-1})          MLP attention
@@ -9,6 +9,13 @@ Per word t, with a = (a_1..a_L) the annotation vectors and h_{t-1} the previous 
     p(y_t) ~ exp(L_o(E y_{t-1} + L_h h_t + L_z z_t))  deep output layer
 h_0 and c_0 come from two MLPs of the mean annotation vector. Training adds the doubly
 stochastic penalty lambda * sum_i (1 - sum_t alpha_ti)^2.
+
+Hard attention replaces the expected context by the annotation vector of one location
+s_t ~ Multinoulli(alpha_t) during training, and learns alpha by REINFORCE on the variational
+lower bound (equation 12): the sentence log-likelihood is the reward, a moving average of it the
+baseline, plus an entropy bonus on alpha; with probability 0.5 a caption is trained on the
+expected context instead (``expected_prob``). Decoding uses the expected context (the soft
+model's computation), and attention figures show each word's most probable location.
 
 Why the code looks the way it does: everything that does not depend on the recurrence is
 computed once for the whole sequence, outside the time loop -- the attention projection
@@ -41,6 +48,13 @@ class SATConfig:
     dropout: dropout on the deep output layer's input.
     embed_dropout: dropout on the word embeddings (the LSTM's and the deep output's input).
     gate: use the gating scalar beta (paper section 4.2.1).
+    attention: "soft" or "hard".
+    The rest only matter for hard attention:
+    reinforce_weight: lambda_r, weight of the REINFORCE term for the sampled locations.
+    entropy_weight: lambda_e, weight of the entropy bonus H(alpha_t).
+    baseline_decay: the moving-average baseline's decay (b <- decay * b + (1 - decay) * reward).
+    expected_prob: probability that a training caption uses the expected context instead of
+        sampled locations (the paper's 0.5).
     """
 
     vocab_size: int
@@ -51,8 +65,18 @@ class SATConfig:
     dropout: float = 0.5
     gate: bool = True
     embed_dropout: float = 0.0
+    attention: str = "soft"
+    reinforce_weight: float = 1.0
+    entropy_weight: float = 0.01
+    baseline_decay: float = 0.9
+    expected_prob: float = 0.5
 
     def __post_init__(self):
+        if self.attention not in ("soft", "hard"):
+            raise ValueError(f"SATConfig.attention must be soft or hard, not {self.attention!r}")
+        for k in ("baseline_decay", "expected_prob"):
+            if not 0.0 <= getattr(self, k) <= 1.0:
+                raise ValueError(f"SATConfig.{k} must be in [0, 1], got {getattr(self, k)}")
         for k in ("vocab_size", "feat_dim", "embed_dim", "hidden_dim", "attn_dim"):
             if int(getattr(self, k)) < 1:
                 raise ValueError(f"SATConfig.{k} must be positive, got {getattr(self, k)}")
@@ -102,6 +126,10 @@ class SoftAttentionDecoder(nn.Module):
             self.gates_emb.bias.zero_()
             self.gates_emb.bias[H:2 * H].fill_(1.0)
             self.h_proj.bias[A + 1:].zero_()
+        if cfg.attention == "hard":
+            # the REINFORCE baseline: the running mean log-likelihood per word, and how many
+            # updates it has seen (saved with the weights, so a resumed run keeps it)
+            self.register_buffer("baseline", torch.zeros(2))
 
     # ---- the decoder step contract --------------------------------------------------------
     def prepare(self, feats: torch.Tensor) -> Memory:
@@ -114,17 +142,24 @@ class SoftAttentionDecoder(nn.Module):
     def init_state(self, mem: Memory) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.tanh(self.init_h(mem.mean)).float(), torch.tanh(self.init_c(mem.mean)).float()  # (B, H)
 
-    def _attend(self, h: torch.Tensor, mem: Memory):
-        """One recurrence step's h_{t-1} work: attention weights, gated context, W_hh h."""
+    def _attend(self, h: torch.Tensor, mem: Memory, sampled: torch.Tensor | None = None):
+        """One recurrence step's h_{t-1} work: attention weights, gated context, W_hh h, and
+        the location drawn for each caption whose row of ``sampled`` (B,) is True (hard
+        attention; the others get the expected context)."""
         A = self.cfg.attn_dim
         hp = self.h_proj(h)  # (B, A + 1 + 4H)
         q, beta_logit, gates_h = hp[:, :A], hp[:, A:A + 1], hp[:, A + 1:]
         e = mem.energy(q, self.att_w)  # (B, L) = w . tanh(W_a a_i + U_a h)
         alpha = torch.softmax(e, dim=1)  # (B, L), float32
-        z = torch.bmm(alpha.to(mem.feats.dtype).unsqueeze(1), mem.feats).squeeze(1)  # (B, D)
+        weights, loc = alpha, None
+        if sampled is not None:
+            loc = torch.multinomial(alpha.detach(), 1).squeeze(1)  # (B,) s_t ~ Multinoulli(alpha)
+            onehot = F.one_hot(loc, alpha.shape[1]).to(alpha.dtype)  # (B, L)
+            weights = torch.where(sampled.unsqueeze(1), onehot, alpha)
+        z = torch.bmm(weights.to(mem.feats.dtype).unsqueeze(1), mem.feats).squeeze(1)  # (B, D)
         if self.cfg.gate:
             z = torch.sigmoid(beta_logit) * z
-        return alpha, z, gates_h
+        return alpha, z, gates_h, loc
 
     @staticmethod
     def _lstm(gates: torch.Tensor, c: torch.Tensor):
@@ -140,28 +175,72 @@ class SoftAttentionDecoder(nn.Module):
         """tokens (B,) previous words -> (log-probs (B, V), new state, alpha (B, L))."""
         h, c = state
         emb = self.embed_drop(self.embed(tokens))  # (B, M)
-        alpha, z, gates_h = self._attend(h, mem)
+        alpha, z, gates_h, _ = self._attend(h, mem)
         h, c = self._lstm(self.gates_emb(emb) + self.gates_ctx(z) + gates_h, c)
         return F.log_softmax(self._logits(emb, h, z), dim=-1), (h, c), alpha
 
     # ---- teacher-forced training ----------------------------------------------------------
     def forward(self, feats: torch.Tensor, inputs: torch.Tensor):
         """feats (B, L, D), inputs (B, T) = <start> w_1 .. w_{T-1}
-        -> logits (B, T, V) and alphas (B, T, L)."""
+        -> logits (B, T, V) and alphas (B, T, L), with the expected context at every step."""
+        logits, alphas, _ = self._unroll(feats, inputs)
+        return logits, alphas
+
+    def _unroll(self, feats: torch.Tensor, inputs: torch.Tensor, sampled: torch.Tensor | None = None):
+        """The teacher-forced recurrence; captions with ``sampled`` (B,) True attend to a drawn
+        location per step. -> logits (B, T, V), alphas (B, T, L), locations (B, T) or None."""
         mem = self.prepare(feats)
         h, c = self.init_state(mem)
         emb = self.embed_drop(self.embed(inputs))  # (B, T, M)
         gates_emb = self.gates_emb(emb)  # (B, T, 4H), all steps at once
-        hs, zs, alphas = [], [], []
+        hs, zs, alphas, locs = [], [], [], []
         for t in range(inputs.shape[1]):
-            alpha, z, gates_h = self._attend(h, mem)
+            alpha, z, gates_h, loc = self._attend(h, mem, sampled)
             h, c = self._lstm(gates_emb[:, t] + self.gates_ctx(z) + gates_h, c)
             hs.append(h)
             zs.append(z)
             alphas.append(alpha)
+            locs.append(loc)
         H_all = torch.stack(hs, 1)  # (B, T, H)
         Z_all = torch.stack(zs, 1)  # (B, T, D)
-        return self._logits(emb, H_all, Z_all), torch.stack(alphas, 1)
+        return (self._logits(emb, H_all, Z_all), torch.stack(alphas, 1),
+                torch.stack(locs, 1) if sampled is not None else None)
+
+    def training_loss(self, feats: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor,
+                      alpha_c: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cross-entropy objective (soft) or the variational lower bound (hard) for one
+        batch, per word, with the doubly stochastic penalty. -> (loss, word cross-entropy).
+        The model computes in the autocast dtype; the losses are taken in float32."""
+        cfg = self.cfg
+        if cfg.attention == "soft":
+            logits, alphas = self(feats, inputs)
+            return caption_loss(logits.float(), targets, alphas, alpha_c)
+        B = inputs.shape[0]
+        sampled = torch.rand(B) >= cfg.expected_prob  # (B,) captions trained on drawn locations
+        logits, alphas, locs = self._unroll(feats, inputs, sampled)
+        mask = (targets != 0).float()  # (B, T)
+        n_words = mask.sum()
+        word_ll = -F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")  # (B, T)
+        sent_ll = (word_ll * mask).sum(1)  # (B,) log p(y | s, a): the reward
+        lengths = mask.sum(1)
+        value, updates = self.baseline.tolist()
+        reward = sent_ll.detach()
+        if sampled.any():
+            per_word = float((reward[sampled] / lengths[sampled]).mean())
+            value = per_word if updates == 0 else cfg.baseline_decay * value + (1 - cfg.baseline_decay) * per_word
+        # The baseline is per word, scaled by each caption's length: captions of different
+        # lengths have very different log-likelihoods, and batches hold one length each.
+        advantage = (reward - self.baseline[0] * lengths) * sampled  # (B,), 0 for expected-context captions
+        if updates == 0:
+            advantage = advantage * 0  # no baseline yet: no REINFORCE step on the first batch
+        log_p_loc = torch.log(alphas.gather(2, locs.unsqueeze(2)).squeeze(2).clamp_min(1e-12))  # (B, T)
+        entropy = -(alphas * torch.log(alphas.clamp_min(1e-12))).sum(2)  # (B, T)
+        lower_bound = (sent_ll.sum() + cfg.reinforce_weight * (advantage.unsqueeze(1) * log_p_loc * mask).sum()
+                       + cfg.entropy_weight * (entropy * mask).sum())
+        with torch.no_grad():
+            self.baseline.copy_(torch.tensor([value, updates + 1]))
+        ce = -sent_ll.sum() / n_words
+        return -lower_bound / n_words + alpha_c * attention_penalty(alphas, targets), ce
 
 
 def caption_loss(logits: torch.Tensor, targets: torch.Tensor, alphas: torch.Tensor,
@@ -175,7 +254,11 @@ def caption_loss(logits: torch.Tensor, targets: torch.Tensor, alphas: torch.Tens
     rather than a force flattening every word's attention (with L = 81 and 12 words the
     summed penalty would be ~60 against a word loss of ~2). Returns (total, cross-entropy)."""
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=pad)
+    return ce + alpha_c * attention_penalty(alphas, targets, pad), ce
+
+
+def attention_penalty(alphas: torch.Tensor, targets: torch.Tensor, pad: int = 0) -> torch.Tensor:
+    """mean_i (1 - sum_t alpha_ti)^2 over locations and captions, the words' steps only."""
     mask = (targets != pad).unsqueeze(2).to(alphas.dtype)  # (B, T, 1)
     attn_sum = (alphas * mask).sum(1)  # (B, L)
-    penalty = ((1.0 - attn_sum) ** 2).mean()
-    return ce + alpha_c * penalty, ce
+    return ((1.0 - attn_sum) ** 2).mean()

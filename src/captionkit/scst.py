@@ -1,0 +1,96 @@
+"""Self-critical sequence training (Rennie et al. 2017), written against the decoder contract.
+
+For each image, captions are *sampled* from the model and scored with CIDEr-D against the
+image's references; the model's own greedy caption, scored the same way, is the baseline. The
+loss is REINFORCE: -(r(sample) - r(greedy)) * log p(sample), so captions that beat what the
+model would say anyway become more likely and worse ones less likely.
+
+What a decoder family must offer: the step contract (``prepare``, ``init_state``, ``step``;
+used to sample and to decode greedily) and teacher-forced ``forward(feats, inputs) ->
+(logits, attention)`` (used to take the log-probability of the samples in one pass, which is
+much cheaper than keeping the graph of the sampling loop). The model runs without dropout
+throughout, so the distribution the samples come from is the one whose gradient is taken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .decoding import _allowed, _select, greedy
+from .metrics import CiderD
+from .vocab import Vocab
+
+
+@torch.no_grad()
+def sample(model, feats: torch.Tensor, n: int, max_len: int = 20,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """``n`` captions per image drawn from the model -> (B * n, T) word ids, each row ending
+    in <end> and then <pad>; rows b*n .. b*n+n-1 belong to image b. Words that decoding never
+    produces (<pad>, <start>, <unk>) are never drawn."""
+    B = feats.shape[0]
+    mem = model.prepare(feats)
+    rows = torch.arange(B).repeat_interleave(n)  # (B*n,)
+    mem, state = mem.index_select(rows), _select(model.init_state(mem), rows)
+    tokens = torch.full((B * n,), Vocab.start, dtype=torch.long)
+    alive = torch.ones(B * n, dtype=torch.bool)
+    out = []
+    for t in range(max_len + 1):
+        logp, state, _ = model.step(tokens, state, mem)
+        probs = _allowed(logp.float(), t == max_len).exp()  # (B*n, V)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        tokens = torch.where(alive, tokens, torch.full_like(tokens, Vocab.pad))
+        out.append(tokens)
+        alive &= tokens != Vocab.end
+        if not alive.any():
+            break
+    return torch.stack(out, 1)  # (B*n, T)
+
+
+def sequence_logprobs(model, feats: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
+    """log p of every word of ``seqs`` (R, T) given ``feats`` (R, L, D), teacher-forced, under
+    the same renormalisation as sampling (<pad>, <start>, <unk> excluded) -> (R, T), 0 at pads."""
+    start = torch.full((seqs.shape[0], 1), Vocab.start, dtype=torch.long)
+    inputs = torch.cat([start, seqs[:, :-1]], 1)  # (R, T): <start> w_1 .. w_{T-1}
+    logits, _ = model(feats, inputs)  # (R, T, V)
+    logits = logits.float().clone()
+    logits[..., [Vocab.pad, Vocab.start, Vocab.unk]] = float("-inf")
+    logp = F.log_softmax(logits, dim=-1).gather(2, seqs.unsqueeze(2)).squeeze(2)  # (R, T)
+    return logp.masked_fill(seqs == Vocab.pad, 0.0)
+
+
+@dataclass
+class SelfCriticalStats:
+    sample_reward: float  # mean CIDEr-D of the sampled captions
+    greedy_reward: float  # mean CIDEr-D of the greedy captions (the baseline)
+
+
+class SelfCritical:
+    """The self-critical objective for one set of training images.
+
+    refs: for each image key, its reference captions as lists of words (document frequencies
+    for CIDEr-D come from these). vocab turns word ids back into words."""
+
+    def __init__(self, refs: dict, vocab: Vocab, samples: int = 5, max_len: int = 20):
+        self.cider = CiderD(refs)
+        self.vocab, self.samples, self.max_len = vocab, samples, max_len
+
+    def rewards(self, keys: list, seqs: list[list[int]]) -> torch.Tensor:
+        """CIDEr-D of each word-id sequence (without <start>/<end>) for its image key."""
+        return torch.tensor([self.cider.score(k, self.vocab.decode(s)) for k, s in zip(keys, seqs)])
+
+    def loss(self, model, feats: torch.Tensor, keys: list) -> tuple[torch.Tensor, SelfCriticalStats]:
+        """feats (B, L, D) of the images ``keys`` -> (REINFORCE loss, rewards)."""
+        n = self.samples
+        seqs = sample(model, feats, n, self.max_len)  # (B*n, T)
+        base = greedy(model, feats, self.max_len)
+        ids = [[w for w in row if w not in (Vocab.end, Vocab.pad)] for row in seqs.tolist()]
+        r_sample = self.rewards([k for k in keys for _ in range(n)], ids)  # (B*n,)
+        r_greedy = self.rewards(keys, [c.ids for c in base])  # (B,)
+        advantage = r_sample - r_greedy.repeat_interleave(n)  # (B*n,)
+        logp = sequence_logprobs(model, feats.repeat_interleave(n, 0), seqs)  # (B*n, T)
+        words = (seqs != Vocab.pad).sum()
+        loss = -(advantage.unsqueeze(1) * logp).sum() / words
+        return loss, SelfCriticalStats(float(r_sample.mean()), float(r_greedy.mean()))
