@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
 from pathlib import Path
 
 import torch
+from timing import median_time
 
 from captionkit.captioner import Captioner
 from captionkit.encoders import create_encoder
@@ -37,15 +36,6 @@ B, T, V, GRID, D = 32, 13, 2541, (9, 9), 1280
 SIZES = dict(vocab_size=V, feat_dim=D, embed_dim=512, hidden_dim=512, attn_dim=512, dropout=0.5, embed_dropout=0.3)
 
 
-def median_time(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def optimizer_step(params, loss, opt):

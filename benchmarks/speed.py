@@ -16,7 +16,6 @@ Every figure is the median of several timed repeats.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from timing import median_time  # noqa: E402
 from tutorial_decoder import TutorialDecoder  # noqa: E402
 
 from captionkit.cli import tune_allocator  # noqa: E402
@@ -36,15 +36,6 @@ from captionkit.train import TrainConfig, make_optimizer  # noqa: E402
 B, L, D, DIM, V, T = 32, 196, 1280, 512, 2633, 13
 
 
-def median_time(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def matmul_peak(dtype: torch.dtype, repeats: int) -> float:

@@ -175,3 +175,15 @@ def test_without_java_or_wordnet_the_rest_is_scored(monkeypatch, capsys):
     assert "METEOR skipped: no Java" in capsys.readouterr().err
     with pytest.raises(ValueError, match="METEOR 1.5 needs Java"):
         score_captions(cands, refs, meteor="jar")
+
+
+def test_cider_d_reward_scorer_equals_pycocoevalcap_given_the_same_references():
+    """metrics.CiderD (document frequencies fixed up front, one candidate at a time, as
+    self-critical training uses it) gives coco-caption's per-image CIDEr-D."""
+    from pycocoevalcap.cider.cider import Cider
+
+    cands, refs = random_captions(60, seed=5)
+    _, per_image = Cider().compute_score(refs, {k: [v] for k, v in cands.items()})
+    scorer = M.CiderD({k: [r.split() for r in rs] for k, rs in refs.items()})
+    ours = [scorer.score(k, cands[k].split()) for k in refs]
+    np.testing.assert_allclose(ours, per_image, rtol=1e-9, atol=1e-12)

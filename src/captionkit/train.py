@@ -196,6 +196,10 @@ class Trainer:
             raise ValueError(f"{cfg.data.dataset}: the {cfg.data.train_split} split is empty")
         self.init_cfg = read_config(tc.init) if tc.init else None
         self.init_weights = read_weights(tc.init) if tc.init else {}
+        # dev scores are taken with the model's own length normalisation: a run from a tuned
+        # checkpoint keeps its setting (compared at 0, a self-critical model that writes
+        # longer captions would look worse than it is); length_penalties retunes it at the end
+        self.length_penalty = float(self.init_cfg["decoding"].get("length_penalty", 0.0)) if tc.init else 0.0
         enc_cfg = self.init_cfg["encoder"] if self.init_cfg else {}
         if enc_cfg and enc_cfg["name"] != cfg.encoder.name:
             raise ValueError(f"train.init {tc.init} was trained on {enc_cfg['name']}, the config names {cfg.encoder.name}")
@@ -290,7 +294,8 @@ class Trainer:
         if self.tuned_blocks:
             encoder["finetuned_blocks"] = self.tuned_blocks
         return {"family": self.family, "model": self.model_cfg, "encoder": encoder,
-                "vocab": self.vocab.to_json(), "decoding": {"max_len": self.cfg.train.max_len},
+                "vocab": self.vocab.to_json(),
+                "decoding": {"max_len": self.cfg.train.max_len, "length_penalty": self.length_penalty},
                 "train": self.cfg.to_dict(), "state": self.state}
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -331,8 +336,9 @@ class Trainer:
         self.state = cfg["state"]
 
     @torch.no_grad()
-    def validate(self, length_penalty: float = 0.0) -> dict[str, float]:
+    def validate(self, length_penalty: float | None = None) -> dict[str, float]:
         tc = self.cfg.train
+        length_penalty = self.length_penalty if length_penalty is None else length_penalty
         self.model.eval()
         cap = Captioner(self.model, self.vocab, self.checkpoint_config())
         captions = {}
@@ -355,19 +361,24 @@ class Trainer:
             return [rows[i:i + tc.batch_size] for i in range(0, len(rows), tc.batch_size)]
         return length_batches([len(ids) for _, ids in self.examples], tc.batch_size, seed)
 
-    def batch_loss(self, idx: list[int]) -> tuple[torch.Tensor, float]:
-        """-> (loss to minimise, the figure to report: cross-entropy, or scst's sample reward)."""
+    def batch_loss(self, idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+        """-> (loss to minimise, figures to report: the cross-entropy, or scst's rewards)."""
         tc = self.cfg.train
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.precision == "bf16"):
             if tc.objective == "scst":
                 feats = self.features(self.train_feats.index_select(0, torch.tensor(idx)))  # (B, L, D)
                 loss, stats = self.scst.loss(self.model, feats, idx)
-                return loss, stats.sample_reward
+                return loss, {"reward": stats.sample_reward, "greedy_reward": stats.greedy_reward}
             rows = torch.tensor([self.examples[i][0] for i in idx])
             ids = torch.tensor([self.examples[i][1] for i in idx])  # (B, T+1), one length
             feats = self.features(self.train_feats.index_select(0, rows))  # (B, L, D)
             loss, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], tc.alpha_c)
-            return loss, float(ce.detach())
+            return loss, {"loss": float(ce.detach())}
+
+    def log_history(self) -> None:
+        """Append the newest epoch's figures and dev scores to history.jsonl."""
+        with open(self.out / "history.jsonl", "a") as fh:
+            fh.write(json.dumps(self.state["history"][-1]) + "\n")
 
     def set_lr(self, lr: float) -> None:
         for pg, scale in zip(self.opt.param_groups, self.lr_scales):
@@ -375,25 +386,25 @@ class Trainer:
 
     def run(self, max_steps: int | None = None, progress: bool = True) -> dict:
         tc, st = self.cfg.train, self.state
-        figure = "reward" if tc.objective == "scst" else "loss"
         self.set_lr(st["lr"])
         if self.init_cfg and st["best_score"] is None:  # the starting point is the score to beat
             scores = self.validate()
             st.update(best_score=scores[tc.val_metric], best_epoch=0)
             st["history"].append({"epoch": 0, "step": 0, **scores})
             print(f"epoch 0 ({tc.init}): dev {format_scores(scores)}", file=sys.stderr)
+            self.log_history()
             self.save("best", with_optimizer=False)
         params = list(self.model.parameters()) + (self.tail_params if tc.finetune_blocks else [])
         while st["epoch"] < tc.epochs:
             batches = self.epoch_batches(st["epoch"])
             # self-critical training samples without dropout (see captionkit.scst)
             self.model.train(tc.objective == "xe")
-            t0, seen, fig_sum, n_batches = time.time(), 0, 0.0, 0
+            t0, seen, sums, n_batches = time.time(), 0, {}, 0
             for bi in range(st["batch_in_epoch"], len(batches)):
                 if max_steps is not None and st["step"] >= max_steps:
                     self.save("last", with_optimizer=True)
                     return st
-                loss, fig = self.batch_loss(batches[bi])
+                loss, figures = self.batch_loss(batches[bi])
                 if not math.isfinite(float(loss.detach())):
                     raise FloatingPointError(f"loss became {float(loss.detach())} at step {st['step']}")
                 self.opt.zero_grad(set_to_none=True)
@@ -404,12 +415,15 @@ class Trainer:
                 st["step"] += 1
                 st["batch_in_epoch"] = bi + 1
                 seen += len(batches[bi])
-                fig_sum, n_batches = fig_sum + fig, n_batches + 1
+                n_batches += 1
+                for k, v in figures.items():  # means over this epoch so far
+                    sums[k] = sums.get(k, 0.0) + v
                 if progress and (bi % 20 == 0 or bi == len(batches) - 1):
                     rate = seen / max(time.time() - t0, 1e-9)
                     unit = "images" if tc.objective == "scst" else "captions"
+                    shown = " ".join(f"{k} {v / n_batches:.3f}" for k, v in sums.items())
                     print(f"\repoch {st['epoch'] + 1}/{tc.epochs} {bi + 1}/{len(batches)} "
-                          f"{figure} {fig_sum / n_batches:.3f} {rate:.0f} {unit}/s", end="", file=sys.stderr)
+                          f"{shown} {rate:.0f} {unit}/s", end="", file=sys.stderr)
                 if tc.checkpoint_every and st["step"] % tc.checkpoint_every == 0:
                     self.save("last", with_optimizer=True)
             if progress:
@@ -419,7 +433,8 @@ class Trainer:
             st["epoch"] += 1
             st["batch_in_epoch"] = 0
             improved = st["best_score"] is None or score > st["best_score"]
-            st["history"].append({"epoch": st["epoch"], "step": st["step"], figure: fig_sum / max(n_batches, 1),
+            st["history"].append({"epoch": st["epoch"], "step": st["step"],
+                                  **{k: v / max(n_batches, 1) for k, v in sums.items()},
                                   "lr": st["lr"], "seconds": round(time.time() - t0, 1), **scores})
             if improved:
                 st.update(best_score=score, best_epoch=st["epoch"], bad_epochs=0, lr_bad_epochs=0)
@@ -433,8 +448,7 @@ class Trainer:
                     self.set_lr(st["lr"])
             print(f"epoch {st['epoch']}: dev {format_scores(scores)} "
                   f"({tc.val_metric} {'best' if improved else 'no gain'}; lr {st['lr']:.2e})", file=sys.stderr)
-            with open(self.out / "history.jsonl", "a") as fh:
-                fh.write(json.dumps(st["history"][-1]) + "\n")
+            self.log_history()
             self.save("last", with_optimizer=True)
             if st["bad_epochs"] >= tc.patience:
                 print(f"early stop: no {tc.val_metric} gain for {tc.patience} epochs", file=sys.stderr)
