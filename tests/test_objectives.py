@@ -151,6 +151,9 @@ def test_hard_attention_run(tiny_config, tmp_path):
     train(cfg, out=tmp_path / "hard", progress=False)
     w = read_weights(tmp_path / "hard" / "best")
     assert float(w["baseline"][1]) > 0  # the baseline saw every batch
+    cfg = read_config(tmp_path / "hard" / "best")  # decoding with either context was tried on dev
+    assert {k.split(",")[0] for k in cfg["length_penalty_search"]["scores"]} == {"expected", "argmax"}
+    assert cfg["model"]["decode_context"] in ("expected", "argmax")
     cap = Captioner.load(tmp_path / "hard" / "best", with_encoder=False)
     res = cap.result(cap.decode_features(torch.randn(1, 49, 1280).abs(), beam=2)[0])
     # a hard-attention figure shows the one location each word most likely came from
@@ -193,3 +196,12 @@ def test_fine_tuning_the_encoders_last_block(tiny_run, tiny_config, tmp_path):
     x = torch.randn(2, 3, 224, 224).contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         torch.testing.assert_close(tail(trunk(x), trunk.grid()), cap.encoder(x), rtol=1e-4, atol=1e-4)
+
+
+def test_hard_attention_can_decode_with_the_most_probable_location():
+    m = tiny(attention="hard", decode_context="argmax", gate=False).eval()
+    feats = torch.randn(3, 6, 10)
+    mem = m.prepare(feats)
+    h, _ = m.init_state(mem)
+    alpha, z, _, _ = m._attend(h, mem)
+    torch.testing.assert_close(z, feats[torch.arange(3), alpha.argmax(1)])

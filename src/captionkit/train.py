@@ -453,23 +453,35 @@ class Trainer:
             if st["bad_epochs"] >= tc.patience:
                 print(f"early stop: no {tc.val_metric} gain for {tc.patience} epochs", file=sys.stderr)
                 break
-        self.tune_length_penalty()
+        self.tune_decoding()
         return st
 
-    def tune_length_penalty(self) -> None:
-        """Pick the best checkpoint's length normalisation on the dev split and save it there."""
+    def tune_decoding(self) -> None:
+        """Pick the best checkpoint's length normalisation on the dev split (and, for hard
+        attention, whether to decode with the expected context or the most probable location)
+        and save the choice in its config."""
         tc = self.cfg.train
         best = self.out / "best"
         cfg = read_config(best)
         weights = self.load_weights(best)
-        tried = {lp: self.validate(lp)[tc.val_metric] for lp in tc.length_penalties}
-        choice = max(tried, key=lambda lp: (tried[lp], -abs(lp)))
-        cfg["decoding"] = dict(cfg["decoding"], length_penalty=choice)
-        cfg["length_penalty_search"] = {"metric": tc.val_metric, "split": self.cfg.data.val_split,
-                                        "beam": tc.val_beam, "scores": {str(k): v for k, v in tried.items()}}
+        contexts = ["expected", "argmax"] if self.model_cfg.get("attention") == "hard" else [None]
+        tried: dict[tuple, float] = {}
+        for ctx in contexts:
+            if ctx:
+                self.model.cfg.decode_context = ctx
+            for lp in tc.length_penalties:
+                tried[(ctx, lp)] = self.validate(lp)[tc.val_metric]
+        ctx, lp = max(tried, key=lambda k: (tried[k], -abs(k[1])))
+        if ctx:
+            self.model.cfg.decode_context = ctx
+            cfg["model"] = dict(cfg["model"], decode_context=ctx)
+        cfg["decoding"] = dict(cfg["decoding"], length_penalty=lp)
+        cfg["length_penalty_search"] = {"metric": tc.val_metric, "split": self.cfg.data.val_split, "beam": tc.val_beam,
+                                        "scores": {f"{c}, {k}" if c else str(k): v for (c, k), v in tried.items()}}
         save_checkpoint(best, weights, cfg)
-        print(f"length penalty {choice:g} chosen on {self.cfg.data.val_split} "
-              f"({', '.join(f'{k:g}: {100 * v:.2f}' for k, v in tried.items())} {tc.val_metric})", file=sys.stderr)
+        shown = ", ".join(f"{c + ' ' if c else ''}{k:g}: {100 * v:.2f}" for (c, k), v in tried.items())
+        print(f"{ctx + ' context, ' if ctx else ''}length penalty {lp:g} chosen on {self.cfg.data.val_split} "
+              f"({shown} {tc.val_metric})", file=sys.stderr)
 
 
 def train(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,

@@ -15,7 +15,8 @@ s_t ~ Multinoulli(alpha_t) during training, and learns alpha by REINFORCE on the
 lower bound (equation 12): the sentence log-likelihood is the reward, a moving average of it the
 baseline, plus an entropy bonus on alpha; with probability 0.5 a caption is trained on the
 expected context instead (``expected_prob``). Decoding uses the expected context (the soft
-model's computation), and attention figures show each word's most probable location.
+model's computation) or the most probable location (``decode_context``), and attention figures
+show each word's most probable location.
 
 Why the code looks the way it does: everything that does not depend on the recurrence is
 computed once for the whole sequence, outside the time loop -- the attention projection
@@ -55,6 +56,8 @@ class SATConfig:
     baseline_decay: the moving-average baseline's decay (b <- decay * b + (1 - decay) * reward).
     expected_prob: probability that a training caption uses the expected context instead of
         sampled locations (the paper's 0.5).
+    decode_context: how a hard-attention model attends when decoding: "expected" (the soft
+        model's weighted mean) or "argmax" (the annotation vector of the most probable location).
     """
 
     vocab_size: int
@@ -70,8 +73,11 @@ class SATConfig:
     entropy_weight: float = 0.01
     baseline_decay: float = 0.9
     expected_prob: float = 0.5
+    decode_context: str = "expected"
 
     def __post_init__(self):
+        if self.decode_context not in ("expected", "argmax"):
+            raise ValueError(f"SATConfig.decode_context must be expected or argmax, not {self.decode_context!r}")
         if self.attention not in ("soft", "hard"):
             raise ValueError(f"SATConfig.attention must be soft or hard, not {self.attention!r}")
         for k in ("baseline_decay", "expected_prob"):
@@ -156,6 +162,8 @@ class SoftAttentionDecoder(nn.Module):
             loc = torch.multinomial(alpha.detach(), 1).squeeze(1)  # (B,) s_t ~ Multinoulli(alpha)
             onehot = F.one_hot(loc, alpha.shape[1]).to(alpha.dtype)  # (B, L)
             weights = torch.where(sampled.unsqueeze(1), onehot, alpha)
+        elif self.cfg.attention == "hard" and self.cfg.decode_context == "argmax" and not self.training:
+            weights = F.one_hot(alpha.argmax(1), alpha.shape[1]).to(alpha.dtype)  # (B, L)
         z = torch.bmm(weights.to(mem.feats.dtype).unsqueeze(1), mem.feats).squeeze(1)  # (B, D)
         if self.cfg.gate:
             z = torch.sigmoid(beta_logit) * z
