@@ -13,6 +13,8 @@ SAMPLES = Path(__file__).resolve().parents[1] / "samples"
 
 @pytest.mark.parametrize("name", list_encoders())
 def test_every_encoder_gives_its_grid_of_annotation_vectors(name):
+    if name.startswith("clip_"):
+        pytest.importorskip("open_clip", reason="CLIP encoders need open_clip_torch (the test extra)")
     enc = create_encoder(name, weights="random")
     size = enc.preprocess.size
     with torch.no_grad():
@@ -76,3 +78,13 @@ def test_pretrained_lite2_recognises_the_sample_photos():
     top = logits.argmax(1).tolist()
     assert top[0] == 967  # espresso
     assert top[1] in (281, 282, 285)  # tabby, tiger cat, Egyptian cat
+
+
+def test_patches_are_the_pixels_of_8x8_squares_channel_major():
+    enc = create_encoder("patches")
+    assert enc.grid() == (16, 16) and enc.dim == 192 and list(enc.parameters()) == []
+    x = torch.randn(2, 3, 128, 128)
+    want = torch.nn.functional.unfold(x, kernel_size=8, stride=8).transpose(1, 2)  # (2, 256, 192)
+    torch.testing.assert_close(enc(x), want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="the patches encoder has no weights to load"):
+        create_encoder("patches", weights="w.pth")

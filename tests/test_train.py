@@ -22,8 +22,19 @@ def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ValueError, match=r"bad.toml: unknown field\(s\) in \[train\]: learning_rate"):
         RunConfig.load(bad)
     bad.write_text('[data]\ndataset = "x"\n[train]\noptimizer = "sgd"\n')
-    with pytest.raises(ValueError, match="train.optimizer must be adam or rmsprop"):
+    with pytest.raises(ValueError, match="train.optimizer must be adam, adamw or rmsprop"):
         RunConfig.load(bad)
+
+
+def test_init_on_the_command_line_replaces_the_configs(tmp_path):
+    cfg = tmp_path / "scst.toml"
+    cfg.write_text('[data]\ndataset = "x"\n[train]\ninit = "runs/a/best"\nobjective = "scst"\n')
+    assert RunConfig.load(cfg).train.init == "runs/a/best"
+    assert RunConfig.load(cfg, init="elsewhere/best").train.init == "elsewhere/best"
+    # a config that builds its own model cannot also start from a checkpoint's
+    cfg.write_text('[data]\ndataset = "x"\n[model]\nembed_dim = 8\n')
+    with pytest.raises(ValueError, match=r"scst.toml: with train.init the model comes from that checkpoint"):
+        RunConfig.load(cfg, init="elsewhere/best")
 
 
 def test_training_run_writes_best_and_last_with_history(tiny_run):

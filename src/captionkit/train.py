@@ -35,25 +35,39 @@ from .data import ImageItem, load_dataset
 from .encoders import create_encoder, load_finetuned
 from .evaluation import coco_scores, format_scores
 from .features import build_features
-from .models import create_decoder, family_config
+from .glove import glove_embedding
+from .models import create_decoder, family_config, family_fields
 from .scst import SelfCritical
-from .vocab import Vocab
+from .tokenizers import KINDS, Tokenizer, build_tokenizer, load_tokenizer
 
 
 @dataclass
 class DataConfig:
     """dataset: a Flickr8k/Kaggle folder or a Karpathy/COCO JSON file.
     images: the image folder of a JSON dataset.
-    min_count / top_k: vocabulary from the training captions (top_k 0 = no cap).
-    max_words: longer training captions are truncated."""
+    tokenizer: how captions become tokens: "word", "char" or "bpe" (see captionkit.tokenizers).
+    min_count / top_k: vocabulary from the training captions (top_k 0 = no cap); for char,
+        characters seen fewer than min_count times become <unk>; for bpe, pairs seen fewer
+        than min_count times are not merged.
+    bpe_vocab_size: the BPE vocabulary size, specials included; every character of the
+        training captions is kept, so a very small size can come out a little larger.
+    max_words: longer training captions are truncated (in words, before tokenising)."""
 
     dataset: str
     images: str = ""
+    tokenizer: str = "word"
     min_count: int = 5
     top_k: int = 10000
+    bpe_vocab_size: int = 2000
     max_words: int = 30
     train_split: str = "train"
     val_split: str = "dev"
+
+    def __post_init__(self):
+        if self.tokenizer not in KINDS:
+            raise ValueError(f"data.tokenizer must be one of {', '.join(KINDS)}, not {self.tokenizer!r}")
+        if self.bpe_vocab_size < 5 or self.min_count < 1:
+            raise ValueError("data.bpe_vocab_size must be at least 5 and data.min_count at least 1")
 
 
 @dataclass
@@ -64,8 +78,19 @@ class EncoderConfig:
 
 @dataclass
 class TrainConfig:
-    """optimizer: adam or rmsprop. precision: bf16 (mixed precision matmuls) or fp32.
-    alpha_c: weight of the doubly stochastic attention penalty.
+    """optimizer: adam, adamw (decoupled weight decay on matrices, embeddings and positions,
+        not on biases and norms) or rmsprop. precision: bf16 (mixed precision
+        matmuls) or fp32.
+    schedule: "plateau" (lr *= lr_decay after lr_patience epochs without dev gain), "cosine"
+        (from lr down to 0 over the epochs) or "inverse_sqrt" (lr * sqrt(warmup_steps / step));
+        each after a linear warm-up over warmup_steps steps (inverse_sqrt needs one).
+    label_smoothing: spread this much of each target's probability over the vocabulary.
+    caption_sampling: "all" (every caption of every image, each epoch) or "random_one" (one
+        caption per image per epoch, drawn anew each epoch: augmentation, 1/5 of the steps).
+    glove: a GloVe-format word-vector file to initialise the word embedding (word tokenizer
+        only); the vocabulary's coverage is printed and saved as glove_coverage.json. When
+        [model] sets no embed_dim, the file's dimension is used. freeze_embeddings: keep them.
+    alpha_c: weight of the doubly stochastic attention penalty (LSTM only).
     val_metric: the dev score that selects the best checkpoint (a coco-caption metric name).
     patience: epochs without improvement before stopping; lr_patience: before lr *= lr_decay.
     checkpoint_every: also save the resumable checkpoint every N steps.
@@ -101,14 +126,30 @@ class TrainConfig:
     samples: int = 5
     finetune_blocks: int = 0
     encoder_lr: float = 1e-4
+    schedule: str = "plateau"
+    warmup_steps: int = 0
+    label_smoothing: float = 0.0
+    caption_sampling: str = "all"
+    glove: str = ""
+    freeze_embeddings: bool = False
 
     def __post_init__(self):
+        if self.schedule not in ("plateau", "cosine", "inverse_sqrt"):
+            raise ValueError(f"train.schedule must be plateau, cosine or inverse_sqrt, not {self.schedule!r}")
+        if self.warmup_steps < 0 or (self.schedule == "inverse_sqrt" and self.warmup_steps < 1):
+            raise ValueError("train.warmup_steps must be >= 0, and >= 1 for the inverse_sqrt schedule")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.caption_sampling not in ("all", "random_one"):
+            raise ValueError(f"train.caption_sampling must be all or random_one, not {self.caption_sampling!r}")
+        if self.freeze_embeddings and not self.glove:
+            raise ValueError("train.freeze_embeddings needs train.glove (frozen random embeddings learn nothing)")
         if self.objective not in ("xe", "scst"):
             raise ValueError(f"train.objective must be xe or scst, not {self.objective!r}")
         if self.samples < 1 or self.finetune_blocks < 0 or self.encoder_lr <= 0:
             raise ValueError("train.samples and train.encoder_lr must be positive, train.finetune_blocks >= 0")
-        if self.optimizer not in ("adam", "rmsprop"):
-            raise ValueError(f"train.optimizer must be adam or rmsprop, not {self.optimizer!r}")
+        if self.optimizer not in ("adam", "adamw", "rmsprop"):
+            raise ValueError(f"train.optimizer must be adam, adamw or rmsprop, not {self.optimizer!r}")
         if self.precision not in ("bf16", "fp32"):
             raise ValueError(f"train.precision must be bf16 or fp32, not {self.precision!r}")
         if self.batch_size < 1 or self.epochs < 1 or self.lr <= 0:
@@ -146,10 +187,14 @@ class RunConfig:
                    model, train)
 
     @classmethod
-    def load(cls, path: str | Path) -> "RunConfig":
+    def load(cls, path: str | Path, init: str | None = None) -> "RunConfig":
+        """Read a TOML config; ``init`` (a checkpoint folder) replaces its train.init."""
         path = Path(path)
         try:
-            return cls.from_dict(tomllib.loads(path.read_text()), str(path))
+            d = tomllib.loads(path.read_text())
+            if init:
+                d.setdefault("train", {})["init"] = init
+            return cls.from_dict(d, str(path))
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{path}: invalid TOML ({e})") from None
         except FileNotFoundError:
@@ -161,10 +206,31 @@ class RunConfig:
 
 
 def make_optimizer(groups: list[dict], tc: TrainConfig) -> torch.optim.Optimizer:
-    """groups: [{"params": ..., "lr": ...}, ...] (the decoder's, then the encoder's if tuned)."""
+    """groups: [{"params": ..., "lr": ...}, ...] (the decoder's, then the encoder's if tuned).
+    adamw splits each group in two, as nanoGPT does: parameters of two or more dimensions
+    (weight matrices, embeddings, positions) decay, vectors (biases, norms) don't."""
     if tc.optimizer == "adam":  # the fused CPU kernel is ~4x faster than the per-tensor loop
         return torch.optim.Adam(groups, lr=tc.lr, weight_decay=tc.weight_decay, fused=True)
+    if tc.optimizer == "adamw":
+        split = []
+        for g in groups:
+            split.append({**g, "params": [p for p in g["params"] if p.dim() >= 2]})
+            split.append({**g, "params": [p for p in g["params"] if p.dim() < 2], "weight_decay": 0.0})
+        return torch.optim.AdamW(split, lr=tc.lr, weight_decay=tc.weight_decay, fused=True)
     return torch.optim.RMSprop(groups, lr=tc.lr, weight_decay=tc.weight_decay)
+
+
+def lr_factor(tc: TrainConfig, step: int, progress: float) -> float:
+    """The schedule's multiplier of the learning rate at optimizer step ``step`` (0-based) and
+    ``progress`` = the fraction of the planned epochs done. A function of the saved training
+    state only, so a resumed run continues on the same curve."""
+    s = step + 1
+    warm = min(1.0, s / tc.warmup_steps) if tc.warmup_steps else 1.0
+    if tc.schedule == "cosine":
+        return warm * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    if tc.schedule == "inverse_sqrt":
+        return min(warm, math.sqrt(tc.warmup_steps / s))
+    return warm
 
 
 def length_batches(lengths: list[int], batch_size: int, seed: int) -> list[list[int]]:
@@ -231,7 +297,7 @@ class Trainer:
             self.tail_params = list(self.tail.parameters())
             for p in self.tail_params:
                 p.requires_grad_(True)
-        self.vocab: Vocab | None = None
+        self.vocab: Tokenizer | None = None
 
     @staticmethod
     def _load_feats(store, items: list[ImageItem]) -> torch.Tensor:
@@ -252,31 +318,57 @@ class Trainer:
             return self.tail(feats.float(), self.source_grid)
         return feats.to(torch.bfloat16) if self.cfg.train.precision == "bf16" else feats.float()
 
-    def setup(self, vocab: Vocab) -> None:
+    def setup(self, vocab: Tokenizer) -> None:
         cfg, tc = self.cfg, self.cfg.train
         self.vocab = vocab
+        vectors = None
         if self.init_cfg:
             self.family, model_cfg = self.init_cfg["family"], dict(self.init_cfg["model"])
+            if tc.glove:
+                raise ValueError("train.glove initialises a new model's embedding; with train.init the "
+                                 "embedding comes from that checkpoint")
         else:
             self.family = cfg.model["family"]
             model_cfg = {k: v for k, v in cfg.model.items() if k != "family"}
             model_cfg.update(vocab_size=len(vocab), feat_dim=self.encoder.dim)
+            if "grid" in family_fields(self.family):  # families with image positions need the grid
+                model_cfg["grid"] = list(self.grid)
+            if tc.glove:
+                vectors, coverage = glove_embedding(vocab, tc.glove, seed=tc.seed)
+                print(coverage.summary(), file=sys.stderr)
+                (self.out / "glove_coverage.json").write_text(json.dumps(coverage.to_json(), indent=1))
+                model_cfg.setdefault("embed_dim", coverage.dim)
         family_config(self.family, model_cfg)  # validates before building
         self.model_cfg = model_cfg
         self.model = create_decoder(self.family, model_cfg)
         if self.init_cfg:
             load_into(self.model, self.decoder_weights(self.init_weights), tc.init)
-        groups = [{"params": list(self.model.parameters()), "lr": tc.lr}]
+        if vectors is not None:
+            if self.model.embed.embedding_dim != vectors.shape[1]:
+                raise ValueError(f"model.embed_dim is {self.model.embed.embedding_dim} but {tc.glove} holds "
+                                 f"{vectors.shape[1]}-d vectors (leave embed_dim out to use the file's)")
+            with torch.no_grad():
+                self.model.embed.weight.copy_(vectors)
+            self.model.embed.weight.requires_grad_(not tc.freeze_embeddings)
+        groups = [{"params": [p for p in self.model.parameters() if p.requires_grad], "lr": tc.lr}]
         if tc.finetune_blocks:
             groups.append({"params": self.tail_params, "lr": tc.encoder_lr})
-        self.lr_scales = [g["lr"] / tc.lr for g in groups]
         self.opt = make_optimizer(groups, tc)
-        # (image row, token ids) for every training caption
+        self.lr_scales = [g["lr"] / tc.lr for g in self.opt.param_groups]
+        # (image row, token ids) for every training caption; each image's captions' indices
         self.examples: list[tuple[int, list[int]]] = []
+        self.image_examples: list[list[int]] = []
         for row, it in enumerate(self.train_items):
+            self.image_examples.append([])
             for toks in it.tokens:
                 if toks:
+                    self.image_examples[-1].append(len(self.examples))
                     self.examples.append((row, vocab.encode(toks[:cfg.data.max_words])))
+        longest = max((len(ids) - 1 for _, ids in self.examples), default=0)
+        limit = getattr(self.model.cfg, "max_positions", None)
+        if limit is not None and max(longest, tc.max_len + 1) > limit:
+            raise ValueError(f"model.max_positions is {limit}, but training captions need {longest} positions "
+                             f"and decoding (train.max_len + 1) {tc.max_len + 1}")
         self.scst = None
         if tc.objective == "scst":  # CIDEr-D document frequencies from the training references
             refs = {row: [t for t in it.tokens if t] for row, it in enumerate(self.train_items)}
@@ -326,7 +418,7 @@ class Trainer:
     def resume(self) -> None:
         folder = resolve(self.out / "last")
         cfg = read_config(folder)
-        self.setup(Vocab.from_json(cfg["vocab"]))
+        self.setup(load_tokenizer(cfg["vocab"]))
         if cfg["model"] != self.model_cfg or cfg["family"] != self.family:
             raise CheckpointError(f"{folder}: saved with a different model config than {self.cfg.model}")
         self.load_weights(folder)
@@ -359,6 +451,11 @@ class Trainer:
             rows = list(range(len(self.train_items)))
             random.Random(seed).shuffle(rows)
             return [rows[i:i + tc.batch_size] for i in range(0, len(rows), tc.batch_size)]
+        if tc.caption_sampling == "random_one":  # this epoch's caption of each image
+            rng = random.Random(seed)
+            pick = [rng.choice(idx) for idx in self.image_examples if idx]
+            batches = length_batches([len(self.examples[i][1]) for i in pick], tc.batch_size, seed)
+            return [[pick[j] for j in b] for b in batches]
         return length_batches([len(ids) for _, ids in self.examples], tc.batch_size, seed)
 
     def batch_loss(self, idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -372,7 +469,8 @@ class Trainer:
             rows = torch.tensor([self.examples[i][0] for i in idx])
             ids = torch.tensor([self.examples[i][1] for i in idx])  # (B, T+1), one length
             feats = self.features(self.train_feats.index_select(0, rows))  # (B, L, D)
-            loss, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], tc.alpha_c)
+            loss, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], tc.alpha_c,
+                                                label_smoothing=tc.label_smoothing)
             return loss, {"loss": float(ce.detach())}
 
     def log_history(self) -> None:
@@ -404,6 +502,7 @@ class Trainer:
                 if max_steps is not None and st["step"] >= max_steps:
                     self.save("last", with_optimizer=True)
                     return st
+                self.set_lr(st["lr"] * lr_factor(tc, st["step"], (st["epoch"] + bi / len(batches)) / tc.epochs))
                 loss, figures = self.batch_loss(batches[bi])
                 if not math.isfinite(float(loss.detach())):
                     raise FloatingPointError(f"loss became {float(loss.detach())} at step {st['step']}")
@@ -435,19 +534,20 @@ class Trainer:
             improved = st["best_score"] is None or score > st["best_score"]
             st["history"].append({"epoch": st["epoch"], "step": st["step"],
                                   **{k: v / max(n_batches, 1) for k, v in sums.items()},
-                                  "lr": st["lr"], "seconds": round(time.time() - t0, 1), **scores})
+                                  "lr": self.opt.param_groups[0]["lr"], "seconds": round(time.time() - t0, 1),
+                                  **scores})
             if improved:
                 st.update(best_score=score, best_epoch=st["epoch"], bad_epochs=0, lr_bad_epochs=0)
                 self.save("best", with_optimizer=False)
             else:
                 st["bad_epochs"] += 1
                 st["lr_bad_epochs"] += 1
-                if st["lr_bad_epochs"] >= tc.lr_patience:
+                if tc.schedule == "plateau" and st["lr_bad_epochs"] >= tc.lr_patience:
                     st["lr"] *= tc.lr_decay
                     st["lr_bad_epochs"] = 0
                     self.set_lr(st["lr"])
-            print(f"epoch {st['epoch']}: dev {format_scores(scores)} "
-                  f"({tc.val_metric} {'best' if improved else 'no gain'}; lr {st['lr']:.2e})", file=sys.stderr)
+            print(f"epoch {st['epoch']}: dev {format_scores(scores)} ({tc.val_metric} "
+                  f"{'best' if improved else 'no gain'}; lr {self.opt.param_groups[0]['lr']:.2e})", file=sys.stderr)
             self.log_history()
             self.save("last", with_optimizer=True)
             if st["bad_epochs"] >= tc.patience:
@@ -485,8 +585,8 @@ class Trainer:
 
 
 def train(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,
-          resume: bool = False, progress: bool = True) -> dict:
-    cfg = RunConfig.load(config)
+          resume: bool = False, progress: bool = True, init: str | None = None) -> dict:
+    cfg = RunConfig.load(config, init)
     out = Path(out) if out else Path("runs") / Path(config).stem
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg, out)
@@ -496,9 +596,10 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
         if resume:
             print(f"--resume: no checkpoint in {out}, starting fresh", file=sys.stderr)
         if trainer.init_cfg:
-            vocab = Vocab.from_json(trainer.init_cfg["vocab"])
+            vocab = load_tokenizer(trainer.init_cfg["vocab"])
         else:
             words = [toks for it in trainer.train_items for toks in it.tokens]
-            vocab = Vocab.build(words, cfg.data.min_count, cfg.data.top_k or None)
+            vocab = build_tokenizer(cfg.data.tokenizer, words, cfg.data.min_count, cfg.data.top_k or None,
+                                    cfg.data.bpe_vocab_size)
         trainer.setup(vocab)
     return trainer.run(max_steps=max_steps, progress=progress)

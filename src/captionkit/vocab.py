@@ -1,4 +1,5 @@
-"""Word vocabulary with pad/start/end/unknown tokens, saved with the model as JSON."""
+"""Word vocabulary with pad/start/end/unknown tokens, saved with the model as JSON. The
+``word`` kind of :mod:`captionkit.tokenizers`, whose contract it follows."""
 
 from __future__ import annotations
 
@@ -9,7 +10,20 @@ PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
 SPECIALS = (PAD, START, END, UNK)
 
 
+def content_positions(ids: Iterable[int]) -> list[tuple[int, int]]:
+    """(position, id) of a caption's tokens: stops at <end>, drops <start> and <pad>."""
+    out = []
+    for pos, i in enumerate(ids):
+        i = int(i)
+        if i == Vocab.end:
+            break
+        if i not in (Vocab.start, Vocab.pad):
+            out.append((pos, i))
+    return out
+
+
 class Vocab:
+    kind = "word"
     pad, start, end, unk = 0, 1, 2, 3
 
     def __init__(self, words: list[str]):
@@ -40,15 +54,11 @@ class Vocab:
 
     def decode(self, ids: Iterable[int]) -> list[str]:
         """Ids -> words, stopping at <end> and dropping <start>/<pad>."""
-        out = []
-        for i in ids:
-            i = int(i)
-            if i == self.end:
-                break
-            if i in (self.start, self.pad):
-                continue
-            out.append(self.words[i])
-        return out
+        return [self.words[i] for _, i in content_positions(ids)]
+
+    def spans(self, ids: Iterable[int]) -> list[tuple[str, list[int]]]:
+        """[(word, [its position in ids])]: one token per word."""
+        return [(self.words[i], [pos]) for pos, i in content_positions(ids)]
 
     def to_json(self) -> list[str]:
         return list(self.words)

@@ -29,8 +29,15 @@ def family_config(family: str, cfg: dict):
     return config_cls(**cfg)
 
 
+def family_fields(family: str) -> set[str]:
+    """The config field names of a family (the trainer fills in the ones it knows, e.g. grid)."""
+    if family not in _FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; known: {', '.join(sorted(_FAMILIES))}")
+    return {f.name for f in fields(_FAMILIES[family][0])}
+
+
 def create_decoder(family: str, cfg: dict) -> nn.Module:
     return _FAMILIES[family][1](family_config(family, cfg))
 
 
-from . import sat  # noqa: E402,F401  (registers "sat")
+from . import sat, transformer  # noqa: E402,F401  (register "sat", "transformer")

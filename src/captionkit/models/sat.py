@@ -215,14 +215,18 @@ class SoftAttentionDecoder(nn.Module):
                 torch.stack(locs, 1) if sampled is not None else None)
 
     def training_loss(self, feats: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor,
-                      alpha_c: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cross-entropy objective (soft) or the variational lower bound (hard) for one
-        batch, per word, with the doubly stochastic penalty. -> (loss, word cross-entropy).
-        The model computes in the autocast dtype; the losses are taken in float32."""
+                      alpha_c: float, label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cross-entropy objective (soft, optionally label-smoothed) or the variational
+        lower bound (hard) for one batch, per word, with the doubly stochastic penalty.
+        -> (loss, word cross-entropy). The model computes in the autocast dtype; the losses
+        are taken in float32."""
         cfg = self.cfg
         if cfg.attention == "soft":
             logits, alphas = self(feats, inputs)
-            return caption_loss(logits.float(), targets, alphas, alpha_c)
+            return caption_loss(logits.float(), targets, alphas, alpha_c, label_smoothing=label_smoothing)
+        if label_smoothing:
+            raise ValueError("train.label_smoothing applies to the cross-entropy objective, "
+                             "not hard attention's lower bound")
         B = inputs.shape[0]
         sampled = torch.rand(B) >= cfg.expected_prob  # (B,) captions trained on drawn locations
         logits, alphas, locs = self._unroll(feats, inputs, sampled)
@@ -252,7 +256,7 @@ class SoftAttentionDecoder(nn.Module):
 
 
 def caption_loss(logits: torch.Tensor, targets: torch.Tensor, alphas: torch.Tensor,
-                 alpha_c: float, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 alpha_c: float, pad: int = 0, label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean word cross-entropy plus the doubly stochastic penalty
     alpha_c * mean_i (1 - sum_t alpha_ti)^2, averaged over locations and the batch.
 
@@ -260,9 +264,16 @@ def caption_loss(logits: torch.Tensor, targets: torch.Tensor, alphas: torch.Tens
     loss averaged over words, the penalty is averaged over the L locations too, so that
     alpha_c = 1 stays a mild pull towards attending to every location over the sentence
     rather than a force flattening every word's attention (with L = 81 and 12 words the
-    summed penalty would be ~60 against a word loss of ~2). Returns (total, cross-entropy)."""
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=pad)
-    return ce + alpha_c * attention_penalty(alphas, targets, pad), ce
+    summed penalty would be ~60 against a word loss of ~2). With ``label_smoothing`` the
+    total uses the smoothed cross-entropy; the returned cross-entropy is the plain one.
+    Returns (total, cross-entropy)."""
+    flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    ce = F.cross_entropy(flat_logits, flat_targets, ignore_index=pad)
+    word_loss = ce
+    if label_smoothing:
+        word_loss = F.cross_entropy(flat_logits, flat_targets, ignore_index=pad, label_smoothing=label_smoothing)
+        ce = ce.detach()
+    return word_loss + alpha_c * attention_penalty(alphas, targets, pad), ce
 
 
 def attention_penalty(alphas: torch.Tensor, targets: torch.Tensor, pad: int = 0) -> torch.Tensor:

@@ -1,0 +1,192 @@
+"""Caption tokenizers: how a caption's words become the decoder's token ids and back.
+
+(Not to be confused with :mod:`captionkit.tokenize`, the PTB tokenisation the scorers use.)
+
+Three kinds, one contract, saved with the model in ``config.json``:
+
+- ``word``: :class:`captionkit.vocab.Vocab`, one token per word (min count / top-K); saved
+  as a plain list of words, the format every checkpoint so far uses.
+- ``char``: one token per character, a space token between words.
+- ``bpe``: byte-pair-encoding subwords trained on the training captions with the
+  HuggingFace ``tokenizers`` library (an optional dependency, imported only here); the
+  trained tokenizer's own JSON is stored inside ``config.json``.
+
+Every kind keeps the special ids decoding and self-critical training rely on:
+<pad> 0, <start> 1, <end> 2, <unk> 3. The contract::
+
+    encode(words) -> [start, ..., end]       ids of one caption (a list of words)
+    decode(ids) -> words                     detokenised: pieces joined back into words
+    spans(ids) -> [(word, [positions])]      which positions of ``ids`` spell each word
+                                             (attention figures average a word's pieces)
+    to_json() / load_tokenizer(obj)          saved in, and read from, config.json
+    len(tok)                                 the number of token ids
+
+Scores are always computed on ``decode``'s words, whatever the tokens are.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Iterable
+
+from .vocab import SPECIALS, UNK, Vocab, content_positions as _content
+
+KINDS = ("word", "char", "bpe")
+
+
+def _positions_to_words(pieces: list[tuple[int, str, bool]]) -> list[tuple[str, list[int]]]:
+    """(position, text, starts a new word) pieces -> [(word, positions)]; empty text (a word
+    separator) closes the current word."""
+    out: list[tuple[str, list[int]]] = []
+    open_word = False
+    for pos, text, new_word in pieces:
+        if not text:
+            open_word = False
+            continue
+        if new_word or not open_word:
+            out.append((text, [pos]))
+        else:
+            word, where = out[-1]
+            out[-1] = (word + text, where + [pos])
+        open_word = True
+    return out
+
+
+class CharTokenizer:
+    """One token per character; words are separated by a space token. Characters seen fewer
+    than ``min_count`` times in the training captions become <unk>."""
+
+    kind = "char"
+    pad, start, end, unk = Vocab.pad, Vocab.start, Vocab.end, Vocab.unk
+    SPACE = " "
+
+    def __init__(self, chars: list[str]):
+        if tuple(chars[:4]) != SPECIALS or self.SPACE not in chars:
+            raise ValueError(f"a character vocabulary must begin with {SPECIALS} and hold the space")
+        if len(set(chars)) != len(chars) or any(len(c) != 1 for c in chars[4:]):
+            raise ValueError("a character vocabulary lists single characters, each once")
+        self.chars = list(chars)
+        self.index = {c: i for i, c in enumerate(self.chars)}
+
+    @classmethod
+    def build(cls, captions: Iterable[list[str]], min_count: int = 1) -> "CharTokenizer":
+        counts = Counter(c for words in captions for w in words for c in w)
+        kept = sorted(c for c, n in counts.items() if n >= min_count and c != cls.SPACE)
+        return cls(list(SPECIALS) + [cls.SPACE] + kept)
+
+    def __len__(self) -> int:
+        return len(self.chars)
+
+    def encode(self, words: list[str]) -> list[int]:
+        text = self.SPACE.join(words)
+        return [self.start] + [self.index.get(c, self.unk) for c in text] + [self.end]
+
+    def spans(self, ids: Iterable[int]) -> list[tuple[str, list[int]]]:
+        space = self.index[self.SPACE]
+        return _positions_to_words([(pos, "" if i == space else self.chars[i], False)
+                                    for pos, i in _content(ids)])
+
+    def decode(self, ids: Iterable[int]) -> list[str]:
+        return [w for w, _ in self.spans(ids)]
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "chars": list(self.chars)}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "CharTokenizer":
+        return cls(obj["chars"])
+
+
+class BPETokenizer:
+    """Byte-pair-encoding subwords (Sennrich et al. 2016) learnt on the training captions.
+
+    Words are split on spaces first, so a piece never spans two words; pieces that continue
+    a word carry the ``##`` prefix, which is how :meth:`spans` joins them back. The merges are
+    learnt up to ``vocab_size`` tokens (the four specials and every character of the
+    training captions included), so every training caption encodes without <unk>."""
+
+    kind = "bpe"
+    pad, start, end, unk = Vocab.pad, Vocab.start, Vocab.end, Vocab.unk
+    PREFIX = "##"
+
+    def __init__(self, tok):
+        self.tok = tok  # a tokenizers.Tokenizer
+        for i, s in enumerate(SPECIALS):
+            if tok.token_to_id(s) != i:
+                raise ValueError(f"BPE tokenizer: {s} must have id {i}, has {tok.token_to_id(s)}")
+        self.pieces = [tok.id_to_token(i) for i in range(tok.get_vocab_size())]
+
+    @staticmethod
+    def _library():
+        try:
+            import tokenizers
+        except ImportError:  # a ValueError, so the command line prints it as one line
+            raise ValueError("the bpe tokenizer needs the 'tokenizers' package "
+                             "(pip install 'captionkit[bpe]' or pip install tokenizers)") from None
+        return tokenizers
+
+    @classmethod
+    def build(cls, captions: Iterable[list[str]], vocab_size: int = 2000, min_count: int = 2) -> "BPETokenizer":
+        """Learn merges on the captions; pairs seen fewer than ``min_count`` times are not merged."""
+        tk = cls._library()
+        tok = tk.Tokenizer(tk.models.BPE(unk_token=UNK, continuing_subword_prefix=cls.PREFIX))
+        tok.pre_tokenizer = tk.pre_tokenizers.WhitespaceSplit()
+        trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_count, special_tokens=list(SPECIALS),
+                                         continuing_subword_prefix=cls.PREFIX, show_progress=False)
+        tok.train_from_iterator((" ".join(words) for words in captions), trainer=trainer)
+        return cls(tok)
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def encode(self, words: list[str]) -> list[int]:
+        ids = self.tok.encode(" ".join(words), add_special_tokens=False).ids
+        return [self.start] + ids + [self.end]
+
+    def spans(self, ids: Iterable[int]) -> list[tuple[str, list[int]]]:
+        pieces = []
+        for pos, i in _content(ids):
+            p = self.pieces[i]
+            cont = p.startswith(self.PREFIX) and len(p) > len(self.PREFIX)
+            pieces.append((pos, p[len(self.PREFIX):] if cont else p, not cont))
+        return _positions_to_words(pieces)
+
+    def decode(self, ids: Iterable[int]) -> list[str]:
+        return [w for w, _ in self.spans(ids)]
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "tokenizer": json.loads(self.tok.to_str())}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "BPETokenizer":
+        return cls(cls._library().Tokenizer.from_str(json.dumps(obj["tokenizer"])))
+
+
+Tokenizer = Vocab | CharTokenizer | BPETokenizer
+
+
+def build_tokenizer(kind: str, captions: list[list[str]], min_count: int = 5, top_k: int | None = None,
+                    vocab_size: int = 2000) -> Tokenizer:
+    """A tokenizer of ``kind`` fitted to the training captions (lists of words)."""
+    if kind == "word":
+        return Vocab.build(captions, min_count, top_k)
+    if kind == "char":
+        return CharTokenizer.build(captions, min_count)
+    if kind == "bpe":
+        return BPETokenizer.build(captions, vocab_size, min_count)
+    raise ValueError(f"data.tokenizer must be one of {', '.join(KINDS)}, not {kind!r}")
+
+
+def load_tokenizer(obj) -> Tokenizer:
+    """A tokenizer from its ``to_json()`` form; a plain list is a word vocabulary (the format
+    of every checkpoint written before other kinds existed)."""
+    if isinstance(obj, list):
+        return Vocab.from_json(obj)
+    if isinstance(obj, dict) and obj.get("kind") == "char":
+        return CharTokenizer.from_json(obj)
+    if isinstance(obj, dict) and obj.get("kind") == "bpe":
+        return BPETokenizer.from_json(obj)
+    kind = obj.get("kind") if isinstance(obj, dict) else type(obj).__name__
+    raise ValueError(f"unknown tokenizer {kind!r} (known: {', '.join(KINDS)})")
+
