@@ -7,7 +7,9 @@ STAMP := $(VENV)/.captionkit-installed
 # torch/torchvision are pinned to the releases this machine kind serves from its local disk
 TORCH ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test bench clean
+WEB_VENDOR := src/captionkit/web/vendor/ort/ort.wasm.min.mjs
+
+.PHONY: demo test bench clean web
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,13 +20,30 @@ $(STAMP): pyproject.toml
 		apt-get install -y -qq wordnet-base wordnet-sense-index >/dev/null 2>&1 || \
 		{ apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq wordnet-base wordnet-sense-index >/dev/null 2>&1; } || \
 		echo "note: WordNet not installed; nltk METEOR will be unavailable"; fi
+	@# Chromium for the browser tests (Debian's package; Playwright drives it, downloads nothing)
+	-@if ! command -v chromium >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get install -y -qq chromium >/dev/null 2>&1 || \
+		{ apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; } || \
+		echo "note: chromium not installed; the browser tests will be skipped"; fi
+	@# Node.js and npm build the in-browser demo's runtime (onnxruntime-web)
+	-@if ! command -v npm >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get install -y -qq nodejs npm >/dev/null 2>&1 || \
+		{ apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq nodejs npm >/dev/null 2>&1; } || \
+		echo "note: npm not installed; the in-browser demo will not be built"; fi
 	touch $(STAMP)
+
+# onnxruntime-web from npm, copied into the package's static folder (not committed)
+$(WEB_VENDOR): web/package.json web/package-lock.json web/build.mjs
+	cd web && npm ci --no-audit --no-fund && npm run build
+
+web: $(WEB_VENDOR)
 
 demo: $(STAMP)
 	$(BIN)/captionkit caption samples --beam 3 --json demo-out/captions.json --attention demo-out/attention
 	@echo "attention figures: demo-out/attention/"
 
 test: $(STAMP)
+	-@command -v npm >/dev/null && $(MAKE) --no-print-directory web || echo "note: npm missing; in-browser demo tests will be skipped"
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

@@ -14,7 +14,7 @@ from .decoding import Caption, decode
 from .encoders import Encoder, create_encoder, load_finetuned
 from .images import ImageError, load_rgb, to_tensor
 from .models import create_decoder
-from .vocab import Vocab
+from .tokenizers import Tokenizer, load_tokenizer
 
 DEFAULT_MODEL = Path(__file__).parent / "pretrained" / "sat-lite2-flickr8k"
 
@@ -31,7 +31,7 @@ class Result:
 
 
 class Captioner:
-    def __init__(self, decoder: torch.nn.Module, vocab: Vocab, config: dict, encoder: Encoder | None = None):
+    def __init__(self, decoder: torch.nn.Module, vocab: Tokenizer, config: dict, encoder: Encoder | None = None):
         self.decoder = decoder.eval()
         self.vocab = vocab
         self.config = config
@@ -55,7 +55,10 @@ class Captioner:
             decoder = create_decoder(family, cfg["model"])
         except (KeyError, ValueError, TypeError) as e:
             raise CheckpointError(f"{path}/config.json: incompatible config ({e})") from None
-        vocab = Vocab.from_json(words)
+        try:
+            vocab = load_tokenizer(words)
+        except (KeyError, ValueError, TypeError) as e:
+            raise CheckpointError(f"{path}/config.json: unusable vocabulary ({e})") from None
         if len(vocab) != decoder.cfg.vocab_size:
             raise CheckpointError(f"{path}: vocabulary has {len(vocab)} words, model expects {decoder.cfg.vocab_size}")
         decoder_weights, encoder_tuned = split_weights(read_weights(path))
@@ -84,15 +87,24 @@ class Captioner:
         return self.length_penalty if length_penalty is None else length_penalty
 
     def result(self, cap: Caption) -> Result:
+        """A caption as words, with one attention row per word: a word spelt by several tokens
+        (characters, subwords) gets the mean of its tokens' attention."""
         attention = cap.attention
         if self.config["model"].get("attention") == "hard":  # show the location each word most
             # likely came from (hard attention trains on one location per word)
             attention = torch.nn.functional.one_hot(attention.argmax(1), attention.shape[1]).float()
-        return Result(self.vocab.decode(cap.ids), attention, self.grid)
+        spans = self.vocab.spans(cap.ids)
+        if spans:
+            attention = torch.stack([attention[pos].mean(0) for _, pos in spans])  # (words, L)
+        else:
+            attention = attention[:0]
+        return Result([w for w, _ in spans], attention, self.grid)
 
     def caption_files(self, paths: list[Path], beam: int = 3, batch_size: int = 16,
-                      length_penalty: float | None = None) -> Iterator[tuple[Path, Result | ImageError]]:
-        """Caption image files in order; a bad file yields its ImageError and the rest go on."""
+                      length_penalty: float | None = None,
+                      workers: int = 1) -> Iterator[tuple[Path, Result | ImageError]]:
+        """Caption image files in order; a bad file yields its ImageError and the rest go on.
+        ``workers`` threads decode the next batch's images while this batch is captioned."""
         if self.encoder is None:
             raise RuntimeError("this Captioner was loaded without its encoder")
         pre = self.encoder.preprocess
@@ -104,15 +116,15 @@ class Captioner:
                 return e
 
         batches = [paths[i:i + batch_size] for i in range(0, len(paths), batch_size)]
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            # a reader thread decodes the next batch while this one is encoded: one batch
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            # reader threads decode the next batch while this one is encoded: one batch
             # ahead, so memory stays flat however large the folder
-            read = (lambda b: [load(p) for p in b])
-            nxt = pool.submit(read, batches[0]) if batches else None
+            read = (lambda b: [pool.submit(load, p) for p in b])
+            nxt = read(batches[0]) if batches else None
             for bi, batch in enumerate(batches):
-                loaded = nxt.result()
+                loaded = [f.result() for f in nxt]
                 if bi + 1 < len(batches):
-                    nxt = pool.submit(read, batches[bi + 1])
+                    nxt = read(batches[bi + 1])
                 good = [i for i, x in enumerate(loaded) if isinstance(x, torch.Tensor)]
                 caps: dict[int, Caption] = {}
                 if good:

@@ -34,35 +34,128 @@ def _read_json(path: str | Path, what: str):
 
 
 def cmd_caption(paths: list[str], model: str | None, beam: int, json_out: str | None,
-                attention: str | None, batch_size: int, length_penalty: float | None) -> int:
-    from .captioner import Captioner
+                attention: str | None, batch_size: int, length_penalty: float | None,
+                jsonl: str | None = None, csv_out: str | None = None, workers: int = 2,
+                onnx: str | None = None) -> int:
+    from collections import Counter
+
     from .images import find_images, load_rgb
 
     files = find_images(paths)
     if not files:
         raise UsageError(f"no image files found in {' '.join(paths)}")
-    cap = Captioner.load(model)
-    names = [f.name for f in files]
-    dup = {n for n in names if names.count(n) > 1}
+    if onnx and model:
+        raise UsageError("give either --model or --onnx")
+    if onnx:
+        from .onnx_runtime import load_onnx_captioner
+        cap = load_onnx_captioner(onnx)
+    else:
+        from .captioner import Captioner
+        cap = Captioner.load(model)
+    counts = Counter(f.name for f in files)
+    dup = {n for n, c in counts.items() if c > 1}
+
+    def key_of(path: Path) -> str:
+        return str(path) if path.name in dup else path.name
+
+    outputs, progress = [], None
+    if jsonl or csv_out:  # batch mode: resumable files, a progress line instead of one line per image
+        from .batch import CsvOutput, JsonlOutput, OutputError, Progress
+        try:
+            outputs = ([JsonlOutput(jsonl)] if jsonl else []) + ([CsvOutput(csv_out)] if csv_out else [])
+        except OutputError as e:
+            raise UsageError(str(e)) from None
+        todo = [f for f in files if any(key_of(f) not in o.done for o in outputs)]
+        progress = Progress(len(todo), skipped=len(files) - len(todo))
+        files_to_caption = todo
+    else:
+        files_to_caption = files
     captions: dict[str, str] = {}
     failed = 0
-    for path, res in cap.caption_files(files, beam=beam, batch_size=batch_size, length_penalty=length_penalty):
-        if isinstance(res, ImageError):
-            failed += 1
-            print(f"error: {res}", file=sys.stderr)
-            continue
-        key = str(path) if path.name in dup else path.name
-        captions[key] = res.text
-        print(f"{key}\t{res.text}", flush=True)
-        if attention:
-            from .figures import save_attention_figure
-            fig = Path(attention) / f"{Path(key).stem if path.name not in dup else key.replace(os.sep, '_')}.png"
-            save_attention_figure(load_rgb(path), res.words, res.attention, res.grid, fig)
+    try:
+        for path, res in cap.caption_files(files_to_caption, beam=beam, batch_size=batch_size,
+                                           length_penalty=length_penalty, workers=workers):
+            key = key_of(path)
+            bad = isinstance(res, ImageError)
+            for o in outputs:
+                o.write(key, None if bad else res.text, str(res) if bad else None)
+            if progress:
+                progress.update(1, failed=int(bad))
+            if bad:
+                failed += 1
+                if not progress:
+                    print(f"error: {res}", file=sys.stderr)
+                continue
+            if json_out:
+                captions[key] = res.text
+            if not progress:
+                print(f"{key}\t{res.text}", flush=True)
+            if attention:
+                from .figures import save_attention_figure
+                fig = Path(attention) / f"{Path(key).stem if path.name not in dup else key.replace(os.sep, '_')}.png"
+                save_attention_figure(load_rgb(path), res.words, res.attention, res.grid, fig)
+    finally:
+        for o in outputs:
+            o.close()
+        if progress:
+            progress.close()
     if json_out:
         _write_json(json_out, captions)
     if failed:
-        print(f"{failed} of {len(files)} images could not be captioned", file=sys.stderr)
+        where = f" (listed with an \"error\" in {jsonl or csv_out})" if outputs else ""
+        print(f"{failed} of {len(files_to_caption)} images could not be captioned{where}", file=sys.stderr)
         return 1
+    return 0
+
+
+def cmd_export(format: str, model: str | None, out: str, int8: bool, int8_encoder: bool,
+               check: list[str] | None, check_beam: int, web: bool) -> int:
+    from .captioner import Captioner
+    try:
+        from .export import copy_web_demo, export_onnx
+        from .onnx_runtime import parity_check
+    except ImportError as e:
+        raise UsageError(f"ONNX export needs the onnx extra: pip install 'captionkit[onnx]' ({e})") from None
+    from .captioner import DEFAULT_MODEL
+
+    cap = Captioner.load(model)
+    manifest = export_onnx(cap, out, int8=int8 or int8_encoder, int8_encoder=int8_encoder,
+                           model_name=Path(model or DEFAULT_MODEL).name)
+    print(f"wrote {manifest.parent}: " + ", ".join(
+        f"{p.name} {p.stat().st_size / 1e6:.1f} MB" for p in sorted(manifest.parent.glob("*.onnx"))))
+    if web:
+        try:
+            copy_web_demo(out)
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from None
+        print(f"in-browser demo: serve {out} with any static file server and open index.html")
+    from .images import find_images
+    files = find_images(check) if check else []
+    variants = ["float32"] + (["int8"] if int8 or int8_encoder else [])
+    for variant in variants:
+        rep = parity_check(cap, out, files, beam=check_beam, variant=variant)
+        num = rep["numeric"]
+        print(f"{variant}: largest difference from PyTorch on a test input: features {num['features']:.2e}, "
+              f"log-probabilities {num['logprobs']:.2e}, attention {num['attention']:.2e}")
+        if files:
+            print(f"{variant}: {rep['identical']} of {rep['images']} captions identical to PyTorch's "
+                  f"(beam {check_beam})")
+            for d in rep["differ"][:5]:
+                print(f"  {d['image']}: pytorch {d['pytorch']!r} / onnx {d['onnx']!r}")
+    return 0
+
+
+def cmd_serve(model: list[str] | None, host: str, port: int, max_upload_mb: float, queue_size: int,
+              max_batch: int, threads: int | None, onnx: str | None) -> int:
+    try:
+        from .serve.app import ServeConfig, serve
+    except ImportError as e:
+        raise UsageError(f"the server needs the serve extra: pip install 'captionkit[serve]' ({e})") from None
+    if onnx and not (Path(onnx) / "manifest.json").exists():
+        raise UsageError(f"{onnx}: no manifest.json (make one with captionkit export onnx --out {onnx})")
+    cfg = ServeConfig(max_upload_bytes=int(max_upload_mb * 2 ** 20), queue_size=queue_size,
+                      max_batch=max_batch, onnx_dir=onnx)
+    serve(model, host, port, cfg, threads=threads)
     return 0
 
 
@@ -188,9 +281,9 @@ def _write_per_image(path: str, rep, cand: dict) -> None:
     os.replace(tmp, path)
 
 
-def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool) -> int:
+def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool, init: str | None) -> int:
     from .train import train
-    train(config, out=out, max_steps=max_steps, resume=resume)
+    train(config, out=out, max_steps=max_steps, resume=resume, init=init)
     return 0
 
 
@@ -247,6 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--batch-size", type=int, default=16)
     c.add_argument("--length-penalty", type=float, default=None,
                    help="rank beams by logprob / (words + 1) ** this (0: plain sum; default: the model's)")
+    c.add_argument("--jsonl", metavar="OUT", help="append one JSON line per image here; resumes: images "
+                   "already in OUT are skipped (unreadable ones are listed with an \"error\")")
+    c.add_argument("--csv", dest="csv_out", metavar="OUT", help="the same as CSV (image,caption,error)")
+    c.add_argument("--workers", type=int, default=2, help="threads decoding images ahead of the model")
+    c.add_argument("--onnx", metavar="DIR", help="caption with an ONNX export (captionkit export onnx) instead")
 
     e = sub.add_parser("evaluate", help="caption a dataset split and score it (coco-caption scorers)")
     e.add_argument("--model")
@@ -278,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="run folder (default runs/<config name>)")
     t.add_argument("--max-steps", type=int)
     t.add_argument("--resume", action="store_true", help="continue from OUT/last")
+    t.add_argument("--init", metavar="DIR", help="start from this checkpoint (replaces the config's train.init)")
 
     f = sub.add_parser("features", help="compute and cache a dataset's encoder features")
     f.add_argument("--dataset", required=True)
@@ -288,6 +387,27 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("checkpoint")
     k.add_argument("out")
     k.add_argument("--fp16", action="store_true")
+
+    x = sub.add_parser("export", help="export a model for other runtimes (ONNX)")
+    x.add_argument("format", choices=["onnx"])
+    x.add_argument("--model", help="checkpoint folder (default: the shipped model)")
+    x.add_argument("--out", required=True, help="folder for manifest.json and the graphs")
+    x.add_argument("--int8", action="store_true", help="also write dynamically int8-quantised decoder graphs")
+    x.add_argument("--int8-encoder", action="store_true", help="quantise the encoder's convolutions too")
+    x.add_argument("--check", nargs="+", metavar="PATH",
+                   help="photos or folders to caption with PyTorch and onnxruntime and compare")
+    x.add_argument("--check-beam", type=int, default=3)
+    x.add_argument("--web", action="store_true", help="copy the in-browser demo page into OUT")
+
+    v = sub.add_parser("serve", help="HTTP API and web page (FastAPI)")
+    v.add_argument("--model", action="append", help="checkpoint folder; repeat for several (default: the shipped model)")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--max-upload-mb", type=float, default=10.0)
+    v.add_argument("--queue-size", type=int, default=32, help="requests waiting per model before 503")
+    v.add_argument("--max-batch", type=int, default=8, help="queued requests captioned together")
+    v.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    v.add_argument("--onnx", metavar="DIR", help="host this ONNX export for the in-browser demo at /onnx")
     return p
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import warnings
 from pathlib import Path
 
@@ -22,21 +23,7 @@ def load_rgb(path: str | Path) -> Image.Image:
     """Open ``path`` as an RGB image, converting any colour mode, or raise ImageError."""
     path = Path(path)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            Image.MAX_IMAGE_PIXELS = MAX_PIXELS
-            with Image.open(path) as im:
-                w, h = im.size
-                if w * h > MAX_PIXELS:
-                    raise ImageError(f"{path}: {w}x{h} image is too large (over {MAX_PIXELS:,} pixels)")
-                if min(w, h) < MIN_SIDE:
-                    raise ImageError(f"{path}: {w}x{h} image is too small to caption (under {MIN_SIDE} px)")
-                im.load()
-                return to_rgb(im)
-    except ImageError:
-        raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ImageError(f"{path}: refused as a decompression bomb ({e})") from None
+        return _open_rgb(path, str(path))
     except FileNotFoundError:
         raise ImageError(f"{path}: no such file") from None
     except IsADirectoryError:
@@ -45,8 +32,42 @@ def load_rgb(path: str | Path) -> Image.Image:
         if path.exists() and path.stat().st_size == 0:
             raise ImageError(f"{path}: empty file") from None
         raise ImageError(f"{path}: cannot read image ({e})") from None
-    except (ValueError, SyntaxError, Image.UnidentifiedImageError) as e:
-        raise ImageError(f"{path}: cannot read image ({e})") from None
+
+
+def decode_rgb(data: bytes, name: str = "upload", formats: set[str] | None = None) -> Image.Image:
+    """Like :func:`load_rgb` for the bytes of an uploaded file; ``formats`` limits the
+    accepted Pillow formats (e.g. {"JPEG", "PNG"})."""
+    if not data:
+        raise ImageError(f"{name}: empty file")
+    try:
+        return _open_rgb(io.BytesIO(data), name, formats)
+    except Image.UnidentifiedImageError:
+        raise ImageError(f"{name}: cannot read image (not an image file, or a format Pillow does not know)") from None
+    except OSError as e:
+        raise ImageError(f"{name}: cannot read image ({e})") from None
+
+
+def _open_rgb(source, name: str, formats: set[str] | None = None) -> Image.Image:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            Image.MAX_IMAGE_PIXELS = MAX_PIXELS
+            with Image.open(source) as im:
+                if formats is not None and im.format not in formats:
+                    raise ImageError(f"{name}: {im.format} images are not accepted")
+                w, h = im.size
+                if w * h > MAX_PIXELS:
+                    raise ImageError(f"{name}: {w}x{h} image is too large (over {MAX_PIXELS:,} pixels)")
+                if min(w, h) < MIN_SIDE:
+                    raise ImageError(f"{name}: {w}x{h} image is too small to caption (under {MIN_SIDE} px)")
+                im.load()
+                return to_rgb(im)
+    except ImageError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageError(f"{name}: refused as a decompression bomb ({e})") from None
+    except (ValueError, SyntaxError) as e:  # (OSError, e.g. not an image, goes to the caller)
+        raise ImageError(f"{name}: cannot read image ({e})") from None
 
 
 def to_rgb(im: Image.Image) -> Image.Image:

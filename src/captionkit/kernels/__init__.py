@@ -12,6 +12,7 @@ For training, :class:`EnergyContext` wraps a batch's ``proj`` once, so that the 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -27,6 +28,7 @@ import torch
 _SRC = Path(__file__).with_name("attention.c")
 _lib = None
 _tried = False
+_plain = 0  # > 0 inside ``plain_pytorch()``
 
 
 def _cache_dir() -> Path:
@@ -68,7 +70,19 @@ def _load():
 
 
 def kernel_available() -> bool:
-    return _load() is not None
+    return _plain == 0 and _load() is not None
+
+
+@contextlib.contextmanager
+def plain_pytorch():
+    """Inside this block the attention energy runs in plain PyTorch, e.g. while a model is
+    traced for ONNX export (a graph cannot call the C kernel)."""
+    global _plain
+    _plain += 1
+    try:
+        yield
+    finally:
+        _plain -= 1
 
 
 def _ptr(t: torch.Tensor) -> int:

@@ -1,0 +1,159 @@
+"""Load check of `captionkit serve`, loopback only, bounded in size and time.
+
+    python benchmarks/serve_load.py --requests 400 --clients 8 [--photos DIR]
+
+Starts the server on 127.0.0.1 (a free port), sends --requests caption requests from --clients
+concurrent clients (photos from --photos, default samples/), and reports failures, p50/p95
+latency and requests/s. Then, while one client keeps sending good requests, it sends bad
+ones -- non-images, truncated files, zero-byte files, a 60 MB upload, wrong part and body
+content types -- and checks each gets a 4xx JSON error and every good request still succeeds.
+Exits 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import io
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def multipart(fields: dict, files: dict) -> tuple[bytes, str]:
+    b = uuid.uuid4().hex
+    out = io.BytesIO()
+    for k, v in fields.items():
+        out.write(f"--{b}\r\nContent-Disposition: form-data; name=\"{k}\"\r\n\r\n{v}\r\n".encode())
+    for k, (name, data, ctype) in files.items():
+        out.write(f"--{b}\r\nContent-Disposition: form-data; name=\"{k}\"; filename=\"{name}\"\r\n"
+                  f"Content-Type: {ctype}\r\n\r\n".encode())
+        out.write(data)
+        out.write(b"\r\n")
+    out.write(f"--{b}--\r\n".encode())
+    return out.getvalue(), f"multipart/form-data; boundary={b}"
+
+
+def post(port: int, body: bytes, ctype: str, timeout: float = 120) -> tuple[int, dict | None, float]:
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/caption", body=body, headers={"Content-Type": ctype})
+        r = conn.getresponse()
+        raw = r.read()
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            doc = None
+        return r.status, doc, time.perf_counter() - t0
+    finally:
+        conn.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--photos", default=str(ROOT / "samples"))
+    ap.add_argument("--beam", type=int, default=3)
+    ap.add_argument("--big-mb", type=float, default=60.0, help="size of the oversized upload")
+    ap.add_argument("--server-args", default="", help="extra arguments for captionkit serve")
+    args = ap.parse_args()
+    photos = sorted(p for p in Path(args.photos).iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
+    blobs = [(p.name, p.read_bytes()) for p in photos]
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "captionkit", "serve", "--host", "127.0.0.1",
+                               "--port", str(port), *args.server_args.split()],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    ok = True
+    try:
+        for _ in range(1200):
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+                c.request("GET", "/healthz")
+                if c.getresponse().status == 200:
+                    break
+            except OSError:
+                if server.poll() is not None:
+                    print(server.stdout.read().decode())
+                    return 1
+                time.sleep(0.1)
+        good_bodies = [multipart({"beam": args.beam}, {"image": (n, d, "image/jpeg")}) for n, d in blobs]
+
+        # 1. throughput and latency
+        def one(i):
+            return post(port, *good_bodies[i % len(good_bodies)])
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(args.clients) as pool:
+            res = list(pool.map(one, range(args.requests)))
+        wall = time.perf_counter() - t0
+        failed = [r for r in res if r[0] != 200 or not r[1] or "caption" not in r[1]]
+        lat = sorted(r[2] * 1000 for r in res)
+        p95 = lat[min(len(lat) - 1, int(round(0.95 * len(lat))) - 1)]
+        print(f"{args.requests} requests, {args.clients} concurrent clients, beam {args.beam}: "
+              f"{len(failed)} failed; latency p50 {statistics.median(lat):.0f} ms, p95 {p95:.0f} ms; "
+              f"{args.requests / wall:.2f} requests/s")
+        ok &= not failed
+
+        # 2. bad requests while a good client keeps going
+        photo = blobs[0][1]
+        bad = {
+            "non-image (text as image/jpeg)": multipart({}, {"image": ("a.jpg", b"just some text" * 50, "image/jpeg")}),
+            "truncated JPEG": multipart({}, {"image": ("t.jpg", photo[: len(photo) // 3], "image/jpeg")}),
+            "zero-byte file": multipart({}, {"image": ("z.jpg", b"", "image/jpeg")}),
+            f"{args.big_mb:g} MB upload": multipart({}, {"image": ("big.jpg", os.urandom(int(args.big_mb * 2 ** 20)),
+                                                                   "image/jpeg")}),
+            "part type text/plain": multipart({}, {"image": ("a.txt", photo, "text/plain")}),
+            "part type application/pdf": multipart({}, {"image": ("a.pdf", b"%PDF-1.4", "application/pdf")}),
+            "body application/json": (b'{"image": "x"}', "application/json"),
+            "body text/plain": (b"hello", "text/plain"),
+            "multipart without boundary": (b"xyz", "multipart/form-data"),
+        }
+        stop = threading.Event()
+        good_results = []
+
+        def good_client():
+            while not stop.is_set():
+                good_results.append(post(port, *good_bodies[len(good_results) % len(good_bodies)]))
+        t = threading.Thread(target=good_client)
+        t.start()
+        for name, (body, ctype) in bad.items():
+            status, doc, secs = post(port, body, ctype)
+            fine = 400 <= status < 500 and isinstance(doc, dict) and "error" in doc
+            ok &= fine
+            print(f"  {name:32s} -> {status} {'JSON' if doc else 'not JSON'} in {secs * 1000:.0f} ms: "
+                  f"{(doc or {}).get('error', '')[:70]}{'' if fine else '   <-- FAIL'}")
+        time.sleep(1.0)
+        stop.set()
+        t.join()
+        good_ok = sum(r[0] == 200 for r in good_results)
+        print(f"concurrent good client: {good_ok} of {len(good_results)} requests succeeded meanwhile")
+        ok &= good_ok == len(good_results) and good_ok > 0
+        status, doc, _ = post(port, *good_bodies[0])
+        ok &= status == 200
+        print(f"after the bad requests: {status}, {'server still serving' if status == 200 else 'FAIL'}")
+    finally:
+        server.terminate()
+        server.wait(20)
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

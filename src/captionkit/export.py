@@ -1,0 +1,235 @@
+"""Export a captioner to ONNX: the encoder as one graph, the decoder as two (``init``: the
+per-image memory and the first recurrent state; ``step``: one word), plus a ``manifest.json``
+with the vocabulary, the preprocessing and the decoding settings.
+
+The step graph follows the decoder step contract with tensors only::
+
+    init:  feats (B, L, D)                          -> *memory, *state
+    step:  tokens (B,) int64, *state, feats, *memory -> logprobs (B, V), *state_next, attention (B, L)
+
+Every state and memory tensor is batch-first, so a runtime (``captionkit.onnx_runtime``, the
+browser demo's ``decode.js``) can run greedy and beam search for any family by reordering rows,
+without knowing what the tensors mean: an LSTM's ``h``/``c``, or a transformer's key/value
+cache. A family plugs in with :func:`register_exporter`.
+
+Needs the ``onnx`` extra (onnx, onnxscript, onnxruntime); nothing here is imported by the rest
+of the library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .kernels import plain_pytorch
+
+FORMAT = "captionkit-onnx"
+VERSION = 1
+GRAPHS = ("encoder", "init", "step")
+
+
+@dataclass
+class DecoderExport:
+    """How a decoder family is exported.
+
+    init: module ``feats -> (*memory, *state)`` (in the order of ``memory`` then ``state``).
+    step: module ``(tokens, *state, feats, *memory) -> (logprobs, *state_next, attention)``.
+    memory: names of the per-image tensors the step reads besides ``feats``.
+    state: names of the recurrent tensors (the step returns ``<name>_next`` for each).
+    """
+
+    init: nn.Module
+    step: nn.Module
+    memory: list[str]
+    state: list[str]
+
+
+_EXPORTERS: dict[str, Callable[[nn.Module], DecoderExport]] = {}
+
+
+def register_exporter(family: str):
+    """Register ``fn(decoder) -> DecoderExport`` for a model family."""
+    def wrap(fn):
+        _EXPORTERS[family] = fn
+        return fn
+    return wrap
+
+
+def decoder_export(family: str, decoder: nn.Module) -> DecoderExport:
+    if family not in _EXPORTERS:
+        raise ValueError(f"model family {family!r} cannot be exported to ONNX yet "
+                         f"(exportable: {', '.join(sorted(_EXPORTERS))})")
+    return _EXPORTERS[family](decoder)
+
+
+# ---- Show, Attend and Tell ------------------------------------------------------------------
+
+class _SATInit(nn.Module):
+    def __init__(self, decoder):
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, feats):
+        mem = self.decoder.prepare(feats)
+        h, c = self.decoder.init_state(mem)
+        return mem.energy.proj, h, c
+
+
+class _SATStep(nn.Module):
+    """The decoder's own ``step`` on plain tensors (tokens, h, c, feats, proj)."""
+
+    def __init__(self, decoder):
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, tokens, h, c, feats, proj):
+        from .models.sat import Memory
+        logp, (h, c), alpha = self.decoder.step(tokens, (h, c), Memory(feats, proj, None))
+        return logp, h, c, alpha
+
+
+@register_exporter("sat")
+def _sat_export(decoder) -> DecoderExport:
+    if decoder.cfg.attention == "hard" and decoder.cfg.decode_context == "argmax":
+        raise ValueError("hard attention with decode_context='argmax' cannot be exported yet")
+    return DecoderExport(_SATInit(decoder), _SATStep(decoder), memory=["proj"], state=["h", "c"])
+
+
+# ---- export ---------------------------------------------------------------------------------
+
+class _EncoderGraph(nn.Module):
+    def __init__(self, encoder):
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, image):
+        return self.encoder(image)
+
+
+def _onnx_export(module: nn.Module, args: tuple, path: Path, inputs: list[str], outputs: list[str],
+                 dynamic: dict[str, dict[int, str]]) -> None:
+    """One graph, float32, the batch (and any other named axis) dynamic, weights inside the file."""
+    import warnings
+    module = module.eval().float()
+    with torch.no_grad(), plain_pytorch(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # The TorchScript-based exporter: fast, and every op here (convolutions, matmuls,
+        # tanh/sigmoid, softmax, gathers) maps one-to-one onto ONNX opset 17.
+        torch.onnx.export(module, args, str(path), input_names=inputs, output_names=outputs,
+                          dynamic_axes=dynamic, opset_version=17, dynamo=False, do_constant_folding=True)
+
+
+def export_onnx(captioner, out: str | Path, int8: bool = False, int8_encoder: bool = False,
+                model_name: str | None = None, log: Callable[[str], None] = print) -> Path:
+    """Write ``manifest.json``, ``encoder.onnx``, ``init.onnx``, ``step.onnx`` (and the
+    ``*.int8.onnx`` graphs with ``int8``) to ``out``; returns the manifest path."""
+    import onnx  # noqa: F401  (a clear ImportError before any work)
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if captioner.encoder is None:
+        raise ValueError("the captioner was loaded without its encoder")
+    cfg = captioner.config
+    spec = decoder_export(cfg["family"], captioner.decoder)
+    enc, pre = captioner.encoder, captioner.encoder.preprocess
+    S, B = pre.size, 2
+    image = torch.zeros(B, 3, S, S)
+    with torch.no_grad():
+        feats = enc(image).float()
+        init_out = spec.init.eval()(feats)
+    n_mem = len(spec.memory)
+    memory, state = list(init_out[:n_mem]), list(init_out[n_mem:])
+    tokens = torch.full((B,), 1, dtype=torch.long)
+    batch = {0: "batch"}
+    t0 = time.perf_counter()
+    _onnx_export(_EncoderGraph(enc), (image,), out / "encoder.onnx", ["image"], ["feats"],
+                 {"image": batch, "feats": batch})
+    init_outputs = spec.memory + spec.state
+    _onnx_export(spec.init, (feats,), out / "init.onnx", ["feats"], init_outputs,
+                 {"feats": batch, **{n: batch for n in init_outputs}})
+    step_inputs = ["tokens", *spec.state, "feats", *spec.memory]
+    step_outputs = ["logprobs", *(f"{n}_next" for n in spec.state), "attention"]
+    _onnx_export(spec.step, (tokens, *state, feats, *memory), out / "step.onnx", step_inputs, step_outputs,
+                 {n: batch for n in step_inputs + step_outputs})
+    log(f"exported encoder, init and step graphs in {time.perf_counter() - t0:.1f} s")
+    graphs = {"float32": {g: f"{g}.onnx" for g in GRAPHS}}
+    if int8:
+        graphs["int8"] = quantize_int8(out, encoder=int8_encoder, log=log)
+    manifest = {
+        "format": FORMAT, "version": VERSION,
+        "model": model_name or "model",
+        "family": cfg["family"],
+        # the browser demo reads "vocab" (word vocabularies); runtimes in Python read "tokenizer"
+        "vocab": list(captioner.vocab.words) if getattr(captioner.vocab, "kind", "word") == "word" else None,
+        "tokenizer": captioner.vocab.to_json(),
+        "special": {"pad": 0, "start": 1, "end": 2, "unk": 3},
+        "preprocess": {**asdict(pre), "layout": "NCHW", "scale": 1 / 255,
+                       "formula": "(rgb / 255 - mean) / std, after resizing to size x size"},
+        "grid": list(captioner.grid),
+        "feat_dim": int(feats.shape[2]),
+        "decoding": {"max_len": captioner.max_len, "length_penalty": captioner.length_penalty},
+        "attention_view": "onehot-argmax" if cfg["model"].get("attention") == "hard" else "weights",
+        "graphs": graphs,
+        "init": {"inputs": ["feats"], "outputs": init_outputs},
+        "step": {"inputs": step_inputs, "outputs": step_outputs},
+        "state": spec.state,
+        "memory": ["feats", *spec.memory],
+        "config": {k: cfg[k] for k in ("family", "model", "encoder", "decoding") if k in cfg},
+    }
+    path = out / "manifest.json"
+    tmp = out / f".manifest.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def quantize_int8(out: Path, encoder: bool = False, log: Callable[[str], None] = print) -> dict[str, str]:
+    """Dynamic int8 quantisation (int8 weights; activations quantised on the fly) of the decoder
+    graphs' matrix products -> ``init.int8.onnx``, ``step.int8.onnx``. The encoder's
+    convolutions are quantised too (per channel) only with ``encoder=True``: onnxruntime's
+    ConvInteger is slower than its float convolutions on CPU and costs more accuracy."""
+    import logging
+
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    files = {"encoder": "encoder.onnx"}
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # onnxruntime logs a generic "consider pre-processing" warning
+    try:
+        for g in GRAPHS:
+            if g == "encoder" and not encoder:
+                continue
+            src, dst = out / f"{g}.onnx", out / f"{g}.int8.onnx"
+            quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=g == "encoder",
+                             op_types_to_quantize=["Conv"] if g == "encoder" else ["MatMul", "Gemm"])
+            files[g] = dst.name
+            log(f"int8 {g}: {src.stat().st_size / 1e6:.1f} MB -> {dst.stat().st_size / 1e6:.1f} MB")
+    finally:
+        root.setLevel(level)
+    return files
+
+
+def copy_web_demo(out: str | Path) -> None:
+    """Copy the in-browser demo page next to the exported graphs (open ``out/index.html``
+    from any static file server)."""
+    from importlib.resources import files
+    src = Path(str(files("captionkit") / "web"))
+    vendor = src / "vendor" / "ort"
+    if not (vendor / "ort.wasm.min.mjs").exists():
+        raise FileNotFoundError(f"{vendor}: onnxruntime-web is not built; run `make web` first")
+    out = Path(out)
+    for item in ("index.html", "js", "css", "vendor"):
+        s = src / item
+        if s.is_dir():
+            shutil.copytree(s, out / item, dirs_exist_ok=True)
+        else:
+            shutil.copy2(s, out / item)
