@@ -188,9 +188,9 @@ def _write_per_image(path: str, rep, cand: dict) -> None:
     os.replace(tmp, path)
 
 
-def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool) -> int:
+def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool, init: str | None) -> int:
     from .train import train
-    train(config, out=out, max_steps=max_steps, resume=resume)
+    train(config, out=out, max_steps=max_steps, resume=resume, init=init)
     return 0
 
 
@@ -278,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="run folder (default runs/<config name>)")
     t.add_argument("--max-steps", type=int)
     t.add_argument("--resume", action="store_true", help="continue from OUT/last")
+    t.add_argument("--init", metavar="DIR", help="start from this checkpoint (replaces the config's train.init)")
 
     f = sub.add_parser("features", help="compute and cache a dataset's encoder features")
     f.add_argument("--dataset", required=True)

@@ -36,6 +36,7 @@ from .encoders import create_encoder, load_finetuned
 from .evaluation import coco_scores, format_scores
 from .features import build_features
 from .models import create_decoder, family_config
+from .precision import PRECISIONS, resolve_precision
 from .scst import SelfCritical
 from .vocab import Vocab
 
@@ -64,7 +65,9 @@ class EncoderConfig:
 
 @dataclass
 class TrainConfig:
-    """optimizer: adam or rmsprop. precision: bf16 (mixed precision matmuls) or fp32.
+    """optimizer: adam or rmsprop.
+    precision: bf16 (mixed precision matmuls), fp32, or auto: bf16 where the CPU multiplies
+        bf16 natively, else fp32 (see captionkit.precision).
     alpha_c: weight of the doubly stochastic attention penalty.
     val_metric: the dev score that selects the best checkpoint (a coco-caption metric name).
     patience: epochs without improvement before stopping; lr_patience: before lr *= lr_decay.
@@ -85,7 +88,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 5.0
     alpha_c: float = 1.0
-    precision: str = "bf16"
+    precision: str = "auto"
     seed: int = 0
     val_beam: int = 3
     val_metric: str = "CIDEr"
@@ -109,8 +112,8 @@ class TrainConfig:
             raise ValueError("train.samples and train.encoder_lr must be positive, train.finetune_blocks >= 0")
         if self.optimizer not in ("adam", "rmsprop"):
             raise ValueError(f"train.optimizer must be adam or rmsprop, not {self.optimizer!r}")
-        if self.precision not in ("bf16", "fp32"):
-            raise ValueError(f"train.precision must be bf16 or fp32, not {self.precision!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
         if self.batch_size < 1 or self.epochs < 1 or self.lr <= 0:
             raise ValueError("train.batch_size, train.epochs and train.lr must be positive")
 
@@ -146,10 +149,14 @@ class RunConfig:
                    model, train)
 
     @classmethod
-    def load(cls, path: str | Path) -> "RunConfig":
+    def load(cls, path: str | Path, init: str | None = None) -> "RunConfig":
+        """Read a TOML config; ``init`` (a checkpoint folder) replaces its train.init."""
         path = Path(path)
         try:
-            return cls.from_dict(tomllib.loads(path.read_text()), str(path))
+            d = tomllib.loads(path.read_text())
+            if init:
+                d.setdefault("train", {})["init"] = init
+            return cls.from_dict(d, str(path))
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{path}: invalid TOML ({e})") from None
         except FileNotFoundError:
@@ -194,6 +201,8 @@ class Trainer:
             self.val_items = self.val_items[:tc.val_max_images]
         if not self.train_items:
             raise ValueError(f"{cfg.data.dataset}: the {cfg.data.train_split} split is empty")
+        self.bf16 = resolve_precision(tc.precision) == "bf16"
+        print(f"precision {tc.precision}: {'bf16 mixed precision' if self.bf16 else 'float32'} matmuls", file=sys.stderr)
         self.init_cfg = read_config(tc.init) if tc.init else None
         self.init_weights = read_weights(tc.init) if tc.init else {}
         # dev scores are taken with the model's own length normalisation: a run from a tuned
@@ -250,7 +259,7 @@ class Trainer:
         they are being trained. Call under the training autocast."""
         if self.cfg.train.finetune_blocks:
             return self.tail(feats.float(), self.source_grid)
-        return feats.to(torch.bfloat16) if self.cfg.train.precision == "bf16" else feats.float()
+        return feats.to(torch.bfloat16) if self.bf16 else feats.float()
 
     def setup(self, vocab: Vocab) -> None:
         cfg, tc = self.cfg, self.cfg.train
@@ -364,7 +373,7 @@ class Trainer:
     def batch_loss(self, idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
         """-> (loss to minimise, figures to report: the cross-entropy, or scst's rewards)."""
         tc = self.cfg.train
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.precision == "bf16"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
             if tc.objective == "scst":
                 feats = self.features(self.train_feats.index_select(0, torch.tensor(idx)))  # (B, L, D)
                 loss, stats = self.scst.loss(self.model, feats, idx)
@@ -485,8 +494,8 @@ class Trainer:
 
 
 def train(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,
-          resume: bool = False, progress: bool = True) -> dict:
-    cfg = RunConfig.load(config)
+          resume: bool = False, progress: bool = True, init: str | None = None) -> dict:
+    cfg = RunConfig.load(config, init)
     out = Path(out) if out else Path("runs") / Path(config).stem
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg, out)
