@@ -37,6 +37,18 @@ def test_init_on_the_command_line_replaces_the_configs(tmp_path):
         RunConfig.load(cfg, init="elsewhere/best")
 
 
+def test_auto_precision_uses_bf16_only_where_the_cpu_has_it(monkeypatch):
+    from captionkit import precision
+    for native, want in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(precision, "native_bf16", lambda native=native: native)
+        assert precision.resolve_precision("auto") == want
+        assert precision.resolve_precision("fp32") == "fp32" and precision.resolve_precision("bf16") == "bf16"
+    with pytest.raises(ValueError, match="precision must be one of auto, bf16, fp32, not 'fp16'"):
+        precision.resolve_precision("fp16")
+    with pytest.raises(ValueError, match="train.precision must be one of"):
+        RunConfig.from_dict({"data": {"dataset": "x"}, "train": {"precision": "fp16"}})
+
+
 def test_training_run_writes_best_and_last_with_history(tiny_run):
     cfg = read_config(tiny_run / "best")
     assert cfg["state"]["epoch"] >= 1 and cfg["state"]["best_score"] is not None

@@ -37,6 +37,7 @@ from .evaluation import coco_scores, format_scores
 from .features import build_features
 from .glove import glove_embedding
 from .models import create_decoder, family_config, family_fields
+from .precision import PRECISIONS, resolve_precision
 from .scst import SelfCritical
 from .tokenizers import KINDS, Tokenizer, build_tokenizer, load_tokenizer
 
@@ -79,8 +80,9 @@ class EncoderConfig:
 @dataclass
 class TrainConfig:
     """optimizer: adam, adamw (decoupled weight decay on matrices, embeddings and positions,
-        not on biases and norms) or rmsprop. precision: bf16 (mixed precision
-        matmuls) or fp32.
+        not on biases and norms) or rmsprop.
+    precision: bf16 (mixed precision matmuls), fp32, or auto: bf16 where the CPU multiplies
+        bf16 natively, else fp32 (see captionkit.precision).
     schedule: "plateau" (lr *= lr_decay after lr_patience epochs without dev gain), "cosine"
         (from lr down to 0 over the epochs) or "inverse_sqrt" (lr * sqrt(warmup_steps / step));
         each after a linear warm-up over warmup_steps steps (inverse_sqrt needs one).
@@ -110,7 +112,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 5.0
     alpha_c: float = 1.0
-    precision: str = "bf16"
+    precision: str = "auto"
     seed: int = 0
     val_beam: int = 3
     val_metric: str = "CIDEr"
@@ -150,8 +152,8 @@ class TrainConfig:
             raise ValueError("train.samples and train.encoder_lr must be positive, train.finetune_blocks >= 0")
         if self.optimizer not in ("adam", "adamw", "rmsprop"):
             raise ValueError(f"train.optimizer must be adam, adamw or rmsprop, not {self.optimizer!r}")
-        if self.precision not in ("bf16", "fp32"):
-            raise ValueError(f"train.precision must be bf16 or fp32, not {self.precision!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
         if self.batch_size < 1 or self.epochs < 1 or self.lr <= 0:
             raise ValueError("train.batch_size, train.epochs and train.lr must be positive")
 
@@ -260,6 +262,8 @@ class Trainer:
             self.val_items = self.val_items[:tc.val_max_images]
         if not self.train_items:
             raise ValueError(f"{cfg.data.dataset}: the {cfg.data.train_split} split is empty")
+        self.bf16 = resolve_precision(tc.precision) == "bf16"
+        print(f"precision {tc.precision}: {'bf16 mixed precision' if self.bf16 else 'float32'} matmuls", file=sys.stderr)
         self.init_cfg = read_config(tc.init) if tc.init else None
         self.init_weights = read_weights(tc.init) if tc.init else {}
         # dev scores are taken with the model's own length normalisation: a run from a tuned
@@ -316,7 +320,7 @@ class Trainer:
         they are being trained. Call under the training autocast."""
         if self.cfg.train.finetune_blocks:
             return self.tail(feats.float(), self.source_grid)
-        return feats.to(torch.bfloat16) if self.cfg.train.precision == "bf16" else feats.float()
+        return feats.to(torch.bfloat16) if self.bf16 else feats.float()
 
     def setup(self, vocab: Tokenizer) -> None:
         cfg, tc = self.cfg, self.cfg.train
@@ -461,7 +465,7 @@ class Trainer:
     def batch_loss(self, idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
         """-> (loss to minimise, figures to report: the cross-entropy, or scst's rewards)."""
         tc = self.cfg.train
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.precision == "bf16"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
             if tc.objective == "scst":
                 feats = self.features(self.train_feats.index_select(0, torch.tensor(idx)))  # (B, L, D)
                 loss, stats = self.scst.loss(self.model, feats, idx)
