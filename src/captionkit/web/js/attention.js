@@ -38,7 +38,10 @@ export function drawAttention(canvas, img, weights, grid) {
   canvas.height = h;
   canvas.style.width = `${w}px`;
   canvas.style.height = `${h}px`;
-  const max = Math.max(...weights) || 1;
+  // Stretched from the least to the most attended cell, as the Python figures do: soft
+  // attention is often spread thinly, and scaled by its maximum alone most cells stay clear.
+  const max = Math.max(...weights), min = Math.min(...weights);
+  const range = max - min || 1;
   const small = document.createElement("canvas");
   small.width = gw;
   small.height = gh;
@@ -46,7 +49,7 @@ export function drawAttention(canvas, img, weights, grid) {
   const cells = sctx.createImageData(gw, gh);
   for (let i = 0; i < gh * gw; i++) {
     // dark where the model did not look, clear where it did
-    cells.data[i * 4 + 3] = Math.round(215 * (1 - weights[i] / max));
+    cells.data[i * 4 + 3] = Math.round(215 * (1 - (weights[i] - min) / range));
   }
   sctx.putImageData(cells, 0, 0);
   const ctx = canvas.getContext("2d");
