@@ -13,8 +13,8 @@ from captionkit.encoders import create_encoder
 from captionkit.metrics import CiderD
 from captionkit.models import create_decoder
 from captionkit.models.sat import caption_loss
-from captionkit.scst import SelfCritical, sample, sequence_logprobs
-from captionkit.train import train
+from captionkit.scst import SelfCritical, leave_one_out_mean, sample, sequence_logprobs
+from captionkit.train import RunConfig, train
 from captionkit.vocab import Vocab
 
 
@@ -131,6 +131,33 @@ def test_self_critical_baseline_is_the_greedy_captions_cider():
     assert any(not torch.equal(before[k], v) for k, v in m.state_dict().items())
 
 
+def test_mean_baseline_is_the_other_samples_mean_reward():
+    r = torch.tensor([1.0, 2.0, 6.0, 0.0, 0.0, 3.0])  # two images, three samples each
+    torch.testing.assert_close(leave_one_out_mean(r, 3), torch.tensor([4.0, 3.5, 1.5, 1.5, 1.5, 0.0]))
+    m = tiny().eval()
+    vocab = Vocab(["<pad>", "<start>", "<end>", "<unk>"] + [f"w{i}" for i in range(8)])
+    refs = {k: [[f"w{(k + j) % 8}", f"w{(k * 3 + j) % 8}", "w1"] for j in range(3)] for k in range(5)}
+    sc = SelfCritical(refs, vocab, samples=3, max_len=6, baseline="mean")
+    feats = torch.randn(5, 6, 10)
+    torch.manual_seed(7)
+    loss, stats = sc.loss(m, feats, list(range(5)))
+    assert stats.greedy_reward is None  # no greedy caption is decoded
+    torch.manual_seed(7)  # the same draws by hand
+    seqs = sample(m, feats, 3, 6)
+    cider = CiderD(refs)
+    r_sample = torch.tensor([cider.score(i // 3, vocab.decode([w for w in row if w > Vocab.end]))
+                             for i, row in enumerate(seqs.tolist())])
+    advantage = r_sample - torch.stack([(r_sample.view(5, 3).sum(1) - r_sample.view(5, 3)[:, j]) / 2
+                                        for j in range(3)], 1).reshape(-1)
+    torch.testing.assert_close(advantage.view(5, 3).sum(1), torch.zeros(5), atol=1e-6, rtol=0)
+    lp = sequence_logprobs(m, feats.repeat_interleave(3, 0), seqs)
+    torch.testing.assert_close(loss, -(advantage.unsqueeze(1) * lp).sum() / (seqs != Vocab.pad).sum())
+    with pytest.raises(ValueError, match="the mean baseline needs at least 2 samples"):
+        SelfCritical(refs, vocab, samples=1, baseline="mean")
+    with pytest.raises(ValueError, match="baseline must be one of greedy, mean, not 'best'"):
+        SelfCritical(refs, vocab, baseline="best")
+
+
 # ---- the trainer: hard attention, self-critical and fine-tuning runs ----------------------
 def _variant(tiny_config, tmp_path, name, model=None, train_extra=""):
     text = tiny_config.read_text().replace("epochs = 3", "epochs = 1")
@@ -173,6 +200,21 @@ def test_self_critical_run_starts_from_a_checkpoint(tiny_run, tiny_config, tmp_p
     last = read_weights(tmp_path / "scst" / "last")
     start = read_weights(tiny_run / "best")
     assert any(not torch.equal(last[k], start[k]) for k in start)
+
+
+def test_self_critical_run_with_the_mean_baseline(tiny_run, tiny_config, tmp_path):
+    cfg = _variant(tiny_config, tmp_path, "scst_mean", model="",
+                   train_extra=f'init = "{tiny_run / "best"}"\nobjective = "scst"\nsamples = 3\n'
+                               f'scst_baseline = "mean"\nlr = 1e-3\n')
+    train(cfg, out=tmp_path / "scst_mean", progress=False)
+    hist = [json.loads(l) for l in (tmp_path / "scst_mean" / "history.jsonl").read_text().splitlines()]
+    assert hist[1]["reward"] >= 0 and "greedy_reward" not in hist[1]
+    last, start = read_weights(tmp_path / "scst_mean" / "last"), read_weights(tiny_run / "best")
+    assert any(not torch.equal(last[k], start[k]) for k in start)
+    bad = tmp_path / "bad.toml"
+    bad.write_text(cfg.read_text().replace("samples = 3", "samples = 1"))
+    with pytest.raises(ValueError, match='train.scst_baseline = "mean" needs train.samples >= 2'):
+        RunConfig.load(bad)
 
 
 def test_fine_tuning_the_encoders_last_block(tiny_run, tiny_config, tmp_path):

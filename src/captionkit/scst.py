@@ -5,6 +5,12 @@ image's references; the model's own greedy caption, scored the same way, is the 
 loss is REINFORCE: -(r(sample) - r(greedy)) * log p(sample), so captions that beat what the
 model would say anyway become more likely and worse ones less likely.
 
+``baseline="mean"`` uses instead the mean reward of the image's *other* samples (Luo 2020, "A
+better variant of self-critical sequence training"): each image's advantages then sum to zero,
+and no greedy caption is decoded. It helps where the greedy caption's reward is inflated, e.g.
+by a model that has learnt its training captions by heart (its greedy caption then beats almost
+every sample, and nearly every advantage is negative).
+
 What a decoder family must offer: the step contract (``prepare``, ``init_state``, ``step``;
 used to sample and to decode greedily) and teacher-forced ``forward(feats, inputs) ->
 (logits, attention)`` (used to take the log-probability of the samples in one pass, which is
@@ -61,21 +67,37 @@ def sequence_logprobs(model, feats: torch.Tensor, seqs: torch.Tensor) -> torch.T
     return logp.masked_fill(seqs == Vocab.pad, 0.0)
 
 
+BASELINES = ("greedy", "mean")
+
+
 @dataclass
 class SelfCriticalStats:
     sample_reward: float  # mean CIDEr-D of the sampled captions
-    greedy_reward: float  # mean CIDEr-D of the greedy captions (the baseline)
+    greedy_reward: float | None  # mean CIDEr-D of the greedy captions (the greedy baseline)
+
+
+def leave_one_out_mean(rewards: torch.Tensor, n: int) -> torch.Tensor:
+    """rewards (B*n,), n consecutive samples per image -> each sample's baseline: the mean
+    reward of its image's other n - 1 samples (B*n,)."""
+    per_image = rewards.view(-1, n)  # (B, n)
+    return ((per_image.sum(1, keepdim=True) - per_image) / (n - 1)).reshape(-1)
 
 
 class SelfCritical:
     """The self-critical objective for one set of training images.
 
     refs: for each image key, its reference captions as lists of words (document frequencies
-    for CIDEr-D come from these). vocab turns word ids back into words."""
+    for CIDEr-D come from these). vocab turns word ids back into words. baseline: "greedy"
+    (the greedy caption's reward) or "mean" (the other samples' mean reward; samples >= 2)."""
 
-    def __init__(self, refs: dict, vocab: Vocab, samples: int = 5, max_len: int = 20):
+    def __init__(self, refs: dict, vocab: Vocab, samples: int = 5, max_len: int = 20,
+                 baseline: str = "greedy"):
+        if baseline not in BASELINES:
+            raise ValueError(f"self-critical baseline must be one of {', '.join(BASELINES)}, not {baseline!r}")
+        if baseline == "mean" and samples < 2:
+            raise ValueError("the mean baseline needs at least 2 samples per image")
         self.cider = CiderD(refs)
-        self.vocab, self.samples, self.max_len = vocab, samples, max_len
+        self.vocab, self.samples, self.max_len, self.baseline = vocab, samples, max_len, baseline
 
     def rewards(self, keys: list, seqs: list[list[int]]) -> torch.Tensor:
         """CIDEr-D of each word-id sequence (without <start>/<end>) for its image key."""
@@ -85,12 +107,17 @@ class SelfCritical:
         """feats (B, L, D) of the images ``keys`` -> (REINFORCE loss, rewards)."""
         n = self.samples
         seqs = sample(model, feats, n, self.max_len)  # (B*n, T)
-        base = greedy(model, feats, self.max_len)
         ids = [[w for w in row if w not in (Vocab.end, Vocab.pad)] for row in seqs.tolist()]
         r_sample = self.rewards([k for k in keys for _ in range(n)], ids)  # (B*n,)
-        r_greedy = self.rewards(keys, [c.ids for c in base])  # (B,)
-        advantage = r_sample - r_greedy.repeat_interleave(n)  # (B*n,)
+        r_greedy = None
+        if self.baseline == "greedy":
+            base = greedy(model, feats, self.max_len)
+            r_greedy = self.rewards(keys, [c.ids for c in base])  # (B,)
+            advantage = r_sample - r_greedy.repeat_interleave(n)  # (B*n,)
+        else:
+            advantage = r_sample - leave_one_out_mean(r_sample, n)  # (B*n,)
         logp = sequence_logprobs(model, feats.repeat_interleave(n, 0), seqs)  # (B*n, T)
         words = (seqs != Vocab.pad).sum()
         loss = -(advantage.unsqueeze(1) * logp).sum() / words
-        return loss, SelfCriticalStats(float(r_sample.mean()), float(r_greedy.mean()))
+        return loss, SelfCriticalStats(float(r_sample.mean()),
+                                       None if r_greedy is None else float(r_greedy.mean()))

@@ -38,7 +38,7 @@ from .features import build_features
 from .glove import glove_embedding
 from .models import create_decoder, family_config, family_fields
 from .precision import PRECISIONS, resolve_precision
-from .scst import SelfCritical
+from .scst import BASELINES, SelfCritical
 from .tokenizers import KINDS, Tokenizer, build_tokenizer, load_tokenizer
 
 
@@ -102,6 +102,8 @@ class TrainConfig:
     init: a checkpoint folder to start from; its vocabulary, model and encoder are used (the
         config's [model] table must then be left out). Its dev score is the one to beat.
     samples: scst only, captions sampled per image.
+    scst_baseline: scst only, "greedy" (the greedy caption's CIDEr-D, Rennie et al.) or "mean"
+        (the image's other samples' mean CIDEr-D, Luo 2020; needs samples >= 2).
     finetune_blocks: train the encoder's last N blocks too (0: frozen encoder).
     encoder_lr: their learning rate (decayed together with lr)."""
 
@@ -126,6 +128,7 @@ class TrainConfig:
     objective: str = "xe"
     init: str = ""
     samples: int = 5
+    scst_baseline: str = "greedy"
     finetune_blocks: int = 0
     encoder_lr: float = 1e-4
     schedule: str = "plateau"
@@ -150,6 +153,10 @@ class TrainConfig:
             raise ValueError(f"train.objective must be xe or scst, not {self.objective!r}")
         if self.samples < 1 or self.finetune_blocks < 0 or self.encoder_lr <= 0:
             raise ValueError("train.samples and train.encoder_lr must be positive, train.finetune_blocks >= 0")
+        if self.scst_baseline not in BASELINES:
+            raise ValueError(f"train.scst_baseline must be one of {', '.join(BASELINES)}, not {self.scst_baseline!r}")
+        if self.scst_baseline == "mean" and self.samples < 2:
+            raise ValueError("train.scst_baseline = \"mean\" needs train.samples >= 2")
         if self.optimizer not in ("adam", "adamw", "rmsprop"):
             raise ValueError(f"train.optimizer must be adam, adamw or rmsprop, not {self.optimizer!r}")
         if self.precision not in PRECISIONS:
@@ -376,7 +383,7 @@ class Trainer:
         self.scst = None
         if tc.objective == "scst":  # CIDEr-D document frequencies from the training references
             refs = {row: [t for t in it.tokens if t] for row, it in enumerate(self.train_items)}
-            self.scst = SelfCritical(refs, vocab, tc.samples, tc.max_len)
+            self.scst = SelfCritical(refs, vocab, tc.samples, tc.max_len, tc.scst_baseline)
         self.state = {"epoch": 0, "step": 0, "batch_in_epoch": 0, "best_score": None, "best_epoch": 0,
                       "bad_epochs": 0, "lr_bad_epochs": 0, "lr": tc.lr, "history": []}
 
@@ -469,7 +476,10 @@ class Trainer:
             if tc.objective == "scst":
                 feats = self.features(self.train_feats.index_select(0, torch.tensor(idx)))  # (B, L, D)
                 loss, stats = self.scst.loss(self.model, feats, idx)
-                return loss, {"reward": stats.sample_reward, "greedy_reward": stats.greedy_reward}
+                figures = {"reward": stats.sample_reward}
+                if stats.greedy_reward is not None:
+                    figures["greedy_reward"] = stats.greedy_reward
+                return loss, figures
             rows = torch.tensor([self.examples[i][0] for i in idx])
             ids = torch.tensor([self.examples[i][1] for i in idx])  # (B, T+1), one length
             feats = self.features(self.train_feats.index_select(0, rows))  # (B, L, D)
