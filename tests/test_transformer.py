@@ -127,6 +127,33 @@ def test_training_loss_with_label_smoothing_reports_the_plain_cross_entropy():
     assert losses[-1] < 0.3 * losses[0]
 
 
+def test_shared_image_side_gives_the_same_loss_and_gradients_as_repeated_features():
+    """batching = "image": each image encoded once and indexed per caption, captions of
+    different lengths padded with <pad>, equals every caption with its own copy of the image
+    and only its own length."""
+    m = tiny(spread=0.05)
+    x = feats(3)  # (U, L, F)
+    image_index = torch.tensor([0, 0, 1, 2, 2, 2])
+    torch.manual_seed(4)
+    lengths = [7, 4, 6, 5, 7, 3]
+    rows = []
+    for n in lengths:
+        ids = torch.randint(4, V, (n,))
+        ids[0], ids[-1] = Vocab.start, Vocab.end
+        rows.append(torch.cat([ids, torch.zeros(7 - n, dtype=torch.long)]))
+    ids = torch.stack(rows)  # (6, 7), <pad> = 0 after each caption's <end>
+    shared, _ = m.training_loss(x, ids[:, :-1], ids[:, 1:], image_index=image_index)
+    grads = torch.autograd.grad(shared, list(m.parameters()))
+    repeated, _ = m.training_loss(x.index_select(0, image_index), ids[:, :-1], ids[:, 1:])
+    torch.testing.assert_close(shared, repeated)
+    for g, h in zip(grads, torch.autograd.grad(repeated, list(m.parameters()))):
+        torch.testing.assert_close(g, h)
+    # the padded batch's loss is the token-weighted mean of each caption's unpadded loss
+    per = [m.training_loss(x[i:i + 1], ids[j:j + 1, :n - 1], ids[j:j + 1, 1:n])[0] * (n - 1)
+           for j, (i, n) in enumerate(zip(image_index.tolist(), lengths))]
+    torch.testing.assert_close(shared, sum(per) / sum(n - 1 for n in lengths))
+
+
 def test_self_critical_training_runs_on_the_transformer():
     m = tiny(spread=0.1)
     vocab = Vocab(["<pad>", "<start>", "<end>", "<unk>"] + [f"w{i}" for i in range(V - 4)])

@@ -162,6 +162,34 @@ def test_one_random_caption_per_image_per_epoch(flickr_dir, tmp_path):
     assert picks[0] != picks[1] or picks[1] != picks[2]  # a new draw each epoch
 
 
+def test_image_batches_hold_whole_images_and_every_caption_once(flickr_dir, tmp_path):
+    cfg = write_config(tmp_path / "ib.toml", flickr_dir, train='batching = "image"')
+    cfg.write_text(cfg.read_text().replace("batch_size = 8", "batch_size = 12"))  # room for two images
+    trainer = Trainer(RunConfig.load(cfg), tmp_path)
+    trainer.setup(build_tokenizer("word", [t for it in trainer.train_items for t in it.tokens], 1))
+    for epoch in range(2):
+        batches = trainer.epoch_batches(epoch)
+        assert sorted(i for b in batches for i in b) == list(range(len(trainer.examples)))
+        for b in batches:
+            rows = {trainer.examples[i][0] for i in b}
+            assert all(set(trainer.image_examples[r]) <= set(b) for r in rows)  # whole images
+            assert len(b) <= 12 or len(rows) == 1
+        assert any(len({trainer.examples[i][0] for i in b}) > 1 for b in batches)
+        assert batches == trainer.epoch_batches(epoch)  # seeded: resumable
+    loss, figures = trainer.batch_loss(batches[0])  # padded captions, one encoder pass per image
+    assert math.isfinite(float(loss.detach())) and figures["loss"] > 0
+
+
+def test_image_batching_needs_a_family_that_shares_the_image_side(flickr_dir, tmp_path):
+    cfg = write_config(tmp_path / "lstm.toml", flickr_dir, train='batching = "image"')
+    text = cfg.read_text().replace('family = "transformer"', 'family = "sat"')
+    for key in ("width", "heads", "encoder_layers", "decoder_layers", "max_positions"):
+        text = "\n".join(line for line in text.splitlines() if not line.startswith(key + " ="))
+    cfg.write_text(text)
+    with pytest.raises(ValueError, match='train.batching = "image" needs a family that shares the image side'):
+        train(cfg, out=tmp_path / "lstm", progress=False)
+
+
 def test_learning_rate_schedules():
     cos = TrainConfig(schedule="cosine", warmup_steps=10)
     assert lr_factor(cos, 0, 0.0) == pytest.approx(0.1)  # warm-up: step 1 of 10

@@ -16,6 +16,7 @@ what stays frozen is cached, the rest runs in every step.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import random
@@ -89,6 +90,11 @@ class TrainConfig:
     label_smoothing: spread this much of each target's probability over the vocabulary.
     caption_sampling: "all" (every caption of every image, each epoch) or "random_one" (one
         caption per image per epoch, drawn anew each epoch: augmentation, 1/5 of the steps).
+    batching: "length" (each batch holds captions of one length, in a seeded order: no padding,
+        which the LSTM's attention penalty needs) or "image" (each batch holds whole images with
+        all their captions of the epoch, padded; the image side runs once per image instead of
+        once per caption: the transformer's encoder is then 5x cheaper with caption_sampling
+        "all"). Images are bucketed by their longest caption, so padding stays small.
     glove: a GloVe-format word-vector file to initialise the word embedding (word tokenizer
         only); the vocabulary's coverage is printed and saved as glove_coverage.json. When
         [model] sets no embed_dim, the file's dimension is used. freeze_embeddings: keep them.
@@ -135,6 +141,7 @@ class TrainConfig:
     warmup_steps: int = 0
     label_smoothing: float = 0.0
     caption_sampling: str = "all"
+    batching: str = "length"
     glove: str = ""
     freeze_embeddings: bool = False
 
@@ -147,6 +154,8 @@ class TrainConfig:
             raise ValueError(f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.caption_sampling not in ("all", "random_one"):
             raise ValueError(f"train.caption_sampling must be all or random_one, not {self.caption_sampling!r}")
+        if self.batching not in ("length", "image"):
+            raise ValueError(f"train.batching must be length or image, not {self.batching!r}")
         if self.freeze_embeddings and not self.glove:
             raise ValueError("train.freeze_embeddings needs train.glove (frozen random embeddings learn nothing)")
         if self.objective not in ("xe", "scst"):
@@ -240,6 +249,26 @@ def lr_factor(tc: TrainConfig, step: int, progress: float) -> float:
     if tc.schedule == "inverse_sqrt":
         return min(warm, math.sqrt(tc.warmup_steps / s))
     return warm
+
+
+def image_batches(groups: list[list[int]], lengths: list[int], batch_size: int, seed: int) -> list[list[int]]:
+    """Caption indices grouped by image (groups: each image's captions), whole images per
+    batch, up to batch_size captions (at least one image). Images are ordered by their longest
+    caption within seeded-random buckets, so a batch pads little; the batches are shuffled."""
+    rng = random.Random(seed)
+    order = [g for g in groups if g]
+    rng.shuffle(order)
+    order.sort(key=lambda g: max(lengths[i] for i in g))  # stable: random within a length
+    batches, cur = [], []
+    for g in order:
+        if cur and len(cur) + len(g) > batch_size:
+            batches.append(cur)
+            cur = []
+        cur = cur + g
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
 
 
 def length_batches(lengths: list[int], batch_size: int, seed: int) -> list[list[int]]:
@@ -361,6 +390,9 @@ class Trainer:
             with torch.no_grad():
                 self.model.embed.weight.copy_(vectors)
             self.model.embed.weight.requires_grad_(not tc.freeze_embeddings)
+        if tc.batching == "image" and "image_index" not in inspect.signature(self.model.training_loss).parameters:
+            raise ValueError(f"train.batching = \"image\" needs a family that shares the image side between "
+                             f"captions; {self.family} trains on batches of one caption length (\"length\")")
         groups = [{"params": [p for p in self.model.parameters() if p.requires_grad], "lr": tc.lr}]
         if tc.finetune_blocks:
             groups.append({"params": self.tail_params, "lr": tc.encoder_lr})
@@ -462,12 +494,15 @@ class Trainer:
             rows = list(range(len(self.train_items)))
             random.Random(seed).shuffle(rows)
             return [rows[i:i + tc.batch_size] for i in range(0, len(rows), tc.batch_size)]
+        groups = self.image_examples
         if tc.caption_sampling == "random_one":  # this epoch's caption of each image
             rng = random.Random(seed)
-            pick = [rng.choice(idx) for idx in self.image_examples if idx]
-            batches = length_batches([len(self.examples[i][1]) for i in pick], tc.batch_size, seed)
-            return [[pick[j] for j in b] for b in batches]
-        return length_batches([len(ids) for _, ids in self.examples], tc.batch_size, seed)
+            groups = [[rng.choice(idx)] for idx in self.image_examples if idx]
+        if tc.batching == "image":
+            return image_batches(groups, [len(ids) for _, ids in self.examples], tc.batch_size, seed)
+        pick = [i for g in groups for i in g]
+        batches = length_batches([len(self.examples[i][1]) for i in pick], tc.batch_size, seed)
+        return [[pick[j] for j in b] for b in batches]
 
     def batch_loss(self, idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
         """-> (loss to minimise, figures to report: the cross-entropy, or scst's rewards)."""
@@ -481,10 +516,17 @@ class Trainer:
                     figures["greedy_reward"] = stats.greedy_reward
                 return loss, figures
             rows = torch.tensor([self.examples[i][0] for i in idx])
-            ids = torch.tensor([self.examples[i][1] for i in idx])  # (B, T+1), one length
-            feats = self.features(self.train_feats.index_select(0, rows))  # (B, L, D)
+            if tc.batching == "image":  # each image once; captions padded with <pad> = 0 (ignored)
+                longest = max(len(self.examples[i][1]) for i in idx)
+                ids = torch.tensor([self.examples[i][1] + [0] * (longest - len(self.examples[i][1])) for i in idx])
+                rows, image_index = torch.unique(rows, return_inverse=True)  # (U,), (B,)
+                extra = {"image_index": image_index}
+            else:
+                ids = torch.tensor([self.examples[i][1] for i in idx])  # (B, T+1), one length
+                extra = {}
+            feats = self.features(self.train_feats.index_select(0, rows))  # (B or U, L, D)
             loss, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], tc.alpha_c,
-                                                label_smoothing=tc.label_smoothing)
+                                                label_smoothing=tc.label_smoothing, **extra)
             return loss, {"loss": float(ce.detach())}
 
     def log_history(self) -> None:

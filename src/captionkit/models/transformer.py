@@ -307,11 +307,15 @@ class TransformerCaptioner(nn.Module):
         return logp, (pos + 1, *new_caches), attention
 
     # ---- teacher-forced training ---------------------------------------------------------
-    def forward(self, feats: torch.Tensor, inputs: torch.Tensor):
+    def forward(self, feats: torch.Tensor, inputs: torch.Tensor, image_index: torch.Tensor | None = None):
         """feats (B, L, feat_dim), inputs (B, T) = <start> w_1 .. w_{T-1}
-        -> logits (B, T, V) and cross-attention (B, T, L) of layer ``attention_layer``."""
+        -> logits (B, T, V) and cross-attention (B, T, L) of layer ``attention_layer``.
+        With image_index (B,), feats holds each image once (U, L, feat_dim) and caption b
+        belongs to image image_index[b]: the encoder runs U times, not B."""
         B, T = inputs.shape
         mem = self.prepare(feats)
+        if image_index is not None:
+            mem = mem.index_select(image_index)  # (B, h, L, d) per layer
         positions = torch.arange(T, device=inputs.device).expand(B, T)  # (B, T)
         x = self.embed_tokens(inputs, positions)  # (B, T, D)
         causal = torch.ones(T, T, dtype=torch.bool, device=inputs.device).tril()  # (T, T): t sees <= t
@@ -324,10 +328,13 @@ class TransformerCaptioner(nn.Module):
         return self.logits(x), attention
 
     def training_loss(self, feats: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor,
-                      alpha_c: float = 0.0, label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean token cross-entropy (with label smoothing if asked) -> (loss, plain cross-entropy).
-        ``alpha_c`` (the LSTM's doubly stochastic attention penalty) does not apply here."""
-        logits, _ = self(feats, inputs)
+                      alpha_c: float = 0.0, label_smoothing: float = 0.0,
+                      image_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean token cross-entropy (with label smoothing if asked) -> (loss, plain cross-entropy);
+        <pad> (0) targets are ignored, so captions of different lengths may share a batch.
+        ``alpha_c`` (the LSTM's doubly stochastic attention penalty) does not apply here.
+        image_index: see ``forward``."""
+        logits, _ = self(feats, inputs, image_index)
         logits = logits.float().reshape(-1, logits.shape[-1])  # (B*T, V)
         flat = targets.reshape(-1)
         loss = F.cross_entropy(logits, flat, ignore_index=0, label_smoothing=label_smoothing)
