@@ -101,6 +101,8 @@ def test_samples_end_in_end_then_pad_and_their_logprobs_match_the_step_contract(
             live = seqs[:, t] != Vocab.pad
             torch.testing.assert_close(lp[live, t], want[live], rtol=1e-5, atol=1e-5)
             tokens = seqs[:, t]
+        # each image's side prepared once for its 4 samples: the same numbers
+        torch.testing.assert_close(sequence_logprobs(m, feats, seqs, 4), lp)
 
 
 def test_self_critical_baseline_is_the_greedy_captions_cider():

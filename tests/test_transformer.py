@@ -154,6 +154,16 @@ def test_shared_image_side_gives_the_same_loss_and_gradients_as_repeated_feature
     torch.testing.assert_close(shared, sum(per) / sum(n - 1 for n in lengths))
 
 
+def test_sample_log_probabilities_with_each_image_prepared_once():
+    from captionkit.scst import sample, sequence_logprobs
+    m = tiny()
+    x = feats(3)
+    seqs = sample(m, x, n=4, max_len=6)
+    with torch.no_grad():
+        torch.testing.assert_close(sequence_logprobs(m, x, seqs, 4),
+                                   sequence_logprobs(m, x.repeat_interleave(4, 0), seqs))
+
+
 def test_self_critical_training_runs_on_the_transformer():
     m = tiny(spread=0.1)
     vocab = Vocab(["<pad>", "<start>", "<end>", "<unk>"] + [f"w{i}" for i in range(V - 4)])

@@ -20,6 +20,7 @@ throughout, so the distribution the samples come from is the one whose gradient 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -55,12 +56,21 @@ def sample(model, feats: torch.Tensor, n: int, max_len: int = 20,
     return torch.stack(out, 1)  # (B*n, T)
 
 
-def sequence_logprobs(model, feats: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
-    """log p of every word of ``seqs`` (R, T) given ``feats`` (R, L, D), teacher-forced, under
-    the same renormalisation as sampling (<pad>, <start>, <unk> excluded) -> (R, T), 0 at pads."""
+def sequence_logprobs(model, feats: torch.Tensor, seqs: torch.Tensor, n: int = 1) -> torch.Tensor:
+    """log p of every word of ``seqs`` (B*n, T) given ``feats`` (B, L, D), n consecutive rows
+    per image, teacher-forced, under the same renormalisation as sampling (<pad>, <start>,
+    <unk> excluded) -> (B*n, T), 0 at pads. A family whose forward takes ``image_index``
+    prepares each image once (the image side of an LSTM or transformer step is a large share
+    of the cost); others get the features repeated."""
     start = torch.full((seqs.shape[0], 1), Vocab.start, dtype=torch.long)
-    inputs = torch.cat([start, seqs[:, :-1]], 1)  # (R, T): <start> w_1 .. w_{T-1}
-    logits, _ = model(feats, inputs)  # (R, T, V)
+    inputs = torch.cat([start, seqs[:, :-1]], 1)  # (B*n, T): <start> w_1 .. w_{T-1}
+    rows = torch.arange(feats.shape[0]).repeat_interleave(n)  # (B*n,)
+    if n == 1:
+        logits, _ = model(feats, inputs)
+    elif "image_index" in inspect.signature(model.forward).parameters:
+        logits, _ = model(feats, inputs, image_index=rows)  # (B*n, T, V)
+    else:
+        logits, _ = model(feats.index_select(0, rows), inputs)
     logits = logits.float().clone()
     logits[..., [Vocab.pad, Vocab.start, Vocab.unk]] = float("-inf")
     logp = F.log_softmax(logits, dim=-1).gather(2, seqs.unsqueeze(2)).squeeze(2)  # (R, T)
@@ -116,7 +126,7 @@ class SelfCritical:
             advantage = r_sample - r_greedy.repeat_interleave(n)  # (B*n,)
         else:
             advantage = r_sample - leave_one_out_mean(r_sample, n)  # (B*n,)
-        logp = sequence_logprobs(model, feats.repeat_interleave(n, 0), seqs)  # (B*n, T)
+        logp = sequence_logprobs(model, feats, seqs, n)  # (B*n, T)
         words = (seqs != Vocab.pad).sum()
         loss = -(advantage.unsqueeze(1) * logp).sum() / words
         return loss, SelfCriticalStats(float(r_sample.mean()),

@@ -188,16 +188,21 @@ class SoftAttentionDecoder(nn.Module):
         return F.log_softmax(self._logits(emb, h, z), dim=-1), (h, c), alpha
 
     # ---- teacher-forced training ----------------------------------------------------------
-    def forward(self, feats: torch.Tensor, inputs: torch.Tensor):
+    def forward(self, feats: torch.Tensor, inputs: torch.Tensor, image_index: torch.Tensor | None = None):
         """feats (B, L, D), inputs (B, T) = <start> w_1 .. w_{T-1}
-        -> logits (B, T, V) and alphas (B, T, L), with the expected context at every step."""
-        logits, alphas, _ = self._unroll(feats, inputs)
+        -> logits (B, T, V) and alphas (B, T, L), with the expected context at every step.
+        With image_index (B,), feats holds each image once (U, L, D) and caption b belongs to
+        image image_index[b] (self-critical training: several samples per image)."""
+        logits, alphas, _ = self._unroll(feats, inputs, image_index=image_index)
         return logits, alphas
 
-    def _unroll(self, feats: torch.Tensor, inputs: torch.Tensor, sampled: torch.Tensor | None = None):
+    def _unroll(self, feats: torch.Tensor, inputs: torch.Tensor, sampled: torch.Tensor | None = None,
+                image_index: torch.Tensor | None = None):
         """The teacher-forced recurrence; captions with ``sampled`` (B,) True attend to a drawn
         location per step. -> logits (B, T, V), alphas (B, T, L), locations (B, T) or None."""
         mem = self.prepare(feats)
+        if image_index is not None:  # W_a a once per image, then one row per caption
+            mem = mem.index_select(image_index)
         h, c = self.init_state(mem)
         emb = self.embed_drop(self.embed(inputs))  # (B, T, M)
         gates_emb = self.gates_emb(emb)  # (B, T, 4H), all steps at once
