@@ -190,6 +190,15 @@ def test_image_batching_needs_a_family_that_shares_the_image_side(flickr_dir, tm
         train(cfg, out=tmp_path / "lstm", progress=False)
 
 
+def test_dev_scoring_every_n_epochs_and_after_the_last(flickr_dir, tmp_path):
+    cfg = write_config(tmp_path / "ve.toml", flickr_dir, epochs=3, train="val_every = 2")
+    train(cfg, out=tmp_path / "run", progress=False)
+    hist = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in hist] == [1, 2, 3]
+    assert ["CIDEr" in h for h in hist] == [False, True, True]
+    assert read_config(tmp_path / "run" / "best")["state"]["best_epoch"] in (2, 3)
+
+
 def test_learning_rate_schedules():
     cos = TrainConfig(schedule="cosine", warmup_steps=10)
     assert lr_factor(cos, 0, 0.0) == pytest.approx(0.1)  # warm-up: step 1 of 10
@@ -275,3 +284,19 @@ def test_configuration_errors_name_the_field(flickr_dir, tmp_path):
         cfg = write_config(tmp_path / f"bad{i}.toml", flickr_dir, **kw)
         with pytest.raises(ValueError, match=msg):
             train(cfg, out=tmp_path / f"bad{i}", progress=False)
+
+
+def test_onnx_export_gives_the_same_captions(word_run, char_run, flickr_dir, tmp_path):
+    pytest.importorskip("onnxruntime")
+    from captionkit.export import export_onnx
+    from captionkit.images import find_images
+    from captionkit.onnx_runtime import parity_check
+    files = find_images([flickr_dir / "Flicker8k_Dataset"])
+    for run in (word_run, char_run):
+        cap = Captioner.load(run / "best")
+        out = tmp_path / run.parent.name
+        export_onnx(cap, out, log=lambda s: None)
+        for beam in (1, 3):
+            rep = parity_check(cap, out, files, beam=beam)
+            assert rep["identical"] == rep["images"] == len(files), rep["differ"]
+            assert rep["numeric"]["logprobs"] < 1e-3

@@ -103,6 +103,47 @@ def _sat_export(decoder) -> DecoderExport:
     return DecoderExport(_SATInit(decoder), _SATStep(decoder), memory=["proj"], state=["h", "c"])
 
 
+# ---- transformer ----------------------------------------------------------------------------
+
+class _TransformerInit(nn.Module):
+    """feats -> every decoder layer's cross-attention keys, then values, then the empty
+    self-attention cache (position counter, per layer keys and values)."""
+
+    def __init__(self, decoder):
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, feats):
+        mem = self.decoder.prepare(feats)
+        return (*mem.keys, *mem.values, *self.decoder.init_state(mem))
+
+
+class _TransformerStep(nn.Module):
+    """The decoder's own ``step`` on plain tensors: (tokens, pos, *cache, feats, *keys, *values).
+    The step has no Python-side control flow (fixed-size cache, position counter), so this
+    traces to one graph that is right for every position."""
+
+    def __init__(self, decoder):
+        super().__init__()
+        self.decoder = decoder
+        self.layers = decoder.cfg.decoder_layers
+
+    def forward(self, tokens, *rest):
+        from .models.transformer import Memory
+        n = self.layers
+        state, mem = rest[:1 + 2 * n], rest[2 + 2 * n:]  # rest[1 + 2n] is feats, not read here
+        logp, state, attention = self.decoder.step(tokens, tuple(state), Memory(list(mem[:n]), list(mem[n:])))
+        return (logp, *state, attention)
+
+
+@register_exporter("transformer")
+def _transformer_export(decoder) -> DecoderExport:
+    n = decoder.cfg.decoder_layers
+    memory = [f"cross_k{i}" for i in range(n)] + [f"cross_v{i}" for i in range(n)]
+    state = ["pos"] + [f"self_{kv}{i}" for i in range(n) for kv in ("k", "v")]
+    return DecoderExport(_TransformerInit(decoder), _TransformerStep(decoder), memory=memory, state=state)
+
+
 # ---- export ---------------------------------------------------------------------------------
 
 class _EncoderGraph(nn.Module):
@@ -131,7 +172,7 @@ def export_onnx(captioner, out: str | Path, int8: bool = False, int8_encoder: bo
                 model_name: str | None = None, log: Callable[[str], None] = print) -> Path:
     """Write ``manifest.json``, ``encoder.onnx``, ``init.onnx``, ``step.onnx`` (and the
     ``*.int8.onnx`` graphs with ``int8``) to ``out``; returns the manifest path."""
-    import onnx  # noqa: F401  (a clear ImportError before any work)
+    import onnx  # a clear ImportError before any work
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -159,6 +200,10 @@ def export_onnx(captioner, out: str | Path, int8: bool = False, int8_encoder: bo
     step_outputs = ["logprobs", *(f"{n}_next" for n in spec.state), "attention"]
     _onnx_export(spec.step, (tokens, *state, feats, *memory), out / "step.onnx", step_inputs, step_outputs,
                  {n: batch for n in step_inputs + step_outputs})
+    # the exporter drops inputs a graph never reads (a transformer's step reads the cross-
+    # attention keys/values, not feats): runtimes feed what the graph has, as the manifest says
+    read = {i.name for i in onnx.load(str(out / "step.onnx"), load_external_data=False).graph.input}
+    step_inputs = [n for n in step_inputs if n in read]
     log(f"exported encoder, init and step graphs in {time.perf_counter() - t0:.1f} s")
     graphs = {"float32": {g: f"{g}.onnx" for g in GRAPHS}}
     if int8:
@@ -181,7 +226,7 @@ def export_onnx(captioner, out: str | Path, int8: bool = False, int8_encoder: bo
         "init": {"inputs": ["feats"], "outputs": init_outputs},
         "step": {"inputs": step_inputs, "outputs": step_outputs},
         "state": spec.state,
-        "memory": ["feats", *spec.memory],
+        "memory": [n for n in ("feats", *spec.memory) if n in read],
         "config": {k: cfg[k] for k in ("family", "model", "encoder", "decoding") if k in cfg},
     }
     path = out / "manifest.json"

@@ -100,7 +100,10 @@ class TrainConfig:
         [model] sets no embed_dim, the file's dimension is used. freeze_embeddings: keep them.
     alpha_c: weight of the doubly stochastic attention penalty (LSTM only).
     val_metric: the dev score that selects the best checkpoint (a coco-caption metric name).
-    patience: epochs without improvement before stopping; lr_patience: before lr *= lr_decay.
+    patience: validations without improvement before stopping; lr_patience: before lr *= lr_decay.
+    val_every: score the dev split after every N-th epoch (and the last); the best checkpoint
+        is chosen among those epochs. For runs of many short epochs (caption_sampling
+        "random_one"), where a dev pass would cost as much as the epoch.
     checkpoint_every: also save the resumable checkpoint every N steps.
     length_penalties: after training, the best checkpoint's beam-search length normalisation
         is chosen among these on the dev split (by val_metric) and saved in its config.
@@ -125,6 +128,7 @@ class TrainConfig:
     val_beam: int = 3
     val_metric: str = "CIDEr"
     val_max_images: int = 0
+    val_every: int = 1
     patience: int = 5
     lr_patience: int = 2
     lr_decay: float = 0.5
@@ -170,8 +174,8 @@ class TrainConfig:
             raise ValueError(f"train.optimizer must be adam, adamw or rmsprop, not {self.optimizer!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
-        if self.batch_size < 1 or self.epochs < 1 or self.lr <= 0:
-            raise ValueError("train.batch_size, train.epochs and train.lr must be positive")
+        if self.batch_size < 1 or self.epochs < 1 or self.lr <= 0 or self.val_every < 1:
+            raise ValueError("train.batch_size, train.epochs, train.lr and train.val_every must be positive")
 
 
 @dataclass
@@ -583,15 +587,20 @@ class Trainer:
                     self.save("last", with_optimizer=True)
             if progress:
                 print(file=sys.stderr)
-            scores = self.validate()
-            score = scores[tc.val_metric]
             st["epoch"] += 1
             st["batch_in_epoch"] = 0
+            entry = {"epoch": st["epoch"], "step": st["step"], **{k: v / max(n_batches, 1) for k, v in sums.items()},
+                     "lr": self.opt.param_groups[0]["lr"], "seconds": round(time.time() - t0, 1)}
+            if st["epoch"] % tc.val_every and st["epoch"] < tc.epochs:  # no dev scoring after this epoch
+                st["history"].append(entry)
+                print(f"epoch {st['epoch']}: not validated (train.val_every = {tc.val_every})", file=sys.stderr)
+                self.log_history()
+                self.save("last", with_optimizer=True)
+                continue
+            scores = self.validate()
+            score = scores[tc.val_metric]
             improved = st["best_score"] is None or score > st["best_score"]
-            st["history"].append({"epoch": st["epoch"], "step": st["step"],
-                                  **{k: v / max(n_batches, 1) for k, v in sums.items()},
-                                  "lr": self.opt.param_groups[0]["lr"], "seconds": round(time.time() - t0, 1),
-                                  **scores})
+            st["history"].append({**entry, **scores})
             if improved:
                 st.update(best_score=score, best_epoch=st["epoch"], bad_epochs=0, lr_bad_epochs=0)
                 self.save("best", with_optimizer=False)
