@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from .errors import CheckpointError, DatasetError, ImageError, WeightsUnavailable
+from .vlm import DEFAULT_VLM, DTYPES
 
 
 class UsageError(ValueError):
@@ -159,19 +160,19 @@ def cmd_serve(model: list[str] | None, host: str, port: int, max_upload_mb: floa
     return 0
 
 
-def _refs_for(dataset: str, images: str | None, split: str) -> dict[str, list[str]]:
+def _load_dataset(dataset: str, images: str | None, image_column: str, title_column: str, image_suffix: str):
     from .data import load_dataset
-    return {it.name: it.raw for it in load_dataset(dataset, images).split(split)}
+    return load_dataset(dataset, images, image_column, title_column, image_suffix)
 
 
 def cmd_evaluate(model: str | None, dataset: str, images: str | None, split: str, beam: int,
                  out: str | None, batch_size: int, length_penalty: float | None,
-                 tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str) -> int:
+                 tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str,
+                 image_column: str, title_column: str, image_suffix: str) -> int:
     from .captioner import Captioner
-    from .data import load_dataset
     from .evaluation import score_captions
 
-    items = load_dataset(dataset, images).split(split)
+    items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
     cap = Captioner.load(model)
     captions, failed = {}, []
     for path, res in cap.caption_files([it.path for it in items], beam=beam, batch_size=batch_size,
@@ -210,14 +211,16 @@ def _score_opts(tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: 
 
 def cmd_score(captions: str | None, refs: str | None, dataset: str | None, images: str | None, split: str,
               out: str | None, per_image: str | None, bootstrap: int, compare: list[str] | None,
-              tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str, seed: int) -> int:
+              tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str, seed: int,
+              image_column: str, title_column: str, image_suffix: str) -> int:
     from .evaluation import bootstrap as run_bootstrap
     from .evaluation import paired_bootstrap, score_captions
 
     if refs:
         ref = _read_json(refs, "references")
     elif dataset:
-        ref = _refs_for(dataset, images, split)
+        items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
+        ref = {it.name: it.raw for it in items}
     else:
         raise UsageError("give the references: --refs R.json or --dataset D --split S")
     opts = _score_opts(tokenizer, meteor, no_brevity_penalty, metrics)
@@ -287,12 +290,12 @@ def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool,
     return 0
 
 
-def cmd_features(dataset: str, images: str | None, encoder: str) -> int:
-    from .data import load_dataset
+def cmd_features(dataset: str, images: str | None, encoder: str,
+                 image_column: str, title_column: str, image_suffix: str) -> int:
     from .encoders import create_encoder
     from .features import build_features
 
-    ds = load_dataset(dataset, images)
+    ds = _load_dataset(dataset, images, image_column, title_column, image_suffix)
     store = build_features(create_encoder(encoder), [it.path for it in ds.all_items()])
     print(f"{len(store.index)} images, grid {store.grid}: {store.folder}")
     return 0
@@ -314,6 +317,58 @@ def cmd_pack(checkpoint: str, out: str, fp16: bool) -> int:
     save_checkpoint(out, w, cfg)
     print(f"wrote {out} ({sum(v.numel() * v.element_size() for v in w.values()) / 1e6:.1f} MB)")
     return 0
+
+
+def cmd_merge_lora(model: str, out: str) -> int:
+    """Export a prefix_lm checkpoint's LM with its LoRA adapters merged (see
+    captionkit.models.prefix_lm.export_standalone)."""
+    from .models.prefix_lm import export_standalone
+
+    folder = export_standalone(model, out)
+    print(f"wrote {folder} (the merged LM, a transformers folder) and {folder / 'captioner'} "
+          f"(a captionkit checkpoint captioning with it)")
+    return 0
+
+
+def cmd_zero_shot(paths: list[str], model: str, prompts: str | None, template: str | None,
+                  json_out: str | None, batch_size: int, max_new_tokens: int, download: bool, dtype: str) -> int:
+    from collections import Counter
+
+    from .images import find_images
+    from .vlm import ZeroShotCaptioner, load_prompts
+
+    if batch_size < 1 or max_new_tokens < 1:
+        raise UsageError("--batch-size and --max-new-tokens must be at least 1")
+    prompt = load_prompts(prompts).get(template)
+    files = find_images(paths)
+    if not files:
+        raise UsageError(f"no image files found in {' '.join(paths)}")
+    counts = Counter(f.name for f in files)
+    cap = ZeroShotCaptioner.load(model, download=download, dtype=dtype)
+    captions: dict[str, str] = {}
+    failed = 0
+    for path, res in cap.caption_files(files, prompt, batch_size=batch_size, max_new_tokens=max_new_tokens):
+        if isinstance(res, ImageError):
+            failed += 1
+            print(f"error: {res}", file=sys.stderr)
+            continue
+        key = path.name if counts[path.name] == 1 else str(path)  # as captionkit caption keys them
+        if not res.text:
+            print(f"warning: {key}: nothing left of the answer {res.raw!r} after cleaning", file=sys.stderr)
+        captions[key] = res.text
+        print(f"{key}\t{res.text}", flush=True)
+    if json_out:
+        _write_json(json_out, captions)
+    if failed:
+        print(f"{failed} of {len(files)} images could not be captioned", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_csv_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--image-column", default="Image_Name", help="a CSV dataset's column of image names")
+    p.add_argument("--title-column", default="Title", help="a CSV dataset's column of titles")
+    p.add_argument("--image-suffix", default=".jpg", help="appended to a CSV's image names to name the files")
 
 
 def _add_score_opts(p: argparse.ArgumentParser) -> None:
@@ -349,13 +404,14 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("evaluate", help="caption a dataset split and score it (coco-caption scorers)")
     e.add_argument("--model")
     e.add_argument("--dataset", required=True)
-    e.add_argument("--images", help="image folder of a JSON dataset")
+    e.add_argument("--images", help="image folder of a JSON or CSV dataset")
     e.add_argument("--split", default="test")
     e.add_argument("--beam", type=int, default=3)
     e.add_argument("--out", help="write scores and every caption to this JSON")
     e.add_argument("--batch-size", type=int, default=16)
     e.add_argument("--length-penalty", type=float, default=None)
     _add_score_opts(e)
+    _add_csv_opts(e)
 
     s = sub.add_parser("score", help="score a {image: caption} JSON against references")
     s.add_argument("--captions", help="{image: caption} JSON")
@@ -370,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="paired bootstrap test: does system A beat system B?")
     s.add_argument("--seed", type=int, default=0)
     _add_score_opts(s)
+    _add_csv_opts(s)
 
     t = sub.add_parser("train", help="train a decoder from a TOML config")
     t.add_argument("--config", required=True)
@@ -382,11 +439,31 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--dataset", required=True)
     f.add_argument("--images")
     f.add_argument("--encoder", default="efficientnet_lite2")
+    _add_csv_opts(f)
 
     k = sub.add_parser("pack", help="copy a checkpoint without optimizer state, for shipping")
     k.add_argument("checkpoint")
     k.add_argument("out")
     k.add_argument("--fp16", action="store_true")
+
+    m = sub.add_parser("merge-lora", help="write a prefix_lm model's LM with LoRA merged, as a transformers folder")
+    m.add_argument("--model", required=True, help="a prefix_lm checkpoint folder")
+    m.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
+
+    z = sub.add_parser("zero-shot", help="caption photos with an instruction-tuned vision-language model")
+    z.add_argument("paths", nargs="+")
+    z.add_argument("--model", default=DEFAULT_VLM,
+                   help=f"a transformers model: Hub name or folder (default {DEFAULT_VLM})")
+    z.add_argument("--prompts",
+                   help="TOML file of prompt templates (default: the shipped captionkit/vlm_prompts.toml)")
+    z.add_argument("--template", help="the template to use (default: the file's default)")
+    z.add_argument("--json", dest="json_out", help="write {filename: caption} here")
+    z.add_argument("--batch-size", type=int, default=4)
+    z.add_argument("--max-new-tokens", type=int, default=32, help="the longest answer, in the model's tokens")
+    z.add_argument("--download", action="store_true",
+                   help="fetch the weights from the Hugging Face Hub when they are not in its cache")
+    z.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="auto: the checkpoint's own (bfloat16 for Qwen2.5-VL)")
 
     x = sub.add_parser("export", help="export a model for other runtimes (ONNX)")
     x.add_argument("format", choices=["onnx"])
@@ -432,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     tune_allocator()
     command = args.pop("command")
-    fn = globals()[f"cmd_{command}"]
+    fn = globals()[f"cmd_{command.replace('-', '_')}"]
     try:
         if args.get("beam") is not None and args["beam"] < 1:
             raise UsageError(f"--beam must be at least 1, got {args['beam']}")

@@ -1,19 +1,23 @@
-"""Caption datasets: readers for the common Flickr8k/Flickr30k/COCO layouts, one in-memory form.
+"""Caption datasets: readers for the common Flickr8k/Flickr30k/COCO layouts and for title CSVs
+(one title per image, e.g. recipe photos), one in-memory form.
 
 Every reader returns a :class:`CaptionDataset`: per split, a list of :class:`ImageItem` with
-the image's path and its reference captions (raw text and Karpathy-normalised tokens).
-Captions whose image file is missing are skipped and counted in one line on stderr; a
-malformed line is reported as ``file:line``.
+the image's path and its reference captions (raw text, and words in one of
+:data:`WORD_STYLES`). Captions whose image file is missing are skipped and counted in one
+line on stderr; a malformed line is reported as ``file:line``.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
+import os
 import random
+import re
 import string
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,9 +26,22 @@ from .errors import DatasetError
 _PUNCT = str.maketrans("", "", string.punctuation)
 
 
+# how reference captions become training words: "karpathy" (lower case, punctuation dropped:
+# the usual captioning set-up) or "cased" (case and in-word hyphens and apostrophes kept, other
+# punctuation dropped: for subword tokenizers on titles, where "Miso-Butter" is worth keeping)
+WORD_STYLES = ("karpathy", "cased")
+# a word: letters or digits, joined by in-word hyphens or apostrophes ("Mom's", "Stir-Fried")
+_CASED_WORD = re.compile(r"[^\W_]+(?:[-'\u2019][^\W_]+)*")
+
+
 def normalize(caption: str) -> list[str]:
     """Karpathy's normalisation: lower case, punctuation dropped, split on whitespace."""
     return caption.lower().translate(_PUNCT).split()
+
+
+def cased_words(caption: str) -> list[str]:
+    """Words as written: case, in-word hyphens and apostrophes kept, other punctuation dropped."""
+    return _CASED_WORD.findall(caption)
 
 
 @dataclass
@@ -36,6 +53,12 @@ class ImageItem:
     @property
     def tokens(self) -> list[list[str]]:
         return [normalize(c) for c in self.raw]
+
+    def words(self, style: str = "karpathy") -> list[list[str]]:
+        """The reference captions as training words, in one of WORD_STYLES."""
+        if style not in WORD_STYLES:
+            raise ValueError(f"word style must be one of {', '.join(WORD_STYLES)}, not {style!r}")
+        return self.tokens if style == "karpathy" else [cased_words(c) for c in self.raw]
 
 
 @dataclass
@@ -226,10 +249,168 @@ def read_coco(json_path: str | Path, images: str | Path, split: str | None = Non
     return CaptionDataset("coco", {split: [items[k] for k in sorted(items)]})
 
 
-def load_dataset(path: str | Path, images: str | Path | None = None) -> CaptionDataset:
+SPLIT_FRACTIONS = {"train": 0.8, "dev": 0.1, "test": 0.1}
+_SHOWN = 3  # examples per problem in a cleaning report
+
+
+def _cache_root() -> Path:
+    """captionkit's cache folder, as features.default_cache_root (not imported: it loads torch)."""
+    return Path(os.environ.get("CAPTIONKIT_CACHE", Path.home() / ".cache" / "captionkit"))
+
+
+def _read_title_rows(csv_path: Path, image_column: str, title_column: str) -> list[tuple[int, str, str]]:
+    """(line where the row starts, image name, title) of every data row."""
+    rows: list[tuple[int, str, str]] = []
+    line = 1
+    try:
+        with csv_path.open(newline="", encoding="utf-8-sig") as fh:
+            reader = csv.DictReader(fh)
+            header = reader.fieldnames
+            if not header:
+                raise DatasetError(f"{csv_path}: empty file (expected a CSV with a header row)")
+            for column, what in ((image_column, "image-name"), (title_column, "title")):
+                if column not in header:
+                    shown = ", ".join(repr(h) for h in header[:8]) + (", ..." if len(header) > 8 else "")
+                    raise DatasetError(f"{csv_path}: no {what} column {column!r} (its columns: {shown})")
+            line = reader.line_num + 1
+            for row in reader:
+                rows.append((line, (row[image_column] or "").strip(), (row[title_column] or "").strip()))
+                line = reader.line_num + 1
+    except FileNotFoundError:
+        raise DatasetError(f"{csv_path}: no such file") from None
+    except UnicodeDecodeError:
+        raise DatasetError(f"{csv_path}: not a CSV file (not UTF-8 text)") from None
+    except csv.Error as e:
+        raise DatasetError(f"{csv_path}:{line}: not a readable CSV row ({e})") from None
+    return rows
+
+
+def _split_new_images(names: list[str], saved: dict[str, str], seed: int) -> dict[str, str]:
+    """Every name's split: the saved one if it has one; the others are shuffled (seeded) and
+    fill test, then dev, up to their shares of all ``names``, the rest going to train. With
+    nothing saved this is a plain seeded 80/10/10 split."""
+    out = {n: saved[n] for n in names if n in saved}
+    new = sorted(n for n in names if n not in saved)
+    random.Random(seed).shuffle(new)
+    have = Counter(out.values())
+    for split in ("test", "dev"):
+        want = round(len(names) * SPLIT_FRACTIONS[split])
+        if len(names) >= 3:  # a tiny dataset still gets one dev and one test image
+            want = max(1, want)
+        take = max(0, min(want - have[split], len(new)))
+        out.update((n, split) for n in new[:take])
+        new = new[take:]
+    out.update((n, "train") for n in new)
+    return out
+
+
+def _write_json_first(doc: dict, places: list[Path]) -> Path | None:
+    """Write ``doc`` atomically to the first writable place; None if none is."""
+    for place in places:
+        tmp = place.with_name(f".{place.name}.{os.getpid()}.tmp")
+        try:
+            place.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False))
+            os.replace(tmp, place)
+            return place
+        except OSError:
+            tmp.unlink(missing_ok=True)
+    return None
+
+
+def _title_splits(csv_path: Path, names: list[str], seed: int) -> tuple[dict[str, list[str]], str]:
+    """The saved split of a title CSV, extended to images it does not know yet (see
+    read_title_csv); returns the splits and a line saying where they come from."""
+    beside = csv_path.with_name(f"{csv_path.stem}.split.json")
+    digest = hashlib.sha1(str(csv_path.resolve()).encode()).hexdigest()[:12]
+    cached = _cache_root() / "splits" / f"{csv_path.stem}-{digest}.split.json"
+    source = next((f for f in (beside, cached) if f.is_file()), None)
+    saved: dict[str, str] = {}
+    if source is not None:
+        doc = _load_json(source)
+        lists = doc.get("splits") if isinstance(doc, dict) else None
+        if not isinstance(lists, dict) or set(lists) - set(SPLIT_FRACTIONS) or \
+                not all(isinstance(ns, list) and all(isinstance(n, str) for n in ns) for ns in lists.values()):
+            raise DatasetError(f"{source}: not a split file (needs 'splits' with train, dev and test lists)")
+        if doc.get("seed") != seed:
+            raise DatasetError(f"{source}: made with seed {doc.get('seed')}, not {seed}; delete it to split anew")
+        saved = {n: split for split, ns in lists.items() for n in ns}
+    split_of = _split_new_images(names, saved, seed)
+    new = sum(n not in saved for n in names)
+    if source is not None and not new:
+        note = f"split from {source}"
+    else:
+        every = {**saved, **split_of}  # images gone from the CSV keep their place in the file
+        doc = {"csv": csv_path.name, "seed": seed, "fractions": SPLIT_FRACTIONS,
+               "splits": {s: sorted(n for n, t in every.items() if t == s) for s in SPLIT_FRACTIONS}}
+        written = _write_json_first(doc, [cached] if source == cached else [beside, cached])
+        where = f"saved in {written}" if written else "not saved (no writable place)"
+        note = (f"split from {source}, {new} new images assigned, {where}" if source
+                else f"new seeded split (seed {seed}), {where}")
+    splits = {s: sorted(n for n in names if split_of[n] == s) for s in SPLIT_FRACTIONS}
+    return splits, note
+
+
+def read_title_csv(csv_path: str | Path, images: str | Path, image_column: str = "Image_Name",
+                   title_column: str = "Title", image_suffix: str = ".jpg", seed: int = 0) -> CaptionDataset:
+    """A CSV of one title per image, e.g. Epicurious' "Food Ingredients and Recipe Dataset with
+    Image Name Mapping" (columns ``Title`` and ``Image_Name``; image files ``Image_Name + .jpg``
+    in ``images``). Other columns are ignored.
+
+    Cleaning drops rows without a title, rows whose image file does not exist and rows whose
+    image is listed again (the first row is kept: one reference per image), and prints a report
+    on stderr: counts and a few examples (CSV line numbers) per problem, one line each.
+
+    Splits: 80/10/10 train/dev/test, seeded, saved as ``<csv stem>.split.json`` beside the
+    CSV (in the captionkit cache when that folder is not writable) and reused from then on.
+    When the CSV changes, images already in the file keep their split (a test image never
+    moves to train); images no longer usable are left out, and stay recorded; new images are
+    shuffled (seeded) into test and dev up to 10% each of all images, the rest into train, and
+    the file is updated. Delete the file to split anew."""
+    csv_path, images = Path(csv_path), Path(images)
+    rows = _read_title_rows(csv_path, image_column, title_column)
+    titles: dict[str, str] = {}  # image file name -> title, in CSV order
+    first_line: dict[str, int] = {}
+    untitled, missing, repeated = [], [], []
+    for line, image, title in rows:
+        name = image + image_suffix
+        if not title:
+            untitled.append(f"line {line}" + (f" ({name})" if image else ""))
+        elif not image:
+            missing.append(f"line {line} (no image name)")
+        elif name in first_line:
+            repeated.append(f"line {line} ({name}, first on line {first_line[name]})")
+        else:
+            first_line[name] = line  # also for a missing image, so its repeats count as repeats
+            if (images / name).is_file():
+                titles[name] = title
+            else:
+                missing.append(f"line {line} ({name})")
+    _warn(f"{csv_path}: {len(rows)} rows, {len(titles)} images with a title kept")
+    for problem, found in (("without a title", untitled), (f"whose image does not exist under {images}", missing),
+                           ("repeating an image (the first row is kept)", repeated)):
+        if found:
+            more = ", ..." if len(found) > _SHOWN else ""
+            _warn(f"  {len(found)} {'row' if len(found) == 1 else 'rows'} {problem}: {', '.join(found[:_SHOWN])}{more}")
+    if not titles:
+        raise DatasetError(f"{csv_path}: no usable row (is {images} the image folder, and {image_suffix!r} "
+                           f"the image files' suffix?)")
+    splits, note = _title_splits(csv_path, list(titles), seed)
+    _warn(f"  {', '.join(f'{len(v)} {k}' for k, v in splits.items())}: {note}")
+    items = {n: ImageItem(n, images / n, [t]) for n, t in titles.items()}
+    return CaptionDataset(csv_path.stem, _assign_splits(items, splits))
+
+
+def load_dataset(path: str | Path, images: str | Path | None = None, image_column: str = "Image_Name",
+                 title_column: str = "Title", image_suffix: str = ".jpg") -> CaptionDataset:
     """Pick the reader from what ``path`` holds (a Flickr8k or Kaggle folder, a Karpathy or
-    COCO JSON file; JSON files need ``images``, the folder their file names are relative to)."""
+    COCO JSON file, a title CSV; JSON and CSV files need ``images``, the folder their image
+    names are relative to). The column and suffix arguments are read_title_csv's."""
     path = Path(path)
+    if path.suffix.lower() == ".csv" and path.is_file():
+        if images is None:
+            raise DatasetError(f"{path}: a CSV dataset needs --images, the folder of its image files")
+        return read_title_csv(path, images, image_column, title_column, image_suffix)
     if path.is_dir():
         if (path / "Flickr8k.token.txt").is_file():
             return read_flickr8k(path)
@@ -245,4 +426,4 @@ def load_dataset(path: str | Path, images: str | Path | None = None) -> CaptionD
         if not isinstance(doc, dict):
             raise DatasetError(f"{path}: expected a JSON object")
         return read_karpathy(path, images, doc=doc)
-    raise DatasetError(f"{path}: no such dataset folder or JSON file")
+    raise DatasetError(f"{path}: no such dataset folder, JSON or CSV file")

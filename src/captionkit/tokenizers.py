@@ -10,6 +10,8 @@ Three kinds, one contract, saved with the model in ``config.json``:
 - ``bpe``: byte-pair-encoding subwords trained on the training captions with the
   HuggingFace ``tokenizers`` library (an optional dependency, imported only here); the
   trained tokenizer's own JSON is stored inside ``config.json``.
+- ``lm``: a pretrained language model's own tokenizer (the ``prefix_lm`` family), its ids
+  shifted up by 4; ``config.json`` names the LM source, from which it is loaded again.
 
 Every kind keeps the special ids decoding and self-critical training rely on:
 <pad> 0, <start> 1, <end> 2, <unk> 3. The contract::
@@ -27,12 +29,14 @@ Scores are always computed on ``decode``'s words, whatever the tokens are.
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from typing import Iterable
 
 from .vocab import SPECIALS, UNK, Vocab, content_positions as _content
 
-KINDS = ("word", "char", "bpe")
+KINDS = ("word", "char", "bpe")  # learnt from the training captions
+PRETRAINED_KINDS = ("lm",)  # brought by a pretrained model
 
 
 def _positions_to_words(pieces: list[tuple[int, str, bool]]) -> list[tuple[str, list[int]]]:
@@ -163,19 +167,93 @@ class BPETokenizer:
         return cls(cls._library().Tokenizer.from_str(json.dumps(obj["tokenizer"])))
 
 
-Tokenizer = Vocab | CharTokenizer | BPETokenizer
+class LMTokenizer:
+    """A causal language model's own tokenizer (loaded with ``transformers`` from the LM source,
+    see :mod:`captionkit.models.prefix_lm`), LM id i being captionkit id i + 4 so that the
+    special ids keep their meaning; <end> stands for the LM's end-of-sequence token.
+
+    Words for scoring are the decoded text split on whitespace and normalised as the training
+    captions are (lower case, punctuation dropped: :func:`captionkit.data.normalize`); a token
+    belongs to the word its decoded text falls in."""
+
+    kind = "lm"
+    pad, start, end, unk = Vocab.pad, Vocab.start, Vocab.end, Vocab.unk
+    OFFSET = len(SPECIALS)
+
+    def __init__(self, source: str, tok):
+        self.source, self.tok = source, tok  # tok: a transformers tokenizer
+        self.size = len(tok) + self.OFFSET
+
+    @classmethod
+    def build(cls, source: str | None = None) -> "LMTokenizer":
+        from .models.prefix_lm import DEFAULT_LM, load_lm_tokenizer
+        source = source or DEFAULT_LM
+        return cls(source, load_lm_tokenizer(source))
+
+    def __len__(self) -> int:
+        return self.size
+
+    def encode(self, words: list[str]) -> list[int]:
+        ids = self.tok.encode(" ".join(words), add_special_tokens=False)
+        return [self.start] + [i + self.OFFSET for i in ids] + [self.end]
+
+    def spans(self, ids: Iterable[int]) -> list[tuple[str, list[int]]]:
+        from .data import normalize
+        tokens = [(pos, i - self.OFFSET) for pos, i in _content(ids) if i >= self.OFFSET]
+        words: list[tuple[str, list[int]]] = []
+        open_word, shown = False, ""
+        for n, (pos, _) in enumerate(tokens):
+            # what this token adds to the decoded text (decoding token by token would lose the
+            # spaces some tokenizers only produce between tokens)
+            text = self.tok.decode([i for _, i in tokens[:n + 1]])
+            same = next((j for j, (a, b) in enumerate(zip(shown, text)) if a != b), min(len(shown), len(text)))
+            piece, shown = text[same:], text
+            for part in re.split(r"(\s+)", piece):
+                if not part:
+                    continue
+                if part.isspace():
+                    open_word = False
+                    continue
+                if open_word:
+                    word, where = words[-1]
+                    words[-1] = (word + part, where + [pos])
+                else:
+                    words.append((part, [pos]))
+                    open_word = True
+        out = [("".join(normalize(w)), where) for w, where in words]
+        return [(w, where) for w, where in out if w]
+
+    def decode(self, ids: Iterable[int]) -> list[str]:
+        return [w for w, _ in self.spans(ids)]
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "source": self.source, "size": self.size}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "LMTokenizer":
+        tok = cls.build(obj["source"])
+        if len(tok) != obj["size"]:
+            raise ValueError(f"the tokenizer of {obj['source']!r} now has {len(tok)} ids, the model was trained "
+                             f"with {obj['size']}")
+        return tok
+
+
+Tokenizer = Vocab | CharTokenizer | BPETokenizer | LMTokenizer
 
 
 def build_tokenizer(kind: str, captions: list[list[str]], min_count: int = 5, top_k: int | None = None,
-                    vocab_size: int = 2000) -> Tokenizer:
-    """A tokenizer of ``kind`` fitted to the training captions (lists of words)."""
+                    vocab_size: int = 2000, lm: str | None = None) -> Tokenizer:
+    """A tokenizer of ``kind`` fitted to the training captions (lists of words); ``lm``: the
+    language model whose tokenizer the ``lm`` kind is (None: the default LM)."""
     if kind == "word":
         return Vocab.build(captions, min_count, top_k)
     if kind == "char":
         return CharTokenizer.build(captions, min_count)
     if kind == "bpe":
         return BPETokenizer.build(captions, vocab_size, min_count)
-    raise ValueError(f"data.tokenizer must be one of {', '.join(KINDS)}, not {kind!r}")
+    if kind == "lm":
+        return LMTokenizer.build(lm)
+    raise ValueError(f"data.tokenizer must be one of {', '.join(KINDS + PRETRAINED_KINDS)}, not {kind!r}")
 
 
 def load_tokenizer(obj) -> Tokenizer:
@@ -187,6 +265,8 @@ def load_tokenizer(obj) -> Tokenizer:
         return CharTokenizer.from_json(obj)
     if isinstance(obj, dict) and obj.get("kind") == "bpe":
         return BPETokenizer.from_json(obj)
+    if isinstance(obj, dict) and obj.get("kind") == "lm":
+        return LMTokenizer.from_json(obj)
     kind = obj.get("kind") if isinstance(obj, dict) else type(obj).__name__
-    raise ValueError(f"unknown tokenizer {kind!r} (known: {', '.join(KINDS)})")
+    raise ValueError(f"unknown tokenizer {kind!r} (known: {', '.join(KINDS + PRETRAINED_KINDS)})")
 

@@ -32,22 +32,30 @@ import torch
 from .captioner import Captioner
 from .checkpoint import (ENCODER_PREFIX, CheckpointError, load_into, optimizer_tensors, read_config,
                          read_weights, resolve, restore_optimizer, save_checkpoint)
-from .data import ImageItem, load_dataset
+from .data import WORD_STYLES, ImageItem, load_dataset
 from .encoders import create_encoder, load_finetuned
-from .evaluation import coco_scores, format_scores
+from .evaluation import METRICS, coco_scores, format_scores
 from .features import build_features
 from .glove import glove_embedding
 from .models import create_decoder, family_config, family_fields
 from .precision import PRECISIONS, resolve_precision
 from .scst import BASELINES, SelfCritical
-from .tokenizers import KINDS, Tokenizer, build_tokenizer, load_tokenizer
+from .tokenizers import KINDS, PRETRAINED_KINDS, Tokenizer, build_tokenizer, load_tokenizer
 
 
 @dataclass
 class DataConfig:
-    """dataset: a Flickr8k/Kaggle folder or a Karpathy/COCO JSON file.
-    images: the image folder of a JSON dataset.
-    tokenizer: how captions become tokens: "word", "char" or "bpe" (see captionkit.tokenizers).
+    """dataset: a Flickr8k/Kaggle folder, a Karpathy/COCO JSON file or a title CSV (one title
+        per image, see captionkit.data.read_title_csv).
+    images: the image folder of a JSON or CSV dataset.
+    image_column / title_column / image_suffix: a CSV's columns of image names and titles, and
+        what turns an image name into its file name (Epicurious' layout by default).
+    words: how reference captions become training words: "karpathy" (lower case, punctuation
+        dropped) or "cased" (case and in-word hyphens and apostrophes kept: for subword
+        tokenizers on titles). Scores do not depend on it: the scorers' PTB tokenisation
+        lower-cases both sides and keeps hyphenated words whole.
+    tokenizer: how captions become tokens: "word", "char", "bpe" or "lm" (the language model's
+        own tokenizer, that of model.lm: the prefix_lm family; see captionkit.tokenizers).
     min_count / top_k: vocabulary from the training captions (top_k 0 = no cap); for char,
         characters seen fewer than min_count times become <unk>; for bpe, pairs seen fewer
         than min_count times are not merged.
@@ -64,10 +72,19 @@ class DataConfig:
     max_words: int = 30
     train_split: str = "train"
     val_split: str = "dev"
+    words: str = "karpathy"
+    image_column: str = "Image_Name"
+    title_column: str = "Title"
+    image_suffix: str = ".jpg"
 
     def __post_init__(self):
-        if self.tokenizer not in KINDS:
-            raise ValueError(f"data.tokenizer must be one of {', '.join(KINDS)}, not {self.tokenizer!r}")
+        if self.words not in WORD_STYLES:
+            raise ValueError(f"data.words must be one of {', '.join(WORD_STYLES)}, not {self.words!r}")
+        if not self.image_column or not self.title_column:
+            raise ValueError("data.image_column and data.title_column must name CSV columns")
+        if self.tokenizer not in KINDS + PRETRAINED_KINDS:
+            raise ValueError(f"data.tokenizer must be one of {', '.join(KINDS + PRETRAINED_KINDS)}, "
+                             f"not {self.tokenizer!r}")
         if self.bpe_vocab_size < 5 or self.min_count < 1:
             raise ValueError("data.bpe_vocab_size must be at least 5 and data.min_count at least 1")
 
@@ -76,6 +93,10 @@ class DataConfig:
 class EncoderConfig:
     name: str = "efficientnet_lite2"
     weights: str = ""  # empty: the encoder's pretrained weights
+
+
+VAL_METRICS = tuple(m for m in METRICS if m != "SPICE")  # SPICE is too slow for every epoch
+_SCORER = {"METEOR": "meteor", "ROUGE_L": "rouge"}  # validation scores BLEU and CIDEr, and these when chosen
 
 
 @dataclass
@@ -99,7 +120,12 @@ class TrainConfig:
         only); the vocabulary's coverage is printed and saved as glove_coverage.json. When
         [model] sets no embed_dim, the file's dimension is used. freeze_embeddings: keep them.
     alpha_c: weight of the doubly stochastic attention penalty (LSTM only).
-    val_metric: the dev score that selects the best checkpoint (a coco-caption metric name).
+    val_metric: the dev score that selects the best checkpoint and drives early stopping and
+        lr decay: Bleu_1..Bleu_4, METEOR, ROUGE_L or CIDEr (CIDEr-D).
+    min_delta: an epoch improves only if its val_metric beats the best so far by more than
+        this, on the scorers' own scale (BLEU, METEOR, ROUGE-L 0..1, CIDEr 0..10: the printed
+        x100 scores divided by 100; 0.001 = 0.1 printed points). Smaller gains count as epochs
+        without improvement and do not replace the best checkpoint.
     patience: validations without improvement before stopping; lr_patience: before lr *= lr_decay.
     val_every: score the dev split after every N-th epoch (and the last); the best checkpoint
         is chosen among those epochs. For runs of many short epochs (caption_sampling
@@ -114,7 +140,10 @@ class TrainConfig:
     scst_baseline: scst only, "greedy" (the greedy caption's CIDEr-D, Rennie et al.) or "mean"
         (the image's other samples' mean CIDEr-D, Luo 2020; needs samples >= 2).
     finetune_blocks: train the encoder's last N blocks too (0: frozen encoder).
-    encoder_lr: their learning rate (decayed together with lr)."""
+    encoder_lr: their learning rate (decayed together with lr).
+    lr_groups: learning rates of the model's named parameter groups, for families that name
+        them (prefix_lm: projector, lora, lm_blocks), e.g. {projector = 1e-3, lora = 2e-4};
+        a group not listed trains at lr. All follow lr's schedule and decay in proportion."""
 
     epochs: int = 20
     batch_size: int = 32
@@ -130,6 +159,7 @@ class TrainConfig:
     val_max_images: int = 0
     val_every: int = 1
     patience: int = 5
+    min_delta: float = 0.0
     lr_patience: int = 2
     lr_decay: float = 0.5
     max_len: int = 20
@@ -148,6 +178,7 @@ class TrainConfig:
     batching: str = "length"
     glove: str = ""
     freeze_embeddings: bool = False
+    lr_groups: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.schedule not in ("plateau", "cosine", "inverse_sqrt"):
@@ -176,6 +207,13 @@ class TrainConfig:
             raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
         if self.batch_size < 1 or self.epochs < 1 or self.lr <= 0 or self.val_every < 1:
             raise ValueError("train.batch_size, train.epochs, train.lr and train.val_every must be positive")
+        if self.val_metric not in VAL_METRICS:
+            raise ValueError(f"train.val_metric must be one of {', '.join(VAL_METRICS)}, not {self.val_metric!r}")
+        if self.min_delta < 0 or self.patience < 1:
+            raise ValueError("train.min_delta must be >= 0 and train.patience at least 1")
+        bad = [k for k, v in self.lr_groups.items() if not isinstance(v, (int, float)) or v <= 0]
+        if bad:
+            raise ValueError(f"train.lr_groups: the learning rate of {bad[0]!r} must be a positive number")
 
 
 @dataclass
@@ -295,7 +333,8 @@ class Trainer:
         self.cfg, self.out = cfg, out
         tc = cfg.train
         torch.manual_seed(tc.seed)
-        ds = load_dataset(cfg.data.dataset, cfg.data.images or None)
+        ds = load_dataset(cfg.data.dataset, cfg.data.images or None, cfg.data.image_column,
+                          cfg.data.title_column, cfg.data.image_suffix)
         self.train_items = ds.split(cfg.data.train_split)
         self.val_items = ds.split(cfg.data.val_split)
         if tc.val_max_images:
@@ -397,7 +436,15 @@ class Trainer:
         if tc.batching == "image" and "image_index" not in inspect.signature(self.model.training_loss).parameters:
             raise ValueError(f"train.batching = \"image\" needs a family that shares the image side between "
                              f"captions; {self.family} trains on batches of one caption length (\"length\")")
-        groups = [{"params": [p for p in self.model.parameters() if p.requires_grad], "lr": tc.lr}]
+        named = self.model.param_groups() if hasattr(self.model, "param_groups") else {}
+        unknown = sorted(set(tc.lr_groups) - set(named))
+        if unknown:
+            raise ValueError(f"train.lr_groups: {self.family} trains no group {unknown[0]!r} here "
+                             f"(its groups: {', '.join(named) or 'none'})")
+        if named:  # each named group at its own learning rate
+            groups = [{"params": ps, "lr": tc.lr_groups.get(name, tc.lr)} for name, ps in named.items()]
+        else:
+            groups = [{"params": [p for p in self.model.parameters() if p.requires_grad], "lr": tc.lr}]
         if tc.finetune_blocks:
             groups.append({"params": self.tail_params, "lr": tc.encoder_lr})
         self.opt = make_optimizer(groups, tc)
@@ -407,7 +454,7 @@ class Trainer:
         self.image_examples: list[list[int]] = []
         for row, it in enumerate(self.train_items):
             self.image_examples.append([])
-            for toks in it.tokens:
+            for toks in it.words(cfg.data.words):
                 if toks:
                     self.image_examples[-1].append(len(self.examples))
                     self.examples.append((row, vocab.encode(toks[:cfg.data.max_words])))
@@ -418,7 +465,7 @@ class Trainer:
                              f"and decoding (train.max_len + 1) {tc.max_len + 1}")
         self.scst = None
         if tc.objective == "scst":  # CIDEr-D document frequencies from the training references
-            refs = {row: [t for t in it.tokens if t] for row, it in enumerate(self.train_items)}
+            refs = {row: [t for t in it.words(cfg.data.words) if t] for row, it in enumerate(self.train_items)}
             self.scst = SelfCritical(refs, vocab, tc.samples, tc.max_len, tc.scst_baseline)
         self.state = {"epoch": 0, "step": 0, "batch_in_epoch": 0, "best_score": None, "best_epoch": 0,
                       "bad_epochs": 0, "lr_bad_epochs": 0, "lr": tc.lr, "history": []}
@@ -488,7 +535,7 @@ class Trainer:
                              cap.decode_features(feats, beam=tc.val_beam, length_penalty=length_penalty)):
                 captions[it.name] = " ".join(self.vocab.decode(c.ids))
         refs = {it.name: it.raw for it in self.val_items}
-        return coco_scores(captions, refs, metrics=("bleu", "cider"), quiet=True)
+        return coco_scores(captions, refs, metrics=("bleu", "cider", _SCORER.get(tc.val_metric, "cider")), quiet=True)
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """xe: caption indices, one length per batch; scst: image rows."""
@@ -599,7 +646,7 @@ class Trainer:
                 continue
             scores = self.validate()
             score = scores[tc.val_metric]
-            improved = st["best_score"] is None or score > st["best_score"]
+            improved = st["best_score"] is None or score > st["best_score"] + tc.min_delta
             st["history"].append({**entry, **scores})
             if improved:
                 st.update(best_score=score, best_epoch=st["epoch"], bad_epochs=0, lr_bad_epochs=0)
@@ -616,7 +663,8 @@ class Trainer:
             self.log_history()
             self.save("last", with_optimizer=True)
             if st["bad_epochs"] >= tc.patience:
-                print(f"early stop: no {tc.val_metric} gain for {tc.patience} epochs", file=sys.stderr)
+                gain = f" above {100 * tc.min_delta:g} (x100)" if tc.min_delta else ""
+                print(f"early stop: no {tc.val_metric} gain{gain} for {tc.patience} epochs", file=sys.stderr)
                 break
         self.tune_decoding()
         return st
@@ -663,8 +711,8 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
         if trainer.init_cfg:
             vocab = load_tokenizer(trainer.init_cfg["vocab"])
         else:
-            words = [toks for it in trainer.train_items for toks in it.tokens]
+            words = [toks for it in trainer.train_items for toks in it.words(cfg.data.words)]
             vocab = build_tokenizer(cfg.data.tokenizer, words, cfg.data.min_count, cfg.data.top_k or None,
-                                    cfg.data.bpe_vocab_size)
+                                    cfg.data.bpe_vocab_size, lm=cfg.model.get("lm"))
         trainer.setup(vocab)
     return trainer.run(max_steps=max_steps, progress=progress)

@@ -40,4 +40,4 @@ def create_decoder(family: str, cfg: dict) -> nn.Module:
     return _FAMILIES[family][1](family_config(family, cfg))
 
 
-from . import sat, transformer  # noqa: E402,F401  (register "sat", "transformer")
+from . import prefix_lm, sat, transformer  # noqa: E402,F401  (register "prefix_lm", "sat", "transformer")

