@@ -64,13 +64,14 @@ def sequence_logprobs(model, feats: torch.Tensor, seqs: torch.Tensor, n: int = 1
     of the cost); others get the features repeated."""
     start = torch.full((seqs.shape[0], 1), Vocab.start, dtype=torch.long)
     inputs = torch.cat([start, seqs[:, :-1]], 1)  # (B*n, T): <start> w_1 .. w_{T-1}
-    rows = torch.arange(feats.shape[0]).repeat_interleave(n)  # (B*n,)
     if n == 1:
-        logits, _ = model(feats, inputs)
-    elif "image_index" in inspect.signature(model.forward).parameters:
-        logits, _ = model(feats, inputs, image_index=rows)  # (B*n, T, V)
+        logits, _ = model(feats, inputs)  # (B, T, V)
     else:
-        logits, _ = model(feats.index_select(0, rows), inputs)
+        rows = torch.arange(feats.shape[0]).repeat_interleave(n)  # (B*n,)
+        if "image_index" in inspect.signature(model.forward).parameters:
+            logits, _ = model(feats, inputs, image_index=rows)  # (B*n, T, V)
+        else:
+            logits, _ = model(feats.index_select(0, rows), inputs)
     logits = logits.float().clone()
     logits[..., [Vocab.pad, Vocab.start, Vocab.unk]] = float("-inf")
     logp = F.log_softmax(logits, dim=-1).gather(2, seqs.unsqueeze(2)).squeeze(2)  # (R, T)

@@ -567,14 +567,13 @@ class Trainer:
                     figures["greedy_reward"] = stats.greedy_reward
                 return loss, figures
             rows = torch.tensor([self.examples[i][0] for i in idx])
-            if tc.batching == "image":  # each image once; captions padded with <pad> = 0 (ignored)
-                longest = max(len(self.examples[i][1]) for i in idx)
-                ids = torch.tensor([self.examples[i][1] + [0] * (longest - len(self.examples[i][1])) for i in idx])
+            longest = max(len(self.examples[i][1]) for i in idx)  # "length" batches: all this long
+            ids = torch.tensor([self.examples[i][1] + [0] * (longest - len(self.examples[i][1]))
+                                for i in idx])  # (B, T+1), <pad> = 0 after <end> (ignored by the loss)
+            extra = {}
+            if tc.batching == "image":  # each image once, indexed per caption
                 rows, image_index = torch.unique(rows, return_inverse=True)  # (U,), (B,)
                 extra = {"image_index": image_index}
-            else:
-                ids = torch.tensor([self.examples[i][1] for i in idx])  # (B, T+1), one length
-                extra = {}
             feats = self.features(self.train_feats.index_select(0, rows))  # (B or U, L, D)
             loss, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], tc.alpha_c,
                                                 label_smoothing=tc.label_smoothing, **extra)
@@ -641,25 +640,13 @@ class Trainer:
             if st["epoch"] % tc.val_every and st["epoch"] < tc.epochs:  # no dev scoring after this epoch
                 st["history"].append(entry)
                 print(f"epoch {st['epoch']}: not validated (train.val_every = {tc.val_every})", file=sys.stderr)
-                self.log_history()
-                self.save("last", with_optimizer=True)
-                continue
-            scores = self.validate()
-            score = scores[tc.val_metric]
-            improved = st["best_score"] is None or score > st["best_score"] + tc.min_delta
-            st["history"].append({**entry, **scores})
-            if improved:
-                st.update(best_score=score, best_epoch=st["epoch"], bad_epochs=0, lr_bad_epochs=0)
-                self.save("best", with_optimizer=False)
             else:
-                st["bad_epochs"] += 1
-                st["lr_bad_epochs"] += 1
-                if tc.schedule == "plateau" and st["lr_bad_epochs"] >= tc.lr_patience:
-                    st["lr"] *= tc.lr_decay
-                    st["lr_bad_epochs"] = 0
-                    self.set_lr(st["lr"])
-            print(f"epoch {st['epoch']}: dev {format_scores(scores)} ({tc.val_metric} "
-                  f"{'best' if improved else 'no gain'}; lr {self.opt.param_groups[0]['lr']:.2e})", file=sys.stderr)
+                scores = self.validate()
+                st["history"].append({**entry, **scores})
+                self.judge(scores[tc.val_metric])
+                print(f"epoch {st['epoch']}: dev {format_scores(scores)} ({tc.val_metric} "
+                      f"{'best' if st['best_epoch'] == st['epoch'] else 'no gain'}; "
+                      f"lr {self.opt.param_groups[0]['lr']:.2e})", file=sys.stderr)
             self.log_history()
             self.save("last", with_optimizer=True)
             if st["bad_epochs"] >= tc.patience:
@@ -668,6 +655,21 @@ class Trainer:
                 break
         self.tune_decoding()
         return st
+
+    def judge(self, score: float) -> None:
+        """A validated epoch's dev score: a new best (by more than min_delta) is saved as
+        ``best``; otherwise the counters of early stopping and of the plateau schedule grow."""
+        tc, st = self.cfg.train, self.state
+        if st["best_score"] is None or score > st["best_score"] + tc.min_delta:
+            st.update(best_score=score, best_epoch=st["epoch"], bad_epochs=0, lr_bad_epochs=0)
+            self.save("best", with_optimizer=False)
+            return
+        st["bad_epochs"] += 1
+        st["lr_bad_epochs"] += 1
+        if tc.schedule == "plateau" and st["lr_bad_epochs"] >= tc.lr_patience:
+            st["lr"] *= tc.lr_decay
+            st["lr_bad_epochs"] = 0
+            self.set_lr(st["lr"])
 
     def tune_decoding(self) -> None:
         """Pick the best checkpoint's length normalisation on the dev split (and, for hard
