@@ -44,6 +44,15 @@ def test_min_delta_decides_what_counts_as_a_gain(tmp_path, flickr_dir, capsys):
     assert (st["epoch"], st["best_epoch"], st["best_score"]) == (8, 6, 0.600)
 
 
+def test_patience_counts_validations_when_not_every_epoch_is_scored(tmp_path, flickr_dir, capsys):
+    cfg = _config(tmp_path, flickr_dir, 0.2, "sparse")
+    cfg.train.val_every = 2
+    st = scripted_run(cfg, tmp_path / "sparse").state
+    # scored after epochs 2, 4 and 6; neither 4 nor 6 beats epoch 2 by 0.2 -> stop after epoch 6
+    assert (st["epoch"], st["best_epoch"], st["bad_epochs"]) == (6, 2, 2)
+    assert "early stop: no CIDEr gain above 20 (x100) for 2 validations (every 2 epochs)" in capsys.readouterr().err
+
+
 def test_a_resumed_run_stops_where_an_unbroken_one_does(tmp_path, flickr_dir):
     cfg = _config(tmp_path, flickr_dir, 0.001, "delta")
     whole = scripted_run(cfg, tmp_path / "whole").state

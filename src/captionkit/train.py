@@ -581,6 +581,7 @@ class Trainer:
 
     def log_history(self) -> None:
         """Append the newest epoch's figures and dev scores to history.jsonl."""
+        self.out.mkdir(parents=True, exist_ok=True)  # an unscored first epoch comes before any save
         with open(self.out / "history.jsonl", "a") as fh:
             fh.write(json.dumps(self.state["history"][-1]) + "\n")
 
@@ -651,7 +652,8 @@ class Trainer:
             self.save("last", with_optimizer=True)
             if st["bad_epochs"] >= tc.patience:
                 gain = f" above {100 * tc.min_delta:g} (x100)" if tc.min_delta else ""
-                print(f"early stop: no {tc.val_metric} gain{gain} for {tc.patience} epochs", file=sys.stderr)
+                span = "epochs" if tc.val_every == 1 else f"validations (every {tc.val_every} epochs)"
+                print(f"early stop: no {tc.val_metric} gain{gain} for {tc.patience} {span}", file=sys.stderr)
                 break
         self.tune_decoding()
         return st
