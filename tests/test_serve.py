@@ -10,7 +10,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("multipart")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from captionkit.captioner import Captioner  # noqa: E402
+from captionkit.captioner import DEFAULT_MODEL, Captioner  # noqa: E402
 from captionkit.serve import ServeConfig, create_app  # noqa: E402
 
 LIMIT = 200_000
@@ -23,7 +23,7 @@ def shipped():
 
 @pytest.fixture(scope="module")
 def client(shipped):
-    app = create_app({"sat-lite2-flickr8k": shipped}, ServeConfig(max_upload_bytes=LIMIT, queue_size=4))
+    app = create_app({DEFAULT_MODEL.name: shipped}, ServeConfig(max_upload_bytes=LIMIT, queue_size=4))
     with TestClient(app) as c:
         yield c
 
@@ -39,7 +39,7 @@ def test_caption_has_words_and_attention(client, shipped):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["caption"] == " ".join(body["words"]) and body["words"]
-    assert body["grid"] == [9, 9] and body["model"] == "sat-lite2-flickr8k" and body["beam"] == 2
+    assert body["grid"] == [9, 9] and body["model"] == DEFAULT_MODEL.name and body["beam"] == 2
     assert len(body["attention"]) == len(body["words"])
     assert all(len(row) == 81 and abs(sum(row) - 1) < 1e-3 for row in body["attention"])
     assert body["elapsed_ms"] > 0
@@ -52,7 +52,7 @@ def test_caption_has_words_and_attention(client, shipped):
 
 def test_models_health_and_page(client):
     m = client.get("/v1/models").json()
-    assert m["default"] == "sat-lite2-flickr8k" and m["models"][0]["grid"] == [9, 9]
+    assert m["default"] == DEFAULT_MODEL.name and m["models"][0]["grid"] == [9, 9]
     assert m["limits"]["max_upload_bytes"] == LIMIT
     assert client.get("/healthz").json()["status"] == "ok"
     page = client.get("/")

@@ -16,7 +16,21 @@ from .images import ImageError, load_rgb, to_tensor
 from .models import create_decoder
 from .tokenizers import Tokenizer, load_tokenizer
 
-DEFAULT_MODEL = Path(__file__).parent / "pretrained" / "sat-lite2-flickr8k"
+SHIPPED = Path(__file__).parent / "pretrained"
+# the best Flickr8k model we have (README, "The shipped model"); the Show, Attend and Tell LSTM
+# that was the default before it ships too, as --model sat-lite2-flickr8k
+DEFAULT_MODEL = SHIPPED / "transformer-lite2-flickr8k"
+
+
+def model_folder(path: str | Path | None) -> Path:
+    """A checkpoint folder from what a user typed: a path, the name of a shipped model, or
+    nothing (the default model). A folder of that name in the working directory wins."""
+    if path is None:
+        return DEFAULT_MODEL
+    path = Path(path)
+    if not path.exists() and len(path.parts) == 1 and (SHIPPED / path).is_dir():
+        return SHIPPED / path
+    return path
 
 
 @dataclass
@@ -45,10 +59,12 @@ class Captioner:
     @classmethod
     def load(cls, path: str | Path | None = None, with_encoder: bool = True,
              encoder_weights: str | None = None) -> "Captioner":
-        """Load a checkpoint folder (the shipped model when ``path`` is None)."""
-        path = Path(path) if path else DEFAULT_MODEL
+        """Load a checkpoint folder, or a shipped model by name (the default one when ``path``
+        is None)."""
+        path = model_folder(path)
         if not path.exists():
-            raise CheckpointError(f"{path}: no such model folder")
+            shipped = ", ".join(sorted(p.name for p in SHIPPED.iterdir() if p.is_dir()))
+            raise CheckpointError(f"{path}: no such model folder (shipped models: {shipped})")
         cfg = read_config(path)
         try:
             family, enc_cfg, words = cfg["family"], cfg["encoder"], cfg["vocab"]
