@@ -37,7 +37,7 @@ from .encoders import create_encoder, load_finetuned
 from .evaluation import METRICS, coco_scores, format_scores
 from .features import build_features
 from .glove import glove_embedding
-from .models import create_decoder, family_config, family_fields
+from .models import create_decoder, family_config, family_default, family_fields
 from .precision import PRECISIONS, resolve_precision
 from .scst import BASELINES, SelfCritical
 from .tokenizers import KINDS, PRETRAINED_KINDS, Tokenizer, build_tokenizer, load_tokenizer
@@ -716,7 +716,8 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
             vocab = load_tokenizer(trainer.init_cfg["vocab"])
         else:
             words = [toks for it in trainer.train_items for toks in it.words(cfg.data.words)]
+            lm = cfg.model.get("lm", family_default(cfg.model["family"], "lm"))  # the family's default LM, if any
             vocab = build_tokenizer(cfg.data.tokenizer, words, cfg.data.min_count, cfg.data.top_k or None,
-                                    cfg.data.bpe_vocab_size, lm=cfg.model.get("lm"))
+                                    cfg.data.bpe_vocab_size, lm=lm)
         trainer.setup(vocab)
     return trainer.run(max_steps=max_steps, progress=progress)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from typing import Callable
 
 from torch import nn
@@ -36,8 +36,15 @@ def family_fields(family: str) -> set[str]:
     return {f.name for f in fields(_FAMILIES[family][0])}
 
 
+def family_default(family: str, name: str):
+    """The default of a family's config field; None for a field the family lacks or must be given."""
+    config_cls = _FAMILIES[family][0] if family in _FAMILIES else None
+    f = next((f for f in fields(config_cls) if f.name == name), None) if config_cls else None
+    return None if f is None or f.default is MISSING else f.default
+
+
 def create_decoder(family: str, cfg: dict) -> nn.Module:
     return _FAMILIES[family][1](family_config(family, cfg))
 
 
-from . import prefix_lm, sat, transformer  # noqa: E402,F401  (register "prefix_lm", "sat", "transformer")
+from . import prefix_lm, sat, transformer, vit_gpt2  # noqa: E402,F401  (register the families of these names)

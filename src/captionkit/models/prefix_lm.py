@@ -124,7 +124,7 @@ def _convert_builtin(name: str) -> Path:
     return folder
 
 
-def _location(source: str) -> str:
+def _location(source: str, what: str = "language model") -> str:
     """What to hand ``from_pretrained``: a folder (converting a built-in model once) or a hub name."""
     if source in BUILTIN_LMS:
         return str(_convert_builtin(source))
@@ -132,26 +132,27 @@ def _location(source: str) -> str:
     if path.is_dir():
         return str(path)
     if path.is_absolute() or source.startswith((".", "~")) or path.exists():
-        raise WeightsUnavailable(f"language model {source!r}: no such folder")
+        raise WeightsUnavailable(f"{what} {source!r}: no such folder")
     return source
 
 
-def _from_pretrained(loader, source: str, **kwargs):
+def _from_pretrained(loader, source: str, what: str = "language model", **kwargs):
     """``loader.from_pretrained`` from the local folder or the local Hugging Face cache first,
-    then the hub; never returns random weights."""
-    where = _location(source)
+    then the hub; never returns random weights. ``what`` names the model in errors (the
+    vit_gpt2 family loads its vision model through here too)."""
+    where = _location(source, what)
     try:
         return loader.from_pretrained(where, local_files_only=True, **kwargs)
     except (OSError, ValueError) as local_error:  # a folder without (usable) files gives either
         if Path(where).is_dir():
-            raise WeightsUnavailable(f"language model {source!r}: {where} holds no loadable "
+            raise WeightsUnavailable(f"{what} {source!r}: {where} holds no loadable "
                                      f"model ({str(local_error).splitlines()[0]})") from None
     host = _hub_host()
     try:  # a host that does not resolve fails here at once, not after the hub client's retries
         socket.getaddrinfo(host, 443)
         return loader.from_pretrained(where, **kwargs)
     except Exception:
-        raise WeightsUnavailable(f"language model {source!r} is neither a folder nor in the local Hugging Face "
+        raise WeightsUnavailable(f"{what} {source!r} is neither a folder nor in the local Hugging Face "
                                  f"cache, and could not be downloaded from {host}") from None
 
 

@@ -1,0 +1,86 @@
+"""The pixels a Hugging Face vision transformer takes, as cached rows: encoder ``vit_pixels``.
+
+This is the image side of the ``vit_gpt2`` family (:mod:`captionkit.models.vit_gpt2`), whose
+``VisionEncoderDecoderModel`` holds the ViT itself and runs it, frozen blocks included, on
+these rows. The encoder only resizes the photo to the ViT's input size (its ``config.json``:
+``image_size``, ``patch_size``) with the resampling filter of its image processor
+(``preprocessor_config.json``; bicubic when it names neither bilinear nor bicubic) and cuts it
+into the ViT's patches: one row of 3 x p x p pixels in [0, 1] per patch (channel-major, as
+:mod:`.patches` does), on the ViT's (S/p) x (S/p) patch grid. The mean/std normalisation is
+the family's, read from the same image processor, so a ViT named differently here than in
+[model] can at worst change the resampling: a different input geometry is refused there.
+
+``[encoder] weights`` names the ViT (a hub name or a local folder; empty: the family's default,
+``google/vit-base-patch16-224-in21k``); only its config and image processor are read here
+(``"random"``, which has no meaning for pixels, gives the default ViT's 224 px and 16 px
+patches without reading anything: the encoder tests build every encoder that way).
+Why pixels and not the ViT's outputs: see the family's module docstring.
+"""
+
+from __future__ import annotations
+
+from .base import Encoder, Preprocess, register_encoder
+from .patches import Patches
+
+DEFAULT_VIT = "google/vit-base-patch16-224-in21k"
+# Pillow's filter numbers, as image processors store them
+_RESAMPLE = {2: "bilinear", 3: "bicubic"}
+
+
+def load_vit_config(source: str):
+    """The ViT's ``PretrainedConfig`` (local folder or Hugging Face cache first, then the hub)."""
+    from ..models.prefix_lm import _from_pretrained
+    from ..models.vit_gpt2 import transformers_module
+    return _from_pretrained(transformers_module().AutoConfig, source, what="vision model")
+
+
+class _ProcessorDict:
+    """``from_pretrained`` returning the image processor's settings as a dict (no processor
+    object: that would need the fast processors' torchvision transforms for nothing)."""
+
+    @staticmethod
+    def from_pretrained(where: str, **kwargs) -> dict:
+        from ..models.vit_gpt2 import transformers_module
+        return transformers_module().ImageProcessingMixin.get_image_processor_dict(where, **kwargs)[0]
+
+
+def load_image_processor_dict(source: str) -> dict:
+    """The ViT's ``preprocessor_config.json`` as a dict; an error names the model without one."""
+    from ..models.prefix_lm import _from_pretrained
+    return _from_pretrained(_ProcessorDict, source, what="vision model")
+
+
+def vit_geometry(config, source: str) -> tuple[int, int, int]:
+    """(image size, patch size, channels) of a ViT-family config, or a one-line error."""
+    size, patch = getattr(config, "image_size", None), getattr(config, "patch_size", None)
+    channels = getattr(config, "num_channels", 3)
+    if isinstance(size, (list, tuple)):
+        size = size[0] if len(set(size)) == 1 else None
+    if isinstance(patch, (list, tuple)):
+        patch = patch[0] if len(set(patch)) == 1 else None
+    if not isinstance(size, int) or not isinstance(patch, int) or size % patch:
+        raise ValueError(f"vision model {source!r} ({config.model_type}) is not a ViT of square patches "
+                         f"(image_size {getattr(config, 'image_size', None)}, patch_size "
+                         f"{getattr(config, 'patch_size', None)})")
+    if channels != 3:
+        raise ValueError(f"vision model {source!r} takes {channels} channels, not RGB")
+    return size, patch, channels
+
+
+class ViTPixels(Patches):
+    def __init__(self, size: int, patch: int, resample: str):
+        super().__init__(size, patch)
+        # [0, 1] pixels: the family normalises them with its ViT's own mean and std
+        self.preprocess = Preprocess(size=size, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0), resample=resample)
+        # the rows depend on the geometry and the filter only, so ViTs that share them share a cache
+        self.weights_id = f"patch{patch}"
+
+
+@register_encoder("vit_pixels")
+def vit_pixels(weights: str | None = None) -> Encoder:
+    if weights == "random":  # nothing to randomise: the default ViT's geometry, read from nowhere (tests)
+        return ViTPixels(224, 16, "bilinear")
+    source = weights or DEFAULT_VIT
+    size, patch, _ = vit_geometry(load_vit_config(source), source)
+    resample = _RESAMPLE.get(load_image_processor_dict(source).get("resample"), "bicubic")
+    return ViTPixels(size, patch, resample)
