@@ -1,10 +1,12 @@
 import json
+import os
+import stat
 
 import pytest
 import torch
 
 from captionkit.captioner import Captioner
-from captionkit.checkpoint import CheckpointError, read_config, read_weights, save_checkpoint
+from captionkit.checkpoint import CheckpointError, atomic_folder, read_config, read_weights, save_checkpoint
 from captionkit.train import RunConfig, length_batches, train
 
 
@@ -125,3 +127,20 @@ def test_the_models_own_length_penalty_is_the_default(tiny_run, tmp_path):
     feats = torch.randn(3, 49, 1280).abs()
     want = beam_search(cap.decoder, feats, beam=3, max_len=cap.max_len, length_penalty=1.0)
     assert [c.ids for c in cap.decode_features(feats, beam=3)] == [c.ids for c in want]
+
+
+def test_atomic_folder_publishes_on_success_only(tmp_path):
+    out = tmp_path / "export"
+    out.mkdir()  # an empty folder is replaced
+    with atomic_folder(out) as tmp:
+        (tmp / "a.txt").write_text("a")
+        assert not (out / "a.txt").exists()  # nothing visible before the block ends
+    assert (out / "a.txt").read_text() == "a"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask  # not mkdtemp's private 0o700
+    failed = tmp_path / "failed"
+    with pytest.raises(RuntimeError), atomic_folder(failed) as tmp:
+        (tmp / "half.txt").write_text("half")
+        raise RuntimeError("killed")
+    assert not failed.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["export"]

@@ -12,6 +12,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -36,6 +38,29 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def atomic_folder(folder: str | Path) -> Iterator[Path]:
+    """Write a folder atomically: the block writes into a temporary folder beside ``folder``,
+    which is given ordinary permissions (mkdtemp makes it private) and renamed to ``folder``
+    when the block ends (an existing empty ``folder`` is replaced), or removed if it fails.
+    ``save_checkpoint`` has its own variant, which also replaces a full folder and fsyncs."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in [tmp, *tmp.iterdir()]:
+            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def save_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], config: dict,

@@ -33,11 +33,8 @@ mixes all cells into every prefix token, so with it the attention is uniform ove
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
 import socket
 import sys
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checkpoint import atomic_folder
 from ..errors import WeightsUnavailable
 from . import register_family
 
@@ -92,35 +90,24 @@ def _convert_builtin(name: str) -> Path:
         raise WeightsUnavailable(f"language model {name!r}: {gguf_dir / filename} is missing")
     tf = _transformers()
     print(f"converting {gguf_dir / filename} for transformers (once) into {folder}", file=sys.stderr)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=folder.parent))
     try:
-        # dequantised to float32 (Q4_1 blocks -> floats), once per machine; transformers marks a
-        # GGUF-loaded model as quantised and will not save it, so its dense weights go into a
-        # plain model of the same architecture
-        gguf = tf.AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=filename, dtype=torch.float32,
-                                                       quantization_config=tf.GgufConfig(dequantize=True))
-        config = gguf.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(gguf.state_dict())
-        tok = tf.AutoTokenizer.from_pretrained(gguf_dir, gguf_file=filename)
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in [tmp, *tmp.iterdir()]:  # mkdtemp's folder and the weights file are private
-            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
-        try:
-            os.replace(tmp, folder)
-        except OSError:  # another process finished first: keep its folder
-            if not (folder / "config.json").is_file():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with atomic_folder(folder) as tmp:
+            # dequantised to float32 (Q4_1 blocks -> floats), once per machine; transformers marks a
+            # GGUF-loaded model as quantised and will not save it, so its dense weights go into a
+            # plain model of the same architecture
+            gguf = tf.AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=filename, dtype=torch.float32,
+                                                           quantization_config=tf.GgufConfig(dequantize=True))
+            config = gguf.config
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model.load_state_dict(gguf.state_dict())
+            tok = tf.AutoTokenizer.from_pretrained(gguf_dir, gguf_file=filename)
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+    except OSError:  # another process finished first: keep its folder
+        if not (folder / "config.json").is_file():
+            raise
     return folder
 
 
@@ -188,6 +175,55 @@ def special_ids(tok) -> tuple[int, int]:
         raise ValueError(f"the LM tokenizer {tok.name_or_path!r} has no end-of-sequence token")
     bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
     return int(bos), int(tok.eos_token_id)
+
+
+class LMTokens:
+    """captionkit ids <-> a pretrained LM's own ids and log-probabilities, and the training loss
+    over the LM's vocabulary: shared by the families whose decoder is a pretrained LM with its
+    tokenizer (prefix_lm, vit_gpt2). ``bind_tokenizer`` sets what the mapping needs (bos_id,
+    eos_id, n_lm); the family provides ``lm_logits(feats, inputs, image_index)``."""
+
+    def bind_tokenizer(self, tok, lm: nn.Module, source: str) -> None:
+        self.bos_id, self.eos_id = special_ids(tok)
+        self.n_lm = len(tok)  # logits beyond the tokenizer (padded embedding rows) are never used
+        if self.n_lm > lm.get_output_embeddings().out_features:
+            raise ValueError(f"{source!r}: the tokenizer has more tokens ({self.n_lm}) than the LM's output layer")
+
+    def lm_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """captionkit ids -> LM ids: words shift down by 4, <start> is BOS, <end> EOS; <pad> and
+        <unk> (which an LM tokenizer never produces) become EOS: they only ever pad, after the
+        caption, where the causal mask keeps them from the real positions."""
+        special = torch.tensor([self.eos_id, self.bos_id, self.eos_id, self.eos_id], device=ids.device)
+        return torch.where(ids >= N_SPECIAL, ids - N_SPECIAL, special[ids.clamp(max=N_SPECIAL - 1)])
+
+    def to_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """LM logits (..., >= n_lm) -> log-probabilities over captionkit ids (..., n_lm + 4): <end>
+        takes EOS's probability; <pad>, <start>, <unk> and EOS's own slot get none."""
+        logp = F.log_softmax(logits[..., :self.n_lm].float(), dim=-1)  # (..., n_lm)
+        never = torch.full((*logp.shape[:-1], 1), float("-inf"), device=logp.device)
+        eos = logp[..., self.eos_id:self.eos_id + 1]
+        words = logp.clone()
+        words[..., self.eos_id] = float("-inf")
+        return torch.cat([never, never, eos, never, words], -1)  # (..., n_lm + 4)
+
+    def lm_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """captionkit targets -> LM class ids for the cross-entropy; <pad>/<unk> -> -100 (ignored)."""
+        lm = torch.where(targets >= N_SPECIAL, targets - N_SPECIAL, torch.full_like(targets, -100))
+        return torch.where(targets == 2, torch.full_like(targets, self.eos_id), lm)
+
+    def training_loss(self, feats: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor,
+                      alpha_c: float = 0.0, label_smoothing: float = 0.0,
+                      image_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean token cross-entropy over the LM's vocabulary (<end> is its EOS; <pad> targets
+        ignored) -> (loss, plain cross-entropy). ``alpha_c`` does not apply here."""
+        logits = self.lm_logits(feats, inputs, image_index)[..., :self.n_lm].float()
+        logits = logits.reshape(-1, logits.shape[-1])  # (B*T, V_lm)
+        flat = self.lm_targets(targets).reshape(-1)
+        loss = F.cross_entropy(logits, flat, label_smoothing=label_smoothing)
+        if not label_smoothing:
+            return loss, loss
+        with torch.no_grad():
+            return loss, F.cross_entropy(logits, flat)
 
 
 # ---- the model ----------------------------------------------------------------------------------
@@ -332,7 +368,7 @@ def pooling_matrix(grid: list[int], pool: list[int]) -> torch.Tensor:
 
 
 @register_family("prefix_lm", PrefixLMConfig)
-class PrefixLMCaptioner(nn.Module):
+class PrefixLMCaptioner(LMTokens, nn.Module):
     def __init__(self, cfg: PrefixLMConfig):
         super().__init__()
         self.cfg = cfg
@@ -340,11 +376,8 @@ class PrefixLMCaptioner(nn.Module):
         if cfg.vocab_size != len(tok) + N_SPECIAL:
             raise ValueError(f"PrefixLMConfig.vocab_size is {cfg.vocab_size}, but the tokenizer of {cfg.lm!r} has "
                              f"{len(tok)} tokens + {N_SPECIAL} specials (train with data.tokenizer = \"lm\")")
-        self.bos_id, self.eos_id = special_ids(tok)
         lm = load_lm(cfg.lm)
-        self.n_lm = len(tok)  # logits beyond the tokenizer (padded embedding rows) are never used
-        if self.n_lm > lm.get_output_embeddings().out_features:
-            raise ValueError(f"{cfg.lm!r}: the tokenizer has more tokens ({self.n_lm}) than the LM's output layer")
+        self.bind_tokenizer(tok, lm, cfg.lm)
         for p in lm.parameters():
             p.requires_grad_(False)
         decoder = lm.get_decoder()  # the LLaMA transformer: embeddings, blocks, final norm
@@ -413,31 +446,9 @@ class PrefixLMCaptioner(nn.Module):
         cells = F.adaptive_avg_pool2d(grid, self.cfg.pool).flatten(2).transpose(1, 2)  # (B, P, D)
         return self.projector(cells)
 
-    def lm_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """captionkit ids -> LM ids: words shift down by 4, <start> is BOS, <end> EOS; <pad> and
-        <unk> (which an LM tokenizer never produces) become EOS: they only ever pad, after the
-        caption, where the causal mask keeps them from the real positions."""
-        special = torch.tensor([self.eos_id, self.bos_id, self.eos_id, self.eos_id], device=ids.device)
-        return torch.where(ids >= N_SPECIAL, ids - N_SPECIAL, special[ids.clamp(max=N_SPECIAL - 1)])
-
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """captionkit ids (B, T) -> LM input embeddings (B, T, E)."""
         return self.core.get_input_embeddings()(self.lm_ids(ids))
-
-    def to_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """LM logits (..., >= n_lm) -> log-probabilities over captionkit ids (..., n_lm + 4): <end>
-        takes EOS's probability; <pad>, <start>, <unk> and EOS's own slot get none."""
-        logp = F.log_softmax(logits[..., :self.n_lm].float(), dim=-1)  # (..., n_lm)
-        never = torch.full((*logp.shape[:-1], 1), float("-inf"), device=logp.device)
-        eos = logp[..., self.eos_id:self.eos_id + 1]
-        words = logp.clone()
-        words[..., self.eos_id] = float("-inf")
-        return torch.cat([never, never, eos, never, words], -1)  # (..., n_lm + 4)
-
-    def lm_targets(self, targets: torch.Tensor) -> torch.Tensor:
-        """captionkit targets -> LM class ids for the cross-entropy; <pad>/<unk> -> -100 (ignored)."""
-        lm = torch.where(targets >= N_SPECIAL, targets - N_SPECIAL, torch.full_like(targets, -100))
-        return torch.where(targets == 2, torch.full_like(targets, self.eos_id), lm)
 
     # ---- the decoder step contract -------------------------------------------------------
     def prepare(self, feats: torch.Tensor) -> PrefixMemory:
@@ -492,20 +503,6 @@ class PrefixLMCaptioner(nn.Module):
         cache = self._cache(self.init_state(mem))
         return self.core(inputs_embeds=self.embed(inputs), past_key_values=cache, use_cache=True).logits
 
-    def training_loss(self, feats: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor,
-                      alpha_c: float = 0.0, label_smoothing: float = 0.0,
-                      image_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean token cross-entropy over the LM's vocabulary (<end> is its EOS; <pad> targets
-        ignored) -> (loss, plain cross-entropy). ``alpha_c`` does not apply here."""
-        logits = self.lm_logits(feats, inputs, image_index)[..., :self.n_lm].float()
-        logits = logits.reshape(-1, logits.shape[-1])  # (B*T, V_lm)
-        flat = self.lm_targets(targets).reshape(-1)
-        loss = F.cross_entropy(logits, flat, label_smoothing=label_smoothing)
-        if not label_smoothing:
-            return loss, loss
-        with torch.no_grad():
-            return loss, F.cross_entropy(logits, flat)
-
     # ---- export --------------------------------------------------------------------------
     def standalone_lm(self) -> nn.Module:
         """The LM with what was trained folded in (LoRA merged into its weights; trained blocks
@@ -538,19 +535,11 @@ def export_standalone(checkpoint: str | Path, out: str | Path) -> Path:
     projector = {k: v for k, v in model.state_dict().items() if k.startswith("projector.")}
     encoder = {k: v for k, v in read_weights(checkpoint).items() if k.startswith(ENCODER_PREFIX)}
     tok = load_lm_tokenizer(model.cfg.lm)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         model.standalone_lm().save_pretrained(tmp)
         tok.save_pretrained(tmp)
         captioner = dict(cfg, model=dict(cfg["model"], lm=str(out), lm_training="frozen"),
                          vocab=dict(cfg["vocab"], source=str(out)), exported_from=str(Path(checkpoint).resolve()))
         captioner.pop("optimizer_groups", None)
         save_checkpoint(tmp / "captioner", {**projector, **encoder}, captioner)
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -55,21 +55,17 @@ rest renormalised: one weight per cell of the patch grid.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..encoders.vit_pixels import DEFAULT_VIT, load_image_processor_dict, load_vit_config, vit_geometry
 from ..errors import WeightsUnavailable
 from . import register_family
-from .prefix_lm import N_SPECIAL, PrefixLMCaptioner, _from_pretrained, load_lm_tokenizer, special_ids
+from .prefix_lm import N_SPECIAL, LMTokens, _from_pretrained, load_lm_tokenizer
 
 DEFAULT_LM = "gpt2"
 ALL = "all"
@@ -239,7 +235,7 @@ def _trains(part: int | str, freeze: int | str) -> bool:
 
 
 @register_family("vit_gpt2", ViTGPT2Config)
-class ViTGPT2Captioner(nn.Module):
+class ViTGPT2Captioner(LMTokens, nn.Module):
     def __init__(self, cfg: ViTGPT2Config):
         super().__init__()
         self.cfg = cfg
@@ -250,11 +246,8 @@ class ViTGPT2Captioner(nn.Module):
             raise ValueError(f"ViTGPT2Config.vocab_size is {cfg.vocab_size}, but the tokenizer of {cfg.lm!r} has "
                              f"{len(tok)} tokens + {N_SPECIAL} specials (train with data.tokenizer = \"lm\" and "
                              f"[model] lm naming the same model)")
-        self.bos_id, self.eos_id = special_ids(tok)
-        self.n_lm = len(tok)
         vit, lm = load_vit(cfg.vit), load_gpt2(cfg.lm)
-        if self.n_lm > lm.get_output_embeddings().out_features:
-            raise ValueError(f"{cfg.lm!r}: the tokenizer has more tokens ({self.n_lm}) than the LM's output layer")
+        self.bind_tokenizer(tok, lm, cfg.lm)
         size, self.patch, _ = vit_geometry(vit.config, cfg.vit)
         side = size // self.patch
         if cfg.feat_dim != 3 * self.patch ** 2 or cfg.grid != [side, side]:
@@ -328,12 +321,6 @@ class ViTGPT2Captioner(nn.Module):
             if name in self.groups:
                 groups[self.groups[name]].append(p)
         return {k: v for k, v in groups.items() if v}
-
-    # captionkit ids <-> GPT-2 ids and log-probabilities, exactly as the prefix-LM family maps
-    # them (these use only bos_id, eos_id and n_lm)
-    lm_ids = PrefixLMCaptioner.lm_ids
-    to_vocab = PrefixLMCaptioner.to_vocab
-    lm_targets = PrefixLMCaptioner.lm_targets
 
     # ---- the image side --------------------------------------------------------------------
     def pixels(self, feats: torch.Tensor) -> torch.Tensor:
@@ -412,20 +399,6 @@ class ViTGPT2Captioner(nn.Module):
         return self.gpt2(input_ids=self.lm_ids(inputs), encoder_hidden_states=mem.hidden, past_key_values=cache,
                          use_cache=True).logits
 
-    def training_loss(self, feats: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor,
-                      alpha_c: float = 0.0, label_smoothing: float = 0.0,
-                      image_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean token cross-entropy over GPT-2's vocabulary (<end> is its EOS; <pad> targets
-        ignored) -> (loss, plain cross-entropy). ``alpha_c`` does not apply here."""
-        logits = self.lm_logits(feats, inputs, image_index)[..., :self.n_lm].float()
-        logits = logits.reshape(-1, logits.shape[-1])  # (B*T, V_lm)
-        flat = self.lm_targets(targets).reshape(-1)
-        loss = F.cross_entropy(logits, flat, label_smoothing=label_smoothing)
-        if not label_smoothing:
-            return loss, loss
-        with torch.no_grad():
-            return loss, F.cross_entropy(logits, flat)
-
 
 def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
     """Write a vit_gpt2 checkpoint as a plain transformers folder ``out``: the
@@ -433,7 +406,7 @@ def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
     processor settings, which ``VisionEncoderDecoderModel.from_pretrained`` and transformers'
     own ``generate`` use. Atomic: written under a temporary name, then renamed."""
     from ..captioner import Captioner
-    from ..checkpoint import CheckpointError
+    from ..checkpoint import CheckpointError, atomic_folder
 
     out = Path(out).resolve()
     if out.exists() and any(out.iterdir()):
@@ -442,20 +415,8 @@ def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
     if cap.config["family"] != "vit_gpt2":
         raise CheckpointError(f"{checkpoint}: a {cap.config['family']} model, not vit_gpt2")
     model: ViTGPT2Captioner = cap.decoder
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         model.ved.save_pretrained(tmp)
         load_lm_tokenizer(model.cfg.lm).save_pretrained(tmp)
         (tmp / "preprocessor_config.json").write_text(json.dumps(load_image_processor_dict(model.cfg.vit), indent=1))
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in [tmp, *tmp.iterdir()]:  # mkdtemp's folder is private
-            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
