@@ -103,3 +103,35 @@ def tiny_run(tiny_config, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run")
     train(tiny_config, out=out, progress=False)
     return out
+
+
+def assert_beam_one_is_greedy(model, feats, max_len: int) -> list:
+    """The decoding equivalence every family keeps: beam search with one beam gives greedy's
+    captions, log-probabilities and attention (one row over the L locations per word)."""
+    import torch
+
+    from captionkit.decoding import beam_search, greedy
+    g = greedy(model, feats, max_len=max_len)
+    b = beam_search(model, feats, beam=1, max_len=max_len)
+    assert len(g) == len(b) == feats.shape[0]
+    for x, y in zip(g, b):
+        assert x.ids == y.ids
+        assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+        torch.testing.assert_close(x.attention, y.attention)
+        assert x.attention.shape == (len(x.ids), feats.shape[1])
+    return g
+
+
+def assert_shared_image_matches_repeats(model, feats, ids, image_index, **tolerance):
+    """batching = "image": training_loss with each image once, indexed per caption by
+    image_index, equals it with every caption given its own copy of the image -- the loss and
+    the gradient of every trained parameter. Returns the shared loss."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    shared, _ = model.training_loss(feats, ids[:, :-1], ids[:, 1:], image_index=image_index)
+    repeated, _ = model.training_loss(feats.index_select(0, image_index), ids[:, :-1], ids[:, 1:])
+    torch.testing.assert_close(shared, repeated)
+    for g, h in zip(torch.autograd.grad(shared, params), torch.autograd.grad(repeated, params)):
+        torch.testing.assert_close(g, h, **tolerance)
+    return shared

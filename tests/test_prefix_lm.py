@@ -12,12 +12,12 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from conftest import SHAPES, TEMPLATES, shape_image  # noqa: E402
+from conftest import (SHAPES, TEMPLATES, assert_beam_one_is_greedy,  # noqa: E402
+                      assert_shared_image_matches_repeats, shape_image)
 
 from captionkit.captioner import Captioner  # noqa: E402
 from captionkit.checkpoint import ENCODER_PREFIX, read_config, read_weights  # noqa: E402
 from captionkit.cli import main  # noqa: E402
-from captionkit.decoding import beam_search, greedy  # noqa: E402
 from captionkit.errors import WeightsUnavailable  # noqa: E402
 from captionkit.models import create_decoder  # noqa: E402
 from captionkit.tokenizers import LMTokenizer, load_tokenizer  # noqa: E402
@@ -111,26 +111,12 @@ def test_captions_of_one_image_share_its_prefix(tiny_lm):
     model = model_of(tiny_lm, lm_training="lora").train()
     feats = torch.randn(2, GRID[0] * GRID[1], 24)
     ids = caption_ids(LMTokenizer.build(tiny_lm))  # (3, T+1), padded with <pad>
-    index = torch.tensor([0, 1, 0])
-    losses, grads = [], []
-    for f, extra in ((feats, {"image_index": index}), (feats[index], {})):
-        model.zero_grad()
-        loss, _ = model.training_loss(f, ids[:, :-1], ids[:, 1:], **extra)
-        loss.backward()
-        losses.append(loss.detach())
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]))
-    torch.testing.assert_close(losses[0], losses[1])
-    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+    assert_shared_image_matches_repeats(model, feats, ids, torch.tensor([0, 1, 0]), atol=1e-6, rtol=1e-4)
 
 
 def test_beam_one_is_greedy(tiny_lm):
     model = model_of(tiny_lm, lm_training="frozen")
-    feats = torch.randn(4, GRID[0] * GRID[1], 24)
-    g = greedy(model, feats, max_len=8)
-    b = beam_search(model, feats, beam=1, max_len=8)
-    assert [c.ids for c in g] == [c.ids for c in b]
-    assert [c.logprob for c in g] == pytest.approx([c.logprob for c in b], abs=1e-4)
-    assert all(c.attention.shape == (len(c.ids), GRID[0] * GRID[1]) for c in b)
+    assert_beam_one_is_greedy(model, torch.randn(4, GRID[0] * GRID[1], 24), max_len=8)
 
 
 def test_self_critical_rescoring_matches_the_sampling_steps(tiny_lm):

@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import assert_shared_image_matches_repeats
+
 from captionkit.decoding import _allowed, beam_search, greedy
 from captionkit.models import create_decoder, family_config
 from captionkit.models.transformer import Memory, TransformerConfig
@@ -142,12 +144,8 @@ def test_shared_image_side_gives_the_same_loss_and_gradients_as_repeated_feature
         ids[0], ids[-1] = Vocab.start, Vocab.end
         rows.append(torch.cat([ids, torch.zeros(7 - n, dtype=torch.long)]))
     ids = torch.stack(rows)  # (6, 7), <pad> = 0 after each caption's <end>
-    shared, _ = m.training_loss(x, ids[:, :-1], ids[:, 1:], image_index=image_index)
-    grads = torch.autograd.grad(shared, list(m.parameters()))
-    repeated, _ = m.training_loss(x.index_select(0, image_index), ids[:, :-1], ids[:, 1:])
-    torch.testing.assert_close(shared, repeated)
-    for g, h in zip(grads, torch.autograd.grad(repeated, list(m.parameters()))):
-        torch.testing.assert_close(g, h)
+    assert all(p.requires_grad for p in m.parameters())  # so every gradient is compared
+    shared = assert_shared_image_matches_repeats(m, x, ids, image_index)
     # the padded batch's loss is the token-weighted mean of each caption's unpadded loss
     per = [m.training_loss(x[i:i + 1], ids[j:j + 1, :n - 1], ids[j:j + 1, 1:n])[0] * (n - 1)
            for j, (i, n) in enumerate(zip(image_index.tolist(), lengths))]
