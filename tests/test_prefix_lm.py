@@ -265,6 +265,10 @@ def test_a_training_step_changes_exactly_the_chosen_groups(mode, tiny_lm, flickr
     # the checkpoint holds what was trained and nothing else
     saved = set(read_weights(tmp_path / "run" / "last"))
     assert saved == trainable
+    # the trained-parameter count, per group, as printed and saved for the model card
+    numel = snapshot()
+    counts = {g: sum(numel[n].numel() for n in changed if group_of(n) == g) for g in groups}
+    assert read_config(tmp_path / "run" / "last")["trained_parameters"] == counts | {"total": sum(counts.values())}
 
 
 @pytest.fixture(scope="module")

@@ -60,6 +60,9 @@ def test_training_run_writes_best_and_last_with_history(tiny_run):
     assert search["scores"][str(cfg["decoding"]["length_penalty"])] == max(search["scores"].values())
     last = read_config(tiny_run / "last")
     assert last["state"]["epoch"] == 3
+    model = Captioner.load(tiny_run / "best").decoder
+    assert cfg["trained_parameters"] == {"decoder": sum(p.numel() for p in model.parameters()),
+                                         "total": sum(p.numel() for p in model.parameters())}
     assert set(read_weights(tiny_run / "last", "optimizer.safetensors")) >= {"rng.torch"}
     hist = [json.loads(l) for l in (tiny_run / "history.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in hist] == [1, 2, 3] and all("CIDEr" in h and "Bleu_4" in h for h in hist)

@@ -448,6 +448,13 @@ class Trainer:
         if tc.finetune_blocks:
             groups.append({"params": self.tail_params, "lr": tc.encoder_lr})
         self.opt = make_optimizer(groups, tc)
+        # what this run trains, counted once per tensor: the model card's "trainable parameters"
+        names = (list(named) if named else ["decoder"]) + (["encoder"] if tc.finetune_blocks else [])
+        self.trained_parameters = {name: sum(p.numel() for p in g["params"] if p.requires_grad)
+                                   for name, g in zip(names, groups)}
+        self.trained_parameters["total"] = sum(self.trained_parameters.values())
+        print("trained parameters: " + ", ".join(f"{k} {v:,}" for k, v in self.trained_parameters.items()),
+              file=sys.stderr)
         self.lr_scales = [g["lr"] / tc.lr for g in self.opt.param_groups]
         # (image row, token ids) for every training caption; each image's captions' indices
         self.examples: list[tuple[int, list[int]]] = []
@@ -482,7 +489,7 @@ class Trainer:
         return {"family": self.family, "model": self.model_cfg, "encoder": encoder,
                 "vocab": self.vocab.to_json(),
                 "decoding": {"max_len": self.cfg.train.max_len, "length_penalty": self.length_penalty},
-                "train": self.cfg.to_dict(), "state": self.state}
+                "trained_parameters": self.trained_parameters, "train": self.cfg.to_dict(), "state": self.state}
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The decoder's weights, and the tuned encoder blocks' under ``encoder.``."""
