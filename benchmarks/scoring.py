@@ -4,7 +4,7 @@ its Java PTB tokenizer start-up, as every coco-caption user pays it).
 
     python benchmarks/scoring.py [--captions C.json] [--repeats 5]
 
-Default caption set: the shipped model's test captions (tests/data), else each image's first
+Default caption set: the sat-lite2-flickr8k LSTM's test captions (tests/data), else each image's first
 reference scored against the other four.
 """
 
@@ -41,11 +41,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     items = load_dataset(FLICKR8K).split("test")
-    shipped = ROOT / "tests" / "data" / "flickr8k_test_shipped_model.json"
-    if args.captions or shipped.is_file():
-        cands = json.loads(Path(args.captions or shipped).read_text())
+    lstm = ROOT / "tests" / "data" / "flickr8k_test_sat_lite2.json"
+    if args.captions or lstm.is_file():
+        cands = json.loads(Path(args.captions or lstm).read_text())
         refs = {it.name: it.raw for it in items}
-        what = args.captions or "the shipped model's captions"
+        what = args.captions or "the sat-lite2-flickr8k captions"
     else:
         cands, refs = {it.name: it.raw[0] for it in items}, {it.name: it.raw[1:] for it in items}
         what = "first reference vs the other four"

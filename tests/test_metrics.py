@@ -13,7 +13,7 @@ from captionkit.evaluation import bootstrap, paired_bootstrap, score_captions
 from captionkit.tokenize import java_available, tokenize_java, tokenize_python
 
 FLICKR8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "flickr8k"
-MODEL_CAPTIONS = Path(__file__).parent / "data" / "flickr8k_test_shipped_model.json"
+MODEL_CAPTIONS = Path(__file__).parent / "data" / "flickr8k_test_sat_lite2.json"
 needs_java = pytest.mark.skipif(not java_available(), reason="Java not installed: the coco-caption jars cannot run")
 needs_flickr = pytest.mark.skipif(not (FLICKR8K / "Flickr8k.token.txt").is_file(),
                                   reason=f"Flickr8k not found at {FLICKR8K}")
@@ -83,7 +83,7 @@ def _flickr_sets():
     sets = {"first reference vs the other four": (first, rest),
             "shuffled assignment": (shuffled, {it.name: it.raw for it in items})}
     if MODEL_CAPTIONS.is_file():
-        sets["shipped model, beam 3"] = (json.loads(MODEL_CAPTIONS.read_text()), {it.name: it.raw for it in items})
+        sets["sat-lite2-flickr8k, beam 3"] = (json.loads(MODEL_CAPTIONS.read_text()), {it.name: it.raw for it in items})
     return sets
 
 
@@ -91,7 +91,7 @@ def _flickr_sets():
 @needs_flickr
 def test_flickr8k_test_split_parity_java_and_python_tokens():
     sets = _flickr_sets()
-    assert len(sets) == 3, "tests/data/flickr8k_test_shipped_model.json is missing"
+    assert len(sets) == 3, "tests/data/flickr8k_test_sat_lite2.json is missing"
     for name, (cands, refs) in sets.items():
         assert_parity(cands, refs)
         both = {**{("r", k): v for k, v in refs.items()}, **{("c", k): [v] for k, v in cands.items()}}
