@@ -105,6 +105,21 @@ def tiny_run(tiny_config, tmp_path_factory) -> Path:
     return out
 
 
+def shapes_bpe(specials: list[str], extra_texts: tuple[str, ...] = ()):
+    """A byte-level BPE (vocabulary 300, the tiny LM tests' tokenizer) trained on the shapes
+    captions and ``extra_texts``, with ``specials`` as its special tokens."""
+    import tokenizers as tk
+
+    bpe = tk.Tokenizer(tk.models.BPE())
+    bpe.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tk.decoders.ByteLevel()
+    texts = [t.format(c=c, s=s) for c, _, s in SHAPES for t in TEMPLATES] + list(extra_texts)
+    bpe.train_from_iterator(texts, tk.trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                          initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+                                                          show_progress=False))
+    return bpe
+
+
 def assert_beam_one_is_greedy(model, feats, max_len: int) -> list:
     """The decoding equivalence every family keeps: beam search with one beam gives greedy's
     captions, log-probabilities and attention (one row over the L locations per word)."""

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from conftest import (SHAPES, TEMPLATES, assert_beam_one_is_greedy,  # noqa: E402
+from conftest import (assert_beam_one_is_greedy, shapes_bpe,  # noqa: E402
                       assert_shared_image_matches_repeats, shape_image)
 
 from captionkit.captioner import Captioner  # noqa: E402
@@ -29,18 +29,10 @@ GRID = [7, 7]  # efficientnet_lite0's grid, the encoder of the trainer tests
 @pytest.fixture(scope="module")
 def tiny_lm(tmp_path_factory) -> str:
     """A folder with a random 2-layer LLaMA and its tokenizer, as save_pretrained writes them."""
-    import tokenizers as tk
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     folder = tmp_path_factory.mktemp("tiny_lm")
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    bpe = tk.Tokenizer(tk.models.BPE())
-    bpe.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tk.decoders.ByteLevel()
-    texts = [t.format(c=c, s=s) for c, _, s in SHAPES for t in TEMPLATES] + ["The dogs' ball, in a park!"]
-    bpe.train_from_iterator(texts, tk.trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                                          initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
-                                                          show_progress=False))
+    bpe = shapes_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], ("The dogs' ball, in a park!",))
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>",
                                   pad_token="<|endoftext|>")
     tok.save_pretrained(folder)

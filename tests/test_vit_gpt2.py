@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from conftest import (SHAPES, TEMPLATES, assert_beam_one_is_greedy,  # noqa: E402
+from conftest import (assert_beam_one_is_greedy, shapes_bpe,  # noqa: E402
                       assert_shared_image_matches_repeats, shape_image)
 
 from captionkit.captioner import Captioner  # noqa: E402
@@ -54,17 +54,10 @@ def tiny_vit(tmp_path_factory) -> str:
 def tiny_gpt2(tmp_path_factory) -> str:
     """A random 2-block GPT-2 (without cross-attention, as a pretrained GPT-2 comes) and a
     GPT-2 tokenizer whose byte-level BPE is trained here on the shapes captions."""
-    import tokenizers as tk
     from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 
     folder = tmp_path_factory.mktemp("tiny_gpt2")
-    bpe = tk.Tokenizer(tk.models.BPE())
-    bpe.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tk.decoders.ByteLevel()
-    texts = [t.format(c=c, s=s) for c, _, s in SHAPES for t in TEMPLATES]
-    bpe.train_from_iterator(texts, tk.trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                                          initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
-                                                          show_progress=False))
+    bpe = shapes_bpe(["<|endoftext|>"])
     tok = GPT2TokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
                             unk_token="<|endoftext|>")
     tok.save_pretrained(folder)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ImageError, WeightsUnavailable
+from .hf import require_transformers
 
 DEFAULT_VLM = "Qwen/Qwen2.5-VL-7B-Instruct"
 DEFAULT_PROMPTS = Path(__file__).with_name("vlm_prompts.toml")
@@ -133,12 +134,7 @@ class Answer:
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError as e:
-        raise WeightsUnavailable("zero-shot captioning needs the 'transformers' package "
-                                 "(pip install 'captionkit[vlm]')") from e
-    return transformers
+    return require_transformers("zero-shot captioning", "vlm", quiet=False)
 
 
 class ZeroShotCaptioner:

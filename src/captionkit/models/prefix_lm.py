@@ -45,6 +45,7 @@ from torch import nn
 
 from ..checkpoint import atomic_folder
 from ..errors import WeightsUnavailable
+from ..hf import refuse_missing, require_transformers
 from . import register_family
 
 DEFAULT_LM = "smollm2-135m"
@@ -57,15 +58,7 @@ N_SPECIAL = 4  # captionkit's <pad> <start> <end> <unk> come before the LM's ids
 
 # ---- loading the language model ---------------------------------------------------------------
 def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise WeightsUnavailable("the prefix_lm family needs the 'transformers' package "
-                                 "(pip install 'captionkit[lm]')") from None
-    # loading is one line of captionkit's, not transformers' warnings and progress bars
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    return transformers
+    return require_transformers("the prefix_lm family", "lm")
 
 
 def lm_cache_root() -> Path:
@@ -162,10 +155,7 @@ def load_lm(source: str) -> nn.Module:
     with random numbers."""
     lm, info = _from_pretrained(_transformers().AutoModelForCausalLM, source, dtype=torch.float32,
                                 attn_implementation="eager", output_loading_info=True)
-    missing = sorted(info.get("missing_keys", []))
-    if missing:
-        raise WeightsUnavailable(f"language model {source!r}: its checkpoint lacks {len(missing)} tensors "
-                                 f"(e.g. {missing[0]})")
+    refuse_missing(info, source, "language model")
     return lm
 
 

@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 from ..encoders.vit_pixels import DEFAULT_VIT, load_image_processor_dict, load_vit_config, vit_geometry
-from ..errors import WeightsUnavailable
+from ..hf import refuse_missing, require_transformers
 from . import register_family
 from .prefix_lm import N_SPECIAL, LMTokens, _from_pretrained, load_lm_tokenizer
 
@@ -72,24 +72,10 @@ ALL = "all"
 
 
 def transformers_module():
-    try:
-        import transformers
-    except ImportError:
-        raise WeightsUnavailable("the vit_gpt2 family needs the 'transformers' package "
-                                 "(pip install 'captionkit[vit_gpt2]')") from None
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    return transformers
+    return require_transformers("the vit_gpt2 family", "vit_gpt2")
 
 
 # ---- loading the two sides ----------------------------------------------------------------------
-def _missing(info: dict, source: str, what: str, allowed) -> None:
-    """Refuse a checkpoint that lacks tensors transformers would fill with random numbers."""
-    missing = sorted(k for k in info.get("missing_keys", []) if not allowed(k))
-    if missing:
-        raise WeightsUnavailable(f"{what} {source!r}: its checkpoint lacks {len(missing)} tensors (e.g. {missing[0]})")
-
-
 def load_vit(source: str) -> nn.Module:
     """The ViT-family image model (no head) in float32."""
     tf = transformers_module()
@@ -97,7 +83,7 @@ def load_vit(source: str) -> nn.Module:
     vit_geometry(config, source)  # before the weights: a GPT-2 named here fails in one line
     vit, info = _from_pretrained(tf.AutoModel, source, what="vision model", config=config, dtype=torch.float32,
                                  output_loading_info=True)
-    _missing(info, source, "vision model", lambda k: k.startswith("pooler."))
+    refuse_missing(info, source, "vision model", lambda k: k.startswith("pooler."))
     return vit
 
 
@@ -122,7 +108,7 @@ def load_gpt2(source: str) -> nn.Module:
     config.add_cross_attention, config.is_decoder = True, True
     lm, info = _from_pretrained(tf.AutoModelForCausalLM, source, config=config, dtype=torch.float32,
                                 attn_implementation="eager", output_loading_info=True)
-    _missing(info, source, "language model", _is_cross)
+    refuse_missing(info, source, "language model", _is_cross)
     return lm
 
 
