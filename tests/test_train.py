@@ -81,6 +81,21 @@ def test_resume_continues_the_step_count_and_matches_an_unbroken_run(tiny_config
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
+def test_a_run_resumed_mid_epoch_reports_whole_epochs(tiny_config, tiny_run, tmp_path):
+    """The history of a run stopped inside its first epoch and resumed counts that epoch's
+    captions, batches and mean loss as the unbroken run does (its time includes both parts)."""
+    out = tmp_path / "resumed"
+    train(tiny_config, out=out, max_steps=3, progress=False)
+    assert read_config(out / "last")["state"]["epoch_progress"]["seen"] > 0
+    train(tiny_config, out=out, resume=True, progress=False)
+    resumed, whole = ([json.loads(l) for l in (run / "history.jsonl").read_text().splitlines()]
+                      for run in (out, tiny_run))
+    assert [h["captions"] for h in resumed] == [h["captions"] for h in whole]
+    assert whole[0]["captions"] == whole[1]["captions"] > 0  # every caption, each epoch
+    for a, b in zip(resumed, whole):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+
+
 def test_checkpoint_round_trip_gives_identical_captions(tiny_run, tmp_path):
     cap = Captioner.load(tiny_run / "best", with_encoder=False)
     feats = torch.randn(4, 49, 1280).abs()
