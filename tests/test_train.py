@@ -162,3 +162,11 @@ def test_atomic_folder_publishes_on_success_only(tmp_path):
         (tmp / "half.txt").write_text("half")
         raise RuntimeError("killed")
     assert not failed.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_every_recipe_in_configs_loads():
+    from pathlib import Path
+    recipes = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
+    assert recipes
+    for path in recipes:
+        RunConfig.load(path)  # raises, naming the file and field, on a bad recipe

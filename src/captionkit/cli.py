@@ -388,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("caption", help="caption image files or folders")
     c.add_argument("paths", nargs="+")
-    c.add_argument("--model", help="checkpoint folder, or a shipped model by name: transformer-lite2-flickr8k (the default), sat-lite2-flickr8k")
+    c.add_argument("--model", help="checkpoint folder, or a shipped model by name: transformer-lite2-flickr8k (the default), sat-lite2-flickr8k, prefix-smollm2-lora-flickr8k")
     c.add_argument("--beam", type=int, default=3)
     c.add_argument("--json", dest="json_out", help="write {filename: caption} here")
     c.add_argument("--attention", metavar="DIR", help="write one attention figure per image here")
@@ -467,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("export", help="export a model for other runtimes (ONNX)")
     x.add_argument("format", choices=["onnx"])
-    x.add_argument("--model", help="checkpoint folder, or a shipped model by name: transformer-lite2-flickr8k (the default), sat-lite2-flickr8k")
+    x.add_argument("--model", help="checkpoint folder, or a shipped model by name: transformer-lite2-flickr8k (the default), sat-lite2-flickr8k, prefix-smollm2-lora-flickr8k")
     x.add_argument("--out", required=True, help="folder for manifest.json and the graphs")
     x.add_argument("--int8", action="store_true", help="also write dynamically int8-quantised decoder graphs")
     x.add_argument("--int8-encoder", action="store_true", help="quantise the encoder's convolutions too")
