@@ -1,6 +1,7 @@
 import json
 import os
 import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,7 +84,7 @@ def test_resume_continues_the_step_count_and_matches_an_unbroken_run(tiny_config
 
 def test_a_run_resumed_mid_epoch_reports_whole_epochs(tiny_config, tiny_run, tmp_path):
     """The history of a run stopped inside its first epoch and resumed counts that epoch's
-    captions, batches and mean loss as the unbroken run does (its time includes both parts)."""
+    captions and mean loss as the unbroken run does (its time includes both parts)."""
     out = tmp_path / "resumed"
     train(tiny_config, out=out, max_steps=3, progress=False)
     assert read_config(out / "last")["state"]["epoch_progress"]["seen"] > 0
@@ -165,7 +166,6 @@ def test_atomic_folder_publishes_on_success_only(tmp_path):
 
 
 def test_every_recipe_in_configs_loads():
-    from pathlib import Path
     recipes = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
     assert recipes
     for path in recipes:

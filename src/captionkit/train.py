@@ -611,20 +611,16 @@ class Trainer:
             batches = self.epoch_batches(st["epoch"])
             # self-critical training samples without dropout (see captionkit.scst)
             self.model.train(tc.objective == "xe")
-            # this epoch's figures so far: carried in the checkpoint, so a resumed epoch reports
-            # its whole time, captions and mean loss, not just the part after the resume
-            done = st.get("epoch_progress") if st["batch_in_epoch"] else None
-            done = done or {"seconds": 0.0, "seen": 0, "batches": 0, "sums": {}}
-            t0, seen, sums, n_batches = time.time() - done["seconds"], done["seen"], dict(done["sums"]), done["batches"]
-            since, seen_before = time.time(), seen  # the rate shown is this process's
-
-            def progress_so_far() -> None:
-                st["epoch_progress"] = {"seconds": round(time.time() - t0, 1), "seen": seen, "batches": n_batches,
-                                        "sums": sums}
-
+            unit = "images" if tc.objective == "scst" else "captions"
+            # this epoch's figures so far live in the state the checkpoints carry, so an epoch
+            # resumed from one reports its whole time, count and mean loss
+            if not st["batch_in_epoch"] or not st.get("epoch_progress"):
+                st["epoch_progress"] = {"seconds": 0.0, "seen": 0, "batches": 0, "sums": {}}
+            prog = st["epoch_progress"]
+            t0 = time.time() - prog["seconds"]
+            since, seen_before = time.time(), prog["seen"]  # the rate shown is this process's
             for bi in range(st["batch_in_epoch"], len(batches)):
                 if max_steps is not None and st["step"] >= max_steps:
-                    progress_so_far()
                     self.save("last", with_optimizer=True)
                     return st
                 self.set_lr(st["lr"] * lr_factor(tc, st["step"], (st["epoch"] + bi / len(batches)) / tc.epochs))
@@ -638,27 +634,26 @@ class Trainer:
                 self.opt.step()
                 st["step"] += 1
                 st["batch_in_epoch"] = bi + 1
-                seen += len(batches[bi])
-                n_batches += 1
+                prog["seen"] += len(batches[bi])
+                prog["batches"] += 1
                 for k, v in figures.items():  # means over this epoch so far
-                    sums[k] = sums.get(k, 0.0) + v
+                    prog["sums"][k] = prog["sums"].get(k, 0.0) + v
+                prog["seconds"] = round(time.time() - t0, 1)
                 if progress and (bi % 20 == 0 or bi == len(batches) - 1):
-                    rate = (seen - seen_before) / max(time.time() - since, 1e-9)
-                    unit = "images" if tc.objective == "scst" else "captions"
-                    shown = " ".join(f"{k} {v / n_batches:.3f}" for k, v in sums.items())
+                    rate = (prog["seen"] - seen_before) / max(time.time() - since, 1e-9)
+                    shown = " ".join(f"{k} {v / prog['batches']:.3f}" for k, v in prog["sums"].items())
                     print(f"\repoch {st['epoch'] + 1}/{tc.epochs} {bi + 1}/{len(batches)} "
                           f"{shown} {rate:.0f} {unit}/s", end="", file=sys.stderr)
                 if tc.checkpoint_every and st["step"] % tc.checkpoint_every == 0:
-                    progress_so_far()
                     self.save("last", with_optimizer=True)
             if progress:
                 print(file=sys.stderr)
             st["epoch"] += 1
             st["batch_in_epoch"] = 0
             st["epoch_progress"] = None
-            entry = {"epoch": st["epoch"], "step": st["step"], **{k: v / max(n_batches, 1) for k, v in sums.items()},
-                     "lr": self.opt.param_groups[0]["lr"], "seconds": round(time.time() - t0, 1),
-                     "images" if tc.objective == "scst" else "captions": seen}
+            entry = {"epoch": st["epoch"], "step": st["step"],
+                     **{k: v / max(prog["batches"], 1) for k, v in prog["sums"].items()},
+                     "lr": self.opt.param_groups[0]["lr"], "seconds": round(time.time() - t0, 1), unit: prog["seen"]}
             if st["epoch"] % tc.val_every and st["epoch"] < tc.epochs:  # no dev scoring after this epoch
                 st["history"].append(entry)
                 print(f"epoch {st['epoch']}: not validated (train.val_every = {tc.val_every})", file=sys.stderr)
