@@ -105,6 +105,37 @@ def tiny_run(tiny_config, tmp_path_factory) -> Path:
     return out
 
 
+LM_CONFIG = """
+[data]
+dataset = "{dataset}"
+tokenizer = "lm"
+
+[encoder]
+{encoder}
+
+[model]
+{model}
+
+[train]
+epochs = {epochs}
+batch_size = 8
+lr = 3e-3
+precision = "fp32"
+val_beam = 2
+checkpoint_every = 0
+max_len = 10
+length_penalties = [0.0]
+{train}
+"""
+
+
+def write_lm_config(path: Path, dataset: Path, encoder: str, model: str, epochs: int = 1, train: str = "") -> Path:
+    """A tiny run config of a pretrained-LM family (the LM's own tokens, float32, beam 2 on dev),
+    with the caller's ``[encoder]`` and ``[model]`` lines and extra ``[train]`` lines."""
+    path.write_text(LM_CONFIG.format(dataset=dataset, encoder=encoder, model=model, epochs=epochs, train=train))
+    return path
+
+
 def shapes_bpe(specials: list[str], extra_texts: tuple[str, ...] = ()):
     """A byte-level BPE (vocabulary 300, the tiny LM tests' tokenizer) trained on the shapes
     captions and ``extra_texts``, with ``specials`` as its special tokens."""

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from conftest import (assert_beam_one_is_greedy, shapes_bpe,  # noqa: E402
+from conftest import (assert_beam_one_is_greedy, shapes_bpe, write_lm_config,  # noqa: E402
                       assert_shared_image_matches_repeats, shape_image)
 
 from captionkit.captioner import Captioner  # noqa: E402
@@ -20,6 +20,7 @@ from captionkit.checkpoint import ENCODER_PREFIX, read_config, read_weights  # n
 from captionkit.cli import main  # noqa: E402
 from captionkit.errors import WeightsUnavailable  # noqa: E402
 from captionkit.models import create_decoder  # noqa: E402
+from captionkit.models.prefix_lm import param_group  # noqa: E402
 from captionkit.tokenizers import LMTokenizer, load_tokenizer  # noqa: E402
 from captionkit.train import RunConfig, Trainer, train  # noqa: E402
 
@@ -176,42 +177,11 @@ def test_config_fields_are_checked(tiny_lm):
         model_of(tiny_lm, lm_training="blocks", unfreeze_after=2)
 
 
-CONFIG = """
-[data]
-dataset = "{dataset}"
-tokenizer = "lm"
-
-[encoder]
-name = "efficientnet_lite0"
-weights = "random"
-
-[model]
-family = "prefix_lm"
-lm = "{lm}"
-pool = [2, 2]
-projector = "mlp"
-projector_hidden = 32
-lora_rank = 4
-lora_dropout = 0.0
-{model}
-
-[train]
-epochs = {epochs}
-batch_size = 8
-lr = 3e-3
-precision = "fp32"
-val_beam = 2
-checkpoint_every = 0
-max_len = 10
-alpha_c = 0.0
-length_penalties = [0.0]
-{train}
-"""
-
-
 def write_config(path: Path, dataset: Path, lm: str, epochs: int = 1, model: str = "", train: str = "") -> Path:
-    path.write_text(CONFIG.format(dataset=dataset, lm=lm, epochs=epochs, model=model, train=train))
-    return path
+    model_lines = f'family = "prefix_lm"\nlm = "{lm}"\npool = [2, 2]\nprojector = "mlp"\nprojector_hidden = 32\n' \
+                  f'lora_rank = 4\nlora_dropout = 0.0\n{model}'
+    return write_lm_config(path, dataset, 'name = "efficientnet_lite0"\nweights = "random"', model_lines, epochs,
+                           f"alpha_c = 0.0\n{train}")
 
 
 MODES = {  # name: ([model] lines, [train] lines, the parameter groups that must change)
@@ -226,7 +196,7 @@ MODES = {  # name: ([model] lines, [train] lines, the parameter groups that must
 def group_of(name: str) -> str:
     if name.startswith(ENCODER_PREFIX):
         return "encoder"
-    return "projector" if name.startswith("projector.") else "lora" if "lora_" in name else "lm_blocks"
+    return param_group(name)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

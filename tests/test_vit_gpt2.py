@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from conftest import (assert_beam_one_is_greedy, shapes_bpe,  # noqa: E402
+from conftest import (assert_beam_one_is_greedy, shapes_bpe, write_lm_config,  # noqa: E402
                       assert_shared_image_matches_repeats, shape_image)
 
 from captionkit.captioner import Captioner  # noqa: E402
@@ -160,38 +160,10 @@ def test_the_trainer_takes_the_familys_default_lm_for_its_tokenizer():
     assert family_default("sat", "lm") is None and family_default("vit_gpt2", "vocab_size") is None
 
 
-CONFIG = """
-[data]
-dataset = "{dataset}"
-tokenizer = "lm"
-
-[encoder]
-name = "vit_pixels"
-weights = "{vit}"
-
-[model]
-family = "vit_gpt2"
-vit = "{vit}"
-lm = "{lm}"
-{model}
-
-[train]
-epochs = {epochs}
-batch_size = 8
-lr = 3e-3
-precision = "fp32"
-val_beam = 2
-checkpoint_every = 0
-max_len = 10
-length_penalties = [0.0]
-{train}
-"""
-
-
 def write_config(path: Path, dataset: Path, vit: str, lm: str, epochs: int = 1, model: str = "",
                  train: str = "") -> Path:
-    path.write_text(CONFIG.format(dataset=dataset, vit=vit, lm=lm, epochs=epochs, model=model, train=train))
-    return path
+    return write_lm_config(path, dataset, f'name = "vit_pixels"\nweights = "{vit}"',
+                           f'family = "vit_gpt2"\nvit = "{vit}"\nlm = "{lm}"\n{model}', epochs, train)
 
 
 # name: ([model] lines, [train] lines, patterns of exactly the tensors that must change, the

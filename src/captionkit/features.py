@@ -102,7 +102,7 @@ def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None
                     rate = n_done / max(time.time() - t0, 1e-9)
                     eta = (len(todo) - n_done) / max(rate, 1e-9)
                     print(f"\rfeatures {encoder.name}: {n_done}/{len(todo)} "
-                          f"{rate:.1f} img/s, ETA {eta / 60:.1f} min", end="", file=sys.stderr)
+                          f"{rate:.1f} img/s, ETA {eta / 60:.1f} min", end="", file=sys.stderr, flush=True)
     if progress and todo:
         print(file=sys.stderr)
     for msg in failed:

@@ -643,7 +643,7 @@ class Trainer:
                     rate = (prog["seen"] - seen_before) / max(time.time() - since, 1e-9)
                     shown = " ".join(f"{k} {v / prog['batches']:.3f}" for k, v in prog["sums"].items())
                     print(f"\repoch {st['epoch'] + 1}/{tc.epochs} {bi + 1}/{len(batches)} "
-                          f"{shown} {rate:.0f} {unit}/s", end="", file=sys.stderr)
+                          f"{shown} {rate:.0f} {unit}/s", end="", file=sys.stderr, flush=True)  # a log file sees it too
                 if tc.checkpoint_every and st["step"] % tc.checkpoint_every == 0:
                     self.save("last", with_optimizer=True)
             if progress:

@@ -19,6 +19,7 @@ Why pixels and not the ViT's outputs: see the family's module docstring.
 
 from __future__ import annotations
 
+from ..hf import load_pretrained
 from .base import Encoder, Preprocess, register_encoder
 from .patches import Patches
 
@@ -29,9 +30,8 @@ _RESAMPLE = {2: "bilinear", 3: "bicubic"}
 
 def load_vit_config(source: str):
     """The ViT's ``PretrainedConfig`` (local folder or Hugging Face cache first, then the hub)."""
-    from ..models.prefix_lm import _from_pretrained
     from ..models.vit_gpt2 import transformers_module
-    return _from_pretrained(transformers_module().AutoConfig, source, what="vision model")
+    return load_pretrained(transformers_module().AutoConfig, source, "vision model")
 
 
 class _ProcessorDict:
@@ -46,8 +46,7 @@ class _ProcessorDict:
 
 def load_image_processor_dict(source: str) -> dict:
     """The ViT's ``preprocessor_config.json`` as a dict; an error names the model without one."""
-    from ..models.prefix_lm import _from_pretrained
-    return _from_pretrained(_ProcessorDict, source, what="vision model")
+    return load_pretrained(_ProcessorDict, source, "vision model")
 
 
 def vit_geometry(config, source: str) -> tuple[int, int, int]:

