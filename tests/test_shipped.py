@@ -1,6 +1,8 @@
 """The models shipped inside the package: found by name, the default one, and the error
 for a name that is neither a folder nor a shipped model."""
 
+from collections import Counter
+
 import pytest
 
 from captionkit.captioner import DEFAULT_MODEL, Captioner, model_folder
@@ -40,8 +42,8 @@ def test_the_prefix_lm_ships_only_what_it_trained():
     folder = model_folder("prefix-smollm2-lora-flickr8k")
     cfg, weights = read_config(folder), read_weights(folder)
     assert cfg["family"] == "prefix_lm" and cfg["model"]["lm_training"] == "lora"
-    counts: dict[str, int] = {}
+    counts = Counter()
     for name, tensor in weights.items():
-        counts[param_group(name)] = counts.get(param_group(name), 0) + tensor.numel()
+        counts[param_group(name)] += tensor.numel()
     assert set(counts) == {"projector", "lora"}
     assert {k: cfg["trained_parameters"][k] for k in counts} == counts
