@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import CheckpointError, DatasetError, ImageError, WeightsUnavailable
+from .errors import CheckpointError, DatasetError, ImageError, OutputError, WeightsUnavailable
 from .vlm import DEFAULT_VLM, DTYPES
 
 
@@ -514,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.get("beam") is not None and args["beam"] < 1:
             raise UsageError(f"--beam must be at least 1, got {args['beam']}")
         return fn(**args)
-    except (UsageError, ImageError, DatasetError, CheckpointError, WeightsUnavailable) as e:
+    except (UsageError, ImageError, DatasetError, CheckpointError, OutputError, WeightsUnavailable) as e:
         print(f"captionkit {command}: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:  # config and dataset validation errors carry their file/field

@@ -16,3 +16,8 @@ class CheckpointError(ValueError):
 
 class WeightsUnavailable(RuntimeError):
     """Pretrained weights were asked for but are not on this machine."""
+
+
+class OutputError(ValueError):
+    """A place to write that is refused (it exists, is a folder captionkit did not write, ...);
+    the message names the path. See captionkit.outputs."""
