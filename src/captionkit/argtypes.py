@@ -8,34 +8,29 @@ import math
 from typing import Callable
 
 
-def int_at_least(low: int) -> Callable[[str], int]:
-    """A whole number >= ``low``; "1.5" and "-1" are refused (for ``low`` >= 0)."""
-    def parse(text: str) -> int:
+def _at_least(low: float, convert: Callable[[str], float], what: str) -> Callable[[str], float]:
+    def parse(text: str):
         try:
-            value = int(text)
+            value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-    parse.__name__ = f"int_at_least_{low}"
-    return parse
-
-
-def float_at_least(low: float) -> Callable[[str], float]:
-    """A finite number >= ``low`` ("nan" and "inf" are refused)."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value):  # float("nan") and float("inf") parse
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low:g}, got {value:g}")
         return value
-    parse.__name__ = f"float_at_least_{low:g}"
+    parse.__name__ = f"{convert.__name__}_at_least_{low:g}"
     return parse
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """A whole number >= ``low``: "1.5" and "1e3" are refused."""
+    return _at_least(low, int, "a whole number")
+
+
+def float_at_least(low: float) -> Callable[[str], float]:
+    """A finite number >= ``low`` ("nan" and "inf" are refused)."""
+    return _at_least(low, float, "a number")
 
 
 positive_int = int_at_least(1)
