@@ -39,7 +39,7 @@ $(WEB_VENDOR): web/package.json web/package-lock.json web/build.mjs
 web: $(WEB_VENDOR)
 
 demo: $(STAMP)
-	$(BIN)/captionkit caption samples --beam 3 --json demo-out/captions.json --attention demo-out/attention
+	$(BIN)/captionkit caption samples --beam 3 --json demo-out/captions.json --attention demo-out/attention --overwrite
 	@echo "attention figures: demo-out/attention/"
 
 test: $(STAMP)

@@ -70,7 +70,7 @@ def test_caption_cli_captions_the_good_and_reports_the_bad(tiny_run, photo_dir, 
     assert sorted(printed) == GOOD
     assert all(printed.values())
     assert json.loads(out_json.read_text()) == printed
-    assert sorted(p.name for p in figs.iterdir()) == [Path(n).stem + ".png" for n in GOOD]
+    assert sorted(p.name for p in figs.iterdir() if p.suffix == ".png") == [n + ".png" for n in GOOD]
     err_lines = err.strip().splitlines()
     for name in BAD:
         assert sum(str(photo_dir / name) in l for l in err_lines) == 1
@@ -81,7 +81,7 @@ def test_caption_cli_captions_the_good_and_reports_the_bad(tiny_run, photo_dir, 
 def test_attention_figure_is_a_real_png(tiny_run, photo_dir, tmp_path):
     assert main(["caption", str(photo_dir / "good.jpg"), "--model", str(tiny_run / "best"),
                  "--attention", str(tmp_path)]) == 0
-    im = Image.open(tmp_path / "good.png")
+    im = Image.open(tmp_path / "good.jpg.png")
     assert im.format == "PNG" and im.width > 200 and im.height > 150
 
 
@@ -144,3 +144,69 @@ def test_score_bootstrap_per_image_and_compare(tmp_path, capsys):
                  "--tokenizer", "python"]) == 0
     out = capsys.readouterr().out
     assert out.count("A beats B") == 6  # BLEU-1..4, ROUGE-L, CIDEr
+
+
+# --- issue 17: caption's and zero-shot's options and outputs ------------------------------------
+
+@pytest.mark.parametrize("argv,named", [
+    (["caption", "x.jpg", "--batch-size", "-1"], "argument --batch-size: must be at least 1, got -1"),
+    (["caption", "x.jpg", "--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+    (["caption", "x.jpg", "--beam", "0"], "argument --beam: must be at least 1"),
+    (["caption", "x.jpg", "--beam", "2.5"], "argument --beam: expected a whole number, got '2.5'"),
+    (["caption", "x.jpg", "--workers", "0"], "argument --workers: must be at least 1"),
+    (["caption", "x.jpg", "--length-penalty", "nan"], "argument --length-penalty: must be a finite number"),
+    (["caption", "x.jpg", "--length-penalty", "-1"], "argument --length-penalty: must be at least 0"),
+    (["zero-shot", "x.jpg", "--batch-size", "0"], "argument --batch-size: must be at least 1"),
+    (["zero-shot", "x.jpg", "--max-new-tokens", "-5"], "argument --max-new-tokens: must be at least 1"),
+])
+def test_numeric_options_are_checked_by_the_parser(argv, named, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and named in err and "Traceback" not in err
+
+
+def test_output_targets_are_checked_before_the_model_loads(photo_dir, tmp_path, capsys):
+    """The model named does not exist: each run must fail on its output target first."""
+    no_model = str(tmp_path / "no-such-model")
+    folder = tmp_path / "some_folder"
+    folder.mkdir()
+    mine = tmp_path / "mine.json"
+    mine.write_text("my notes")
+    for argv, named in (
+            (["--json", f"{folder}/"], "some_folder/: is a folder; give a file name to write"),
+            (["--json", str(mine)], "mine.json: exists; pass --overwrite to replace it"),
+            (["--jsonl", str(folder)], "some_folder: is a folder"),
+            (["--csv", str(mine)], "mine.json: not a captionkit CSV"),
+            (["--jsonl", str(mine)], "mine.json: not a captionkit JSONL file"),
+            (["--json", str(tmp_path / "a.json"), "--jsonl", str(tmp_path / "a.json")], "given as more than one output"),
+            (["--attention", str(photo_dir)], "photos0: exists and is not empty; pass --overwrite")):
+        assert main(["caption", str(photo_dir), "--model", no_model, *argv]) == 2
+        err = capsys.readouterr().err
+        assert named in err and err.count("\n") == 1, (argv, err)
+    assert main(["zero-shot", str(photo_dir), "--model", no_model, "--json", str(mine)]) == 2
+    assert "mine.json: exists; pass --overwrite" in capsys.readouterr().err
+    assert mine.read_text() == "my notes" and sorted(p.name for p in tmp_path.iterdir()) == ["mine.json", "some_folder"]
+
+
+def test_json_is_replaced_only_with_overwrite(tiny_run, photo_dir, tmp_path, capsys):
+    out = tmp_path / "caps.json"
+    out.write_text("{}")
+    args = ["caption", str(photo_dir / "good.jpg"), "--model", str(tiny_run / "best"), "--json", str(out)]
+    assert main(args) == 2 and out.read_text() == "{}"
+    assert main(args + ["--overwrite"]) == 0
+    assert list(json.loads(out.read_text())) == ["good.jpg"] and [p.name for p in tmp_path.iterdir()] == ["caps.json"]
+
+
+@pytest.mark.slow  # a child process: Python, torch and the model start again (about 5 s)
+def test_a_closed_stdout_ends_the_command_quietly(tiny_run, photo_dir):
+    """`captionkit caption DIR | head -1`: here the reader has gone before the first line."""
+    import os
+
+    r, w = os.pipe()
+    os.close(r)
+    p = subprocess.run([sys.executable, "-m", "captionkit", "caption", str(photo_dir), "--model", str(tiny_run / "best")],
+                       stdout=w, stderr=subprocess.PIPE, text=True, timeout=300)
+    os.close(w)
+    assert p.returncode == 141  # 128 + SIGPIPE, what a shell shows for a command ended by its pipe
+    assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr and "Exception ignored" not in p.stderr

@@ -113,6 +113,22 @@ def test_zero_shot_command_writes_caption_json_and_goes_on_past_bad_images(tiny_
     assert code == 1 and got.out.count("\t") == 3
 
 
+def test_zero_shot_shares_caption_s_resumable_outputs(tiny_vlm, photos, tmp_path, capsys):
+    """zero-shot writes through the same writer as caption: --jsonl resumes, and only with the
+    same model, prompt and answer length."""
+    out = tmp_path / "caps.jsonl"
+    args = ["zero-shot", str(photos), "--model", str(tiny_vlm), "--jsonl", str(out), "--max-new-tokens", "4"]
+    assert main(args) == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["image"] for r in recs) == ["dish0.jpg", "dish1.jpg", "dish2.jpg"]
+    assert json.loads((tmp_path / "caps.jsonl.meta.json").read_text())["settings"]["prompt"] == load_prompts().get()
+    assert main(args) == 0 and "3 already done" in capsys.readouterr().err
+    assert main(args[:-1] + ["5"]) == 2
+    assert "was written with --max-new-tokens 4, this run has --max-new-tokens 5" in capsys.readouterr().err
+    assert main(args + ["--template", "ingredients"]) == 2
+    assert "was written with the prompt (--prompts/--template)" in capsys.readouterr().err
+
+
 def test_missing_weights_get_one_line_naming_the_model(tmp_path, capsys):
     from huggingface_hub import try_to_load_from_cache
     with pytest.raises(WeightsUnavailable, match=r"^nobody/no-such-vlm: no such model folder, and its weights are "

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from .argtypes import float_at_least, positive_int
 from .errors import CheckpointError, DatasetError, ImageError, OutputError, WeightsUnavailable
 from .vlm import DEFAULT_VLM, DTYPES
 
@@ -34,79 +35,47 @@ def _read_json(path: str | Path, what: str):
         raise UsageError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
 
 
+def _caption_writer(command: str, paths: list[str], settings: dict, **outputs):
+    """The writer both captioning commands share (captionkit.batch.CaptionWriter): every output
+    target checked and the images found before the model loads."""
+    from .batch import CaptionWriter
+
+    if outputs.get("retry_failed") and not (outputs.get("jsonl") or outputs.get("csv_out")):
+        raise UsageError("--retry-failed retries the images a --jsonl or --csv file lists as failed: give one")
+    writer = CaptionWriter(command, paths, settings, **outputs)
+    if not writer.total:
+        raise UsageError(f"no image files found in {' '.join(paths)}")
+    return writer
+
+
+def _model_setting(model: str | None) -> str:
+    """A checkpoint as recorded beside resumable outputs: a shipped model by its name, any
+    other folder by its absolute path (so `runs/x` and `./runs/x/` compare equal)."""
+    from .captioner import SHIPPED, model_folder
+
+    folder = model_folder(model)
+    return folder.name if folder.parent == SHIPPED else str(folder.resolve())
+
+
 def cmd_caption(paths: list[str], model: str | None, beam: int, json_out: str | None,
                 attention: str | None, batch_size: int, length_penalty: float | None,
                 jsonl: str | None = None, csv_out: str | None = None, workers: int = 2,
-                onnx: str | None = None) -> int:
-    from collections import Counter
-
-    from .images import find_images, load_rgb
-
-    files = find_images(paths)
-    if not files:
-        raise UsageError(f"no image files found in {' '.join(paths)}")
+                onnx: str | None = None, overwrite: bool = False, retry_failed: bool = False,
+                verbose: bool = False) -> int:
     if onnx and model:
         raise UsageError("give either --model or --onnx")
+    settings = {"model": None if onnx else _model_setting(model), "onnx": str(Path(onnx).resolve()) if onnx else None,
+                "beam": beam, "length_penalty": length_penalty}
+    writer = _caption_writer("caption", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
+                             attention=attention, overwrite=overwrite, retry_failed=retry_failed, verbose=verbose)
     if onnx:
         from .onnx_runtime import load_onnx_captioner
         cap = load_onnx_captioner(onnx)
     else:
         from .captioner import Captioner
         cap = Captioner.load(model)
-    counts = Counter(f.name for f in files)
-    dup = {n for n, c in counts.items() if c > 1}
-
-    def key_of(path: Path) -> str:
-        return str(path) if path.name in dup else path.name
-
-    outputs, progress = [], None
-    if jsonl or csv_out:  # batch mode: resumable files, a progress line instead of one line per image
-        from .batch import CsvOutput, JsonlOutput, OutputError, Progress
-        try:
-            outputs = ([JsonlOutput(jsonl)] if jsonl else []) + ([CsvOutput(csv_out)] if csv_out else [])
-        except OutputError as e:
-            raise UsageError(str(e)) from None
-        todo = [f for f in files if any(key_of(f) not in o.done for o in outputs)]
-        progress = Progress(len(todo), skipped=len(files) - len(todo))
-        files_to_caption = todo
-    else:
-        files_to_caption = files
-    captions: dict[str, str] = {}
-    failed = 0
-    try:
-        for path, res in cap.caption_files(files_to_caption, beam=beam, batch_size=batch_size,
-                                           length_penalty=length_penalty, workers=workers):
-            key = key_of(path)
-            bad = isinstance(res, ImageError)
-            for o in outputs:
-                o.write(key, None if bad else res.text, str(res) if bad else None)
-            if progress:
-                progress.update(1, failed=int(bad))
-            if bad:
-                failed += 1
-                if not progress:
-                    print(f"error: {res}", file=sys.stderr)
-                continue
-            if json_out:
-                captions[key] = res.text
-            if not progress:
-                print(f"{key}\t{res.text}", flush=True)
-            if attention:
-                from .figures import save_attention_figure
-                fig = Path(attention) / f"{Path(key).stem if path.name not in dup else key.replace(os.sep, '_')}.png"
-                save_attention_figure(load_rgb(path), res.words, res.attention, res.grid, fig)
-    finally:
-        for o in outputs:
-            o.close()
-        if progress:
-            progress.close()
-    if json_out:
-        _write_json(json_out, captions)
-    if failed:
-        where = f" (listed with an \"error\" in {jsonl or csv_out})" if outputs else ""
-        print(f"{failed} of {len(files_to_caption)} images could not be captioned{where}", file=sys.stderr)
-        return 1
-    return 0
+    return writer.run(lambda files: cap.caption_files(files, beam=beam, batch_size=batch_size,
+                                                      length_penalty=length_penalty, workers=workers))
 
 
 def cmd_export(format: str, model: str | None, out: str, int8: bool, int8_encoder: bool,
@@ -331,38 +300,39 @@ def cmd_merge_lora(model: str, out: str) -> int:
 
 
 def cmd_zero_shot(paths: list[str], model: str, prompts: str | None, template: str | None,
-                  json_out: str | None, batch_size: int, max_new_tokens: int, download: bool, dtype: str) -> int:
-    from collections import Counter
-
-    from .images import find_images
+                  json_out: str | None, batch_size: int, max_new_tokens: int, download: bool, dtype: str,
+                  jsonl: str | None = None, csv_out: str | None = None, overwrite: bool = False,
+                  retry_failed: bool = False, verbose: bool = False) -> int:
     from .vlm import ZeroShotCaptioner, load_prompts
 
-    if batch_size < 1 or max_new_tokens < 1:
-        raise UsageError("--batch-size and --max-new-tokens must be at least 1")
     prompt = load_prompts(prompts).get(template)
-    files = find_images(paths)
-    if not files:
-        raise UsageError(f"no image files found in {' '.join(paths)}")
-    counts = Counter(f.name for f in files)
+    settings = {"model": str(Path(model).resolve()) if Path(model).is_dir() else model, "prompt": prompt,
+                "max_new_tokens": max_new_tokens, "dtype": dtype}
+    writer = _caption_writer("zero-shot", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
+                             overwrite=overwrite, retry_failed=retry_failed, verbose=verbose)
     cap = ZeroShotCaptioner.load(model, download=download, dtype=dtype)
-    captions: dict[str, str] = {}
-    failed = 0
-    for path, res in cap.caption_files(files, prompt, batch_size=batch_size, max_new_tokens=max_new_tokens):
-        if isinstance(res, ImageError):
-            failed += 1
-            print(f"error: {res}", file=sys.stderr)
-            continue
-        key = path.name if counts[path.name] == 1 else str(path)  # as captionkit caption keys them
-        if not res.text:
-            print(f"warning: {key}: nothing left of the answer {res.raw!r} after cleaning", file=sys.stderr)
-        captions[key] = res.text
-        print(f"{key}\t{res.text}", flush=True)
-    if json_out:
-        _write_json(json_out, captions)
-    if failed:
-        print(f"{failed} of {len(files)} images could not be captioned", file=sys.stderr)
-        return 1
-    return 0
+
+    def answers(files: list[Path]):
+        for path, res in cap.caption_files(files, prompt, batch_size=batch_size, max_new_tokens=max_new_tokens):
+            if not isinstance(res, ImageError) and not res.text:
+                print(f"warning: {writer.keys[path]}: nothing left of the answer {res.raw!r} after cleaning",
+                      file=sys.stderr)
+            yield path, res
+
+    return writer.run(answers)
+
+
+def _add_caption_outputs(p: argparse.ArgumentParser) -> None:
+    """The outputs of caption and zero-shot (one writer, captionkit.batch; docs/captioning.md)."""
+    p.add_argument("--json", dest="json_out", metavar="OUT", help="write {filename: caption} here")
+    p.add_argument("--jsonl", metavar="OUT", help="append one JSON line per image here; resumes: images "
+                   "already in OUT are skipped (unreadable ones are listed with an \"error\")")
+    p.add_argument("--csv", dest="csv_out", metavar="OUT", help="the same as CSV (image,caption,error)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace existing outputs (a --jsonl/--csv file is started again instead of resumed)")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="caption again the images a --jsonl/--csv file lists with an error")
+    p.add_argument("--verbose", action="store_true", help="name every file skipped in the given folders")
 
 
 def _add_csv_opts(p: argparse.ArgumentParser) -> None:
@@ -386,20 +356,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="captionkit", description="Image captioning: caption, train, evaluate.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    c = sub.add_parser("caption", help="caption image files or folders")
+    c = sub.add_parser("caption", help="caption image files or folders (docs/captioning.md)")
     c.add_argument("paths", nargs="+")
     c.add_argument("--model", help="checkpoint folder, or a shipped model by name: transformer-lite2-flickr8k (the default), sat-lite2-flickr8k, prefix-smollm2-lora-flickr8k")
-    c.add_argument("--beam", type=int, default=3)
-    c.add_argument("--json", dest="json_out", help="write {filename: caption} here")
-    c.add_argument("--attention", metavar="DIR", help="write one attention figure per image here")
-    c.add_argument("--batch-size", type=int, default=16)
-    c.add_argument("--length-penalty", type=float, default=None,
+    c.add_argument("--beam", type=positive_int, default=3)
+    c.add_argument("--attention", metavar="DIR", help="write one attention figure per image here (x.jpg -> DIR/x.jpg.png)")
+    c.add_argument("--batch-size", type=positive_int, default=16)
+    c.add_argument("--length-penalty", type=float_at_least(0), default=None,
                    help="rank beams by logprob / (words + 1) ** this (0: plain sum; default: the model's)")
-    c.add_argument("--jsonl", metavar="OUT", help="append one JSON line per image here; resumes: images "
-                   "already in OUT are skipped (unreadable ones are listed with an \"error\")")
-    c.add_argument("--csv", dest="csv_out", metavar="OUT", help="the same as CSV (image,caption,error)")
-    c.add_argument("--workers", type=int, default=2, help="threads decoding images ahead of the model")
+    c.add_argument("--workers", type=positive_int, default=2, help="threads decoding images ahead of the model")
     c.add_argument("--onnx", metavar="DIR", help="caption with an ONNX export (captionkit export onnx) instead")
+    _add_caption_outputs(c)
 
     e = sub.add_parser("evaluate", help="caption a dataset split and score it (coco-caption scorers)")
     e.add_argument("--model")
@@ -457,13 +424,13 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--prompts",
                    help="TOML file of prompt templates (default: the shipped captionkit/vlm_prompts.toml)")
     z.add_argument("--template", help="the template to use (default: the file's default)")
-    z.add_argument("--json", dest="json_out", help="write {filename: caption} here")
-    z.add_argument("--batch-size", type=int, default=4)
-    z.add_argument("--max-new-tokens", type=int, default=32, help="the longest answer, in the model's tokens")
+    z.add_argument("--batch-size", type=positive_int, default=4)
+    z.add_argument("--max-new-tokens", type=positive_int, default=32, help="the longest answer, in the model's tokens")
     z.add_argument("--download", action="store_true",
                    help="fetch the weights from the Hugging Face Hub when they are not in its cache")
     z.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="auto: the checkpoint's own (bfloat16 for Qwen2.5-VL)")
+    _add_caption_outputs(z)
 
     x = sub.add_parser("export", help="export a model for other runtimes (ONNX)")
     x.add_argument("format", choices=["onnx"])

@@ -3,13 +3,15 @@ upsampled to the photo, Gaussian-smoothed and laid over it, the word as the pane
 
 from __future__ import annotations
 
+import io
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
+
+from .outputs import atomic_write_bytes
 
 
 def attention_overlay(alpha: np.ndarray, size: tuple[int, int], sigma_cells: float = 0.5) -> np.ndarray:
@@ -52,9 +54,7 @@ def save_attention_figure(photo: Image.Image, words: list[str], attention: torch
         ax.set_title(word, fontsize=11)
     fig.suptitle(" ".join(words), fontsize=12)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.png")
-    fig.savefig(tmp, dpi=80)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
     plt.close(fig)
-    os.replace(tmp, out)
-    return out
+    return atomic_write_bytes(out, buf.getvalue())  # a killed run leaves no half figure

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
+import stat
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -101,13 +104,109 @@ def to_tensor(im: Image.Image, pre: Preprocess) -> torch.Tensor:
     return (x - mean) / std  # (3, S, S)
 
 
-def find_images(paths: list[str | Path]) -> list[Path]:
-    """Expand folders (recursively, sorted) into image files; files are kept as given, so a
-    missing or unreadable one is reported when it is read."""
-    out: list[Path] = []
+@dataclass(frozen=True)
+class Skipped:
+    """A file left out of a run, and why (named to the user, never dropped silently)."""
+    path: Path
+    reason: str
+
+
+@dataclass
+class Scan:
+    """What :func:`scan_images` found: the files to caption, in order; the files inside the
+    given folders that were left out; and the paths named on the command line that are refused
+    (a FIFO or device would block or stream forever when read)."""
+    images: list[Path] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    refused: list[Skipped] = field(default_factory=list)
+
+
+_KINDS = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")]
+
+
+def _not_regular(mode: int) -> str | None:
+    """Why a file of this mode cannot be read as a photo, or None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _KINDS if test(mode)), "a special file")
+    return f"not a regular file ({kind})"
+
+
+def _classify(path: Path) -> str | None:
+    """Why a file found in a folder is left out, or None if it is an image file to caption."""
+    try:
+        mode = path.stat().st_mode  # follows symbolic links: a link to a photo is a photo
+    except FileNotFoundError:
+        return "dangling symbolic link" if path.is_symlink() else "vanished while listing"
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    why = _not_regular(mode)
+    if why:
+        return why
+    if path.suffix.lower() not in IMAGE_SUFFIXES:
+        return f"unsupported extension {path.suffix!r}" if path.suffix else "no extension"
+    return None
+
+
+def _walk(folder: Path, scan: Scan, exclude: set[Path]) -> list[Path]:
+    """Image files under ``folder`` (recursively, sorted); everything else goes to scan.skipped.
+    Symbolic links to folders are not followed (as Path.rglob does not), and are named."""
+    found: list[Path] = []
+
+    def unlistable(e: OSError) -> None:
+        scan.skipped.append(Skipped(Path(e.filename), f"folder cannot be listed ({e.strerror})"))
+
+    for top, dirs, files in os.walk(folder, onerror=unlistable):
+        here = Path(top)
+        for d in sorted(dirs):
+            sub = here / d
+            if sub.is_symlink():
+                scan.skipped.append(Skipped(sub, "symbolic link to a folder (not followed)"))
+            elif sub.resolve() in exclude:
+                scan.skipped.append(Skipped(sub, "an output folder of this command"))
+        dirs[:] = [d for d in dirs if not (here / d).is_symlink() and (here / d).resolve() not in exclude]
+        for name in files:
+            path = here / name
+            why = _classify(path)
+            if why:
+                scan.skipped.append(Skipped(path, why))
+            else:
+                found.append(path)
+    return sorted(found)
+
+
+def scan_images(paths: list[str | Path], exclude: list[str | Path] = ()) -> Scan:
+    """Expand folders (recursively, sorted) into image files, and say what was left out.
+
+    A file named directly is kept whatever its extension (the user chose it) and a missing one
+    is kept too, so it is reported when it is read; but one that is not a regular file (a FIFO,
+    a device) is refused here, since reading it could block forever. Inside folders, only
+    regular files (or links to them) with an image extension are kept; every other entry is
+    listed in ``skipped`` with its reason. Folders in ``exclude`` (a command's own output
+    folder) are not entered. A path given twice is captioned once."""
+    scan = Scan()
+    excluded = {Path(p).resolve() for p in exclude}
+    seen: set[Path] = set()
     for p in map(Path, paths):
         if p.is_dir():
-            out += sorted(q for q in p.rglob("*") if q.suffix.lower() in IMAGE_SUFFIXES and q.is_file())
+            found = _walk(p, scan, excluded)
         else:
-            out.append(p)
-    return out
+            try:
+                why = _not_regular(p.stat().st_mode)
+            except OSError:  # missing, a dangling link, unreadable: load_rgb names it
+                why = None
+            if why:
+                scan.refused.append(Skipped(p, why))
+                continue
+            found = [p]
+        for f in found:
+            if f not in seen:
+                seen.add(f)
+                scan.images.append(f)
+    return scan
+
+
+def find_images(paths: list[str | Path]) -> list[Path]:
+    """The image files of :func:`scan_images`, for callers that need no report of the rest."""
+    return scan_images(paths).images
