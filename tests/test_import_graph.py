@@ -30,7 +30,8 @@ def test_the_checker_finds_a_cycle_through_a_deferred_import(tmp_path):
 
 def test_shared_code_never_names_or_probes_a_family():
     """The trainer, self-critical training, the captioner, the exporters and decoding use the
-    declared contract only: no family name as a string, no hasattr / inspect probing."""
+    declared contract only: no family name as a string, no hasattr/getattr on a model or its
+    config, no inspect."""
     import ast
 
     from captionkit.models import list_models
@@ -38,8 +39,10 @@ def test_shared_code_never_names_or_probes_a_family():
     for name in ("train.py", "scst.py", "captioner.py", "export.py", "decoding.py"):
         tree = ast.parse((root / name).read_text())
         strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
-        assert not strings & set(list_models()), name
-        calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
-        assert not calls & {"hasattr", "getattr"}, name
+        assert not strings & {*list_models(), "hard", "decode_context"}, name  # (hard attention: a sat option)
+        probes = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                  and n.func.id in ("hasattr", "getattr") and n.args
+                  and any(w in ast.unparse(n.args[0]) for w in ("model", "decoder"))]
+        assert not probes, (name, probes)
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert "inspect" not in imported, name

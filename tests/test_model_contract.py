@@ -207,6 +207,7 @@ def test_a_new_family_needs_only_its_own_file_and_the_registry():
     assert graph.imports_of("tiny_family", here, known) == {"captionkit.models.base"}
 
 
+@pytest.mark.slow  # trains 2 epochs (about 9 s here, the feature cache included)
 def test_the_tiny_family_trains_decodes_and_captions(tiny_family_run, tmp_path, capsys):
     from captionkit.captioner import Captioner
     from captionkit.checkpoint import read_config
