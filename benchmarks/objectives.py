@@ -27,7 +27,7 @@ from timing import median_time
 from captionkit.captioner import Captioner
 from captionkit.encoders import create_encoder
 from captionkit.images import load_rgb, to_tensor
-from captionkit.models import create_decoder
+from captionkit.models import create_model
 from captionkit.precision import resolve_precision
 from captionkit.scst import SelfCritical
 from captionkit.train import TrainConfig, make_optimizer
@@ -62,12 +62,12 @@ def main() -> None:
     times: dict[str, tuple[float, int, str]] = {}
 
     for attention in ("soft", "hard"):
-        model = create_decoder("sat", dict(SIZES, attention=attention)).train()
+        model = create_model("sat", dict(SIZES, attention=attention)).train()
         opt = make_optimizer([{"params": list(model.parameters()), "lr": 1e-4}], tc)
 
         def step():
             with autocast:
-                loss, _ = model.training_loss(feats, ids[:, :-1], ids[:, 1:], 1.0)
+                loss, _ = model.training_loss(feats, ids[:, :-1], ids[:, 1:], alpha_c=1.0)
             optimizer_step(list(model.parameters()), loss, opt)
 
         times[f"{attention} attention, cross-entropy"] = (median_time(step, args.repeats), B, "captions")
@@ -77,14 +77,14 @@ def main() -> None:
     cached = torch.randn(B, GRID[0] * GRID[1], trunk.dim).abs()  # block 18's output, as cached
     for p in tail.parameters():
         p.requires_grad_(True)
-    model = create_decoder("sat", SIZES).train()
+    model = create_model("sat", SIZES).train()
     params = list(model.parameters()) + list(tail.parameters())
     opt = make_optimizer([{"params": list(model.parameters()), "lr": 1e-4},
                           {"params": list(tail.parameters()), "lr": 1e-4}], tc)
 
     def ft_step():
         with autocast:
-            loss, _ = model.training_loss(tail(cached, GRID), ids[:, :-1], ids[:, 1:], 1.0)
+            loss, _ = model.training_loss(tail(cached, GRID), ids[:, :-1], ids[:, 1:], alpha_c=1.0)
         optimizer_step(params, loss, opt)
 
     times["soft + last 3 encoder blocks tuned"] = (median_time(ft_step, args.repeats), B, "captions")

@@ -11,7 +11,7 @@ from captionkit.checkpoint import read_config, read_weights
 from captionkit.decoding import greedy
 from captionkit.encoders import create_encoder
 from captionkit.metrics import CiderD
-from captionkit.models import create_decoder
+from captionkit.models import create_model
 from captionkit.models.sat import caption_loss
 from captionkit.scst import SelfCritical, leave_one_out_mean, sample, sequence_logprobs
 from captionkit.train import RunConfig, train
@@ -22,7 +22,7 @@ def tiny(**kw):
     cfg = dict(vocab_size=12, feat_dim=10, embed_dim=8, hidden_dim=9, attn_dim=7, dropout=0.0)
     cfg.update(kw)
     torch.manual_seed(0)
-    return create_decoder("sat", cfg)
+    return create_model("sat", cfg)
 
 
 def batch(B=4, T=7):

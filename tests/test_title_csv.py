@@ -9,6 +9,7 @@ import pytest
 from conftest import TINY_CONFIG, shape_image
 
 from captionkit import data
+from captionkit.cache import cache_dir
 from captionkit.cli import main
 from captionkit.data import DatasetError, cased_words, load_dataset, read_title_csv
 from captionkit.train import DataConfig, RunConfig
@@ -134,7 +135,7 @@ def test_split_goes_to_the_cache_when_the_csv_folder_is_not_writable(tmp_path, m
     first = names(load_dataset(csv, tmp_path / "Food Images"))
     note = capsys.readouterr().err.splitlines()[-1]
     cached = Path(note.rsplit("saved in ", 1)[1])
-    assert cached.is_file() and cached.parent == data._cache_root() / "splits" and cached.name.startswith("recipes-")
+    assert cached.is_file() and cached.parent == cache_dir("splits") and cached.name.startswith("recipes-")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["Food Images", "recipes.csv"]  # no temporary left
     assert names(load_dataset(csv, tmp_path / "Food Images")) == first
     assert capsys.readouterr().err.splitlines()[-1].endswith(f"split from {cached}")

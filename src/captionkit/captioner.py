@@ -1,4 +1,7 @@
-"""A trained captioner: encoder + decoder + vocabulary, loaded from a checkpoint folder."""
+"""A trained captioner: encoder + decoder + vocabulary, loaded from a checkpoint folder.
+
+It uses the decoder only through the model contract (:mod:`captionkit.models.base`), so it
+captions with any registered family."""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ from .checkpoint import CheckpointError, load_into, read_config, read_weights, s
 from .decoding import Caption, decode
 from .encoders import Encoder, create_encoder, load_finetuned
 from .images import ImageError, load_rgb, to_tensor
-from .models import create_decoder
+from .models import CaptionModel, create_model
+from .models.base import view_attention
 from .tokenizers import Tokenizer, load_tokenizer
 
 SHIPPED = Path(__file__).parent / "pretrained"
@@ -45,7 +49,7 @@ class Result:
 
 
 class Captioner:
-    def __init__(self, decoder: torch.nn.Module, vocab: Tokenizer, config: dict, encoder: Encoder | None = None):
+    def __init__(self, decoder: CaptionModel, vocab: Tokenizer, config: dict, encoder: Encoder | None = None):
         self.decoder = decoder.eval()
         self.vocab = vocab
         self.config = config
@@ -68,7 +72,7 @@ class Captioner:
         cfg = read_config(path)
         try:
             family, enc_cfg, words = cfg["family"], cfg["encoder"], cfg["vocab"]
-            decoder = create_decoder(family, cfg["model"])
+            decoder = create_model(family, cfg["model"])
         except (KeyError, ValueError, TypeError) as e:
             raise CheckpointError(f"{path}/config.json: incompatible config ({e})") from None
         try:
@@ -105,16 +109,19 @@ class Captioner:
     def result(self, cap: Caption) -> Result:
         """A caption as words, with one attention row per word: a word spelt by several tokens
         (characters, subwords) gets the mean of its tokens' attention."""
-        attention = cap.attention
-        if self.config["model"].get("attention") == "hard":  # show the location each word most
-            # likely came from (hard attention trains on one location per word)
-            attention = torch.nn.functional.one_hot(attention.argmax(1), attention.shape[1]).float()
+        attention = view_attention(cap.attention, self.decoder.attention_view)
         spans = self.vocab.spans(cap.ids)
         if spans:
             attention = torch.stack([attention[pos].mean(0) for _, pos in spans])  # (words, L)
         else:
             attention = attention[:0]
         return Result([w for w, _ in spans], attention, self.grid)
+
+    def encode_batch(self, images: list[torch.Tensor]) -> torch.Tensor:
+        """Preprocessed images, each (3, S, S) -> the encoder's rows (B, L, D), without autograd."""
+        if self.encoder is None:
+            raise RuntimeError("this Captioner was loaded without its encoder")
+        return self.encoder.encode_batch(images)
 
     def caption_files(self, paths: list[Path], beam: int = 3, batch_size: int = 16,
                       length_penalty: float | None = None,
@@ -144,9 +151,7 @@ class Captioner:
                 good = [i for i, x in enumerate(loaded) if isinstance(x, torch.Tensor)]
                 caps: dict[int, Caption] = {}
                 if good:
-                    x = torch.stack([loaded[i] for i in good]).contiguous(memory_format=torch.channels_last)
-                    with torch.inference_mode():
-                        feats = self.encoder(x)  # (B, L, D)
+                    feats = self.encode_batch([loaded[i] for i in good])  # (B, L, D)
                     caps = dict(zip(good, self.decode_features(feats, beam, length_penalty)))
                 for i, p in enumerate(batch):
                     yield p, (self.result(caps[i]) if i in caps else loaded[i])

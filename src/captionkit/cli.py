@@ -290,10 +290,10 @@ def cmd_pack(checkpoint: str, out: str, fp16: bool) -> int:
 
 def cmd_merge_lora(model: str, out: str) -> int:
     """Export a prefix_lm checkpoint's LM with its LoRA adapters merged (see
-    captionkit.models.prefix_lm.export_standalone)."""
-    from .models.prefix_lm import export_standalone
+    captionkit.export.export_transformers)."""
+    from .export import export_transformers
 
-    folder = export_standalone(model, out)
+    folder = export_transformers(model, out)
     print(f"wrote {folder} (the merged LM, a transformers folder) and {folder / 'captioner'} "
           f"(a captionkit checkpoint captioning with it)")
     return 0

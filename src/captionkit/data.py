@@ -21,6 +21,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .cache import cache_dir
 from .errors import DatasetError
 
 _PUNCT = str.maketrans("", "", string.punctuation)
@@ -253,11 +254,6 @@ SPLIT_FRACTIONS = {"train": 0.8, "dev": 0.1, "test": 0.1}
 _SHOWN = 3  # examples per problem in a cleaning report
 
 
-def _cache_root() -> Path:
-    """captionkit's cache folder, as features.default_cache_root (not imported: it loads torch)."""
-    return Path(os.environ.get("CAPTIONKIT_CACHE", Path.home() / ".cache" / "captionkit"))
-
-
 def _read_title_rows(csv_path: Path, image_column: str, title_column: str) -> list[tuple[int, str, str]]:
     """(line where the row starts, image name, title) of every data row."""
     rows: list[tuple[int, str, str]] = []
@@ -323,7 +319,7 @@ def _title_splits(csv_path: Path, names: list[str], seed: int) -> tuple[dict[str
     read_title_csv); returns the splits and a line saying where they come from."""
     beside = csv_path.with_name(f"{csv_path.stem}.split.json")
     digest = hashlib.sha1(str(csv_path.resolve()).encode()).hexdigest()[:12]
-    cached = _cache_root() / "splits" / f"{csv_path.stem}-{digest}.split.json"
+    cached = cache_dir("splits") / f"{csv_path.stem}-{digest}.split.json"
     source = next((f for f in (beside, cached) if f.is_file()), None)
     saved: dict[str, str] = {}
     if source is not None:

@@ -5,8 +5,10 @@
     logprobs, state, attention = model.step(tokens, state, mem)
 
 ``state`` is a tuple of tensors whose first dimension is the batch; ``mem`` has
-``index_select(idx)``. Both functions return one :class:`Caption` per image, with the
-attention weights of every generated word.
+``index_select(idx)`` (the contract: :class:`captionkit.models.base.CaptionModel`). Both
+functions return one :class:`Caption` per image, with the attention weights of every
+generated word. :func:`select_rows` and :func:`allowed_words` are shared with sampling
+(:mod:`captionkit.scst`).
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ class Caption:
     logprob: float  # sum of the words' log-probabilities, <end> included
 
 
-def _select(state, idx: torch.Tensor):
+def select_rows(state: tuple[torch.Tensor, ...], idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The rows ``idx`` of every tensor of a decoding state (beams, samples, survivors)."""
     return tuple(s.index_select(0, idx) for s in state)
 
 
-def _allowed(logp: torch.Tensor, last_step: bool) -> torch.Tensor:
+def allowed_words(logp: torch.Tensor, last_step: bool) -> torch.Tensor:
     """<pad>, <start> and <unk> are never generated (an unknown word is no word to show a
     reader); at the last step only <end> may follow."""
     if last_step:
@@ -53,7 +56,7 @@ def greedy(model, feats: torch.Tensor, max_len: int = 20) -> list[Caption]:
     alive = torch.ones(B, dtype=torch.bool)
     for t in range(max_len + 1):
         logp, state, alpha = model.step(tokens, state, mem)
-        best, tokens = _allowed(logp, t == max_len).max(1)
+        best, tokens = allowed_words(logp, t == max_len).max(1)
         total += torch.where(alive, best, torch.zeros_like(best))
         words.append(tokens)
         alphas.append(alpha)
@@ -82,7 +85,7 @@ def beam_search(model, feats: torch.Tensor, beam: int = 3, max_len: int = 20,
     mem = model.prepare(feats)
     state = model.init_state(mem)
     rows = torch.arange(B).repeat_interleave(K)  # (B*K,)
-    mem, state = mem.index_select(rows), _select(state, rows)
+    mem, state = mem.index_select(rows), select_rows(state, rows)
     tokens = torch.full((B * K,), Vocab.start, dtype=torch.long)
     scores = torch.full((B, K), float("-inf"))
     scores[:, 0] = 0.0  # only the first beam is live at the start
@@ -98,7 +101,7 @@ def beam_search(model, feats: torch.Tensor, beam: int = 3, max_len: int = 20,
         logp, state, alpha = model.step(tokens, state, mem)  # (B*K, V), ..., (B*K, L)
         V = logp.shape[1]
         hist = alpha.unsqueeze(1) if hist is None else torch.cat([hist, alpha.unsqueeze(1)], 1)
-        logp = _allowed(logp, t == max_len)
+        logp = allowed_words(logp, t == max_len)
         cand = (scores.view(B * K, 1) + logp).view(B, K * V)
         top_s, top_i = cand.topk(2 * K, dim=1)  # (B, 2K): enough to keep K live after ends
         src, word = top_i // V, top_i % V  # (B, 2K)
@@ -118,7 +121,7 @@ def beam_search(model, feats: torch.Tensor, beam: int = 3, max_len: int = 20,
         tokens = word.gather(1, pick).view(-1)
         seqs = torch.cat([seqs[parent], tokens.unsqueeze(1)], 1)
         hist = hist[parent]
-        state = _select(state, parent)
+        state = select_rows(state, parent)
         for b in range(B):
             if done[b] or not finished[b]:
                 continue

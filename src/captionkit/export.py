@@ -1,6 +1,11 @@
-"""Export a captioner to ONNX: the encoder as one graph, the decoder as two (``init``: the
-per-image memory and the first recurrent state; ``step``: one word), plus a ``manifest.json``
-with the vocabulary, the preprocessing and the decoding settings.
+"""Exports of a trained captioner for other runtimes: ONNX (:func:`export_onnx`) and plain
+Hugging Face ``transformers`` folders (:func:`export_transformers`). What is family-specific
+comes from the exporter each family registers (``@register_exporter("onnx", family)`` in
+:mod:`captionkit.registry`); nothing here knows a family.
+
+ONNX: the encoder as one graph, the decoder as two (``init``: the per-image memory and the
+first recurrent state; ``step``: one word), plus a ``manifest.json`` with the vocabulary, the
+preprocessing and the decoding settings.
 
 The step graph follows the decoder step contract with tensors only::
 
@@ -10,10 +15,14 @@ The step graph follows the decoder step contract with tensors only::
 Every state and memory tensor is batch-first, so a runtime (``captionkit.onnx_runtime``, the
 browser demo's ``decode.js``) can run greedy and beam search for any family by reordering rows,
 without knowing what the tensors mean: an LSTM's ``h``/``c``, or a transformer's key/value
-cache. A family plugs in with :func:`register_exporter`.
+cache. A family plugs in by registering ``fn(decoder) -> DecoderExport``
+(:class:`~captionkit.models.base.DecoderExport`).
 
-Needs the ``onnx`` extra (onnx, onnxscript, onnxruntime); nothing here is imported by the rest
-of the library.
+transformers: a family registers ``fn(model, checkpoint, out) ->``
+:class:`~captionkit.models.base.TransformersExport`; see :func:`export_transformers`.
+
+Needs the ``onnx`` extra (onnx, onnxscript, onnxruntime) for ONNX, the family's extra for
+transformers; nothing here is imported by the rest of the library.
 """
 
 from __future__ import annotations
@@ -22,130 +31,34 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
+from .captioner import Captioner
+from .checkpoint import ENCODER_PREFIX, CheckpointError, atomic_folder, read_weights, save_checkpoint
 from .kernels import plain_pytorch
+from .models.base import DecoderExport
+from .registry import EXPORTERS, list_exporters
+from .vocab import Vocab
 
 FORMAT = "captionkit-onnx"
 VERSION = 1
 GRAPHS = ("encoder", "init", "step")
 
 
-@dataclass
-class DecoderExport:
-    """How a decoder family is exported.
-
-    init: module ``feats -> (*memory, *state)`` (in the order of ``memory`` then ``state``).
-    step: module ``(tokens, *state, feats, *memory) -> (logprobs, *state_next, attention)``.
-    memory: names of the per-image tensors the step reads besides ``feats``.
-    state: names of the recurrent tensors (the step returns ``<name>_next`` for each).
-    """
-
-    init: nn.Module
-    step: nn.Module
-    memory: list[str]
-    state: list[str]
-
-
-_EXPORTERS: dict[str, Callable[[nn.Module], DecoderExport]] = {}
-
-
-def register_exporter(family: str):
-    """Register ``fn(decoder) -> DecoderExport`` for a model family."""
-    def wrap(fn):
-        _EXPORTERS[family] = fn
-        return fn
-    return wrap
-
-
 def decoder_export(family: str, decoder: nn.Module) -> DecoderExport:
-    if family not in _EXPORTERS:
+    """The ONNX export spec of a decoder, from its family's registered exporter."""
+    if family not in EXPORTERS["onnx"]:
         raise ValueError(f"model family {family!r} cannot be exported to ONNX yet "
-                         f"(exportable: {', '.join(sorted(_EXPORTERS))})")
-    return _EXPORTERS[family](decoder)
+                         f"(exportable: {', '.join(list_exporters('onnx'))})")
+    return EXPORTERS["onnx"].get(family)(decoder)
 
 
-# ---- Show, Attend and Tell ------------------------------------------------------------------
-
-class _SATInit(nn.Module):
-    def __init__(self, decoder):
-        super().__init__()
-        self.decoder = decoder
-
-    def forward(self, feats):
-        mem = self.decoder.prepare(feats)
-        h, c = self.decoder.init_state(mem)
-        return mem.energy.proj, h, c
-
-
-class _SATStep(nn.Module):
-    """The decoder's own ``step`` on plain tensors (tokens, h, c, feats, proj)."""
-
-    def __init__(self, decoder):
-        super().__init__()
-        self.decoder = decoder
-
-    def forward(self, tokens, h, c, feats, proj):
-        from .models.sat import Memory
-        logp, (h, c), alpha = self.decoder.step(tokens, (h, c), Memory(feats, proj, None))
-        return logp, h, c, alpha
-
-
-@register_exporter("sat")
-def _sat_export(decoder) -> DecoderExport:
-    if decoder.cfg.attention == "hard" and decoder.cfg.decode_context == "argmax":
-        raise ValueError("hard attention with decode_context='argmax' cannot be exported yet")
-    return DecoderExport(_SATInit(decoder), _SATStep(decoder), memory=["proj"], state=["h", "c"])
-
-
-# ---- transformer ----------------------------------------------------------------------------
-
-class _TransformerInit(nn.Module):
-    """feats -> every decoder layer's cross-attention keys, then values, then the empty
-    self-attention cache (position counter, per layer keys and values)."""
-
-    def __init__(self, decoder):
-        super().__init__()
-        self.decoder = decoder
-
-    def forward(self, feats):
-        mem = self.decoder.prepare(feats)
-        return (*mem.keys, *mem.values, *self.decoder.init_state(mem))
-
-
-class _TransformerStep(nn.Module):
-    """The decoder's own ``step`` on plain tensors: (tokens, pos, *cache, feats, *keys, *values).
-    The step has no Python-side control flow (fixed-size cache, position counter), so this
-    traces to one graph that is right for every position."""
-
-    def __init__(self, decoder):
-        super().__init__()
-        self.decoder = decoder
-        self.layers = decoder.cfg.decoder_layers
-
-    def forward(self, tokens, *rest):
-        from .models.transformer import Memory
-        n = self.layers
-        state, mem = rest[:1 + 2 * n], rest[2 + 2 * n:]  # rest[1 + 2n] is feats, not read here
-        logp, state, attention = self.decoder.step(tokens, tuple(state), Memory(list(mem[:n]), list(mem[n:])))
-        return (logp, *state, attention)
-
-
-@register_exporter("transformer")
-def _transformer_export(decoder) -> DecoderExport:
-    n = decoder.cfg.decoder_layers
-    memory = [f"cross_k{i}" for i in range(n)] + [f"cross_v{i}" for i in range(n)]
-    state = ["pos"] + [f"self_{kv}{i}" for i in range(n) for kv in ("k", "v")]
-    return DecoderExport(_TransformerInit(decoder), _TransformerStep(decoder), memory=memory, state=state)
-
-
-# ---- export ---------------------------------------------------------------------------------
-
+# ---- ONNX ----------------------------------------------------------------------------------------
 class _EncoderGraph(nn.Module):
     def __init__(self, encoder):
         super().__init__()
@@ -188,7 +101,7 @@ def export_onnx(captioner, out: str | Path, int8: bool = False, int8_encoder: bo
         init_out = spec.init.eval()(feats)
     n_mem = len(spec.memory)
     memory, state = list(init_out[:n_mem]), list(init_out[n_mem:])
-    tokens = torch.full((B,), 1, dtype=torch.long)
+    tokens = torch.full((B,), Vocab.start, dtype=torch.long)
     batch = {0: "batch"}
     t0 = time.perf_counter()
     _onnx_export(_EncoderGraph(enc), (image,), out / "encoder.onnx", ["image"], ["feats"],
@@ -213,15 +126,15 @@ def export_onnx(captioner, out: str | Path, int8: bool = False, int8_encoder: bo
         "model": model_name or "model",
         "family": cfg["family"],
         # the browser demo reads "vocab" (word vocabularies); runtimes in Python read "tokenizer"
-        "vocab": list(captioner.vocab.words) if getattr(captioner.vocab, "kind", "word") == "word" else None,
+        "vocab": list(captioner.vocab.words) if captioner.vocab.kind == "word" else None,
         "tokenizer": captioner.vocab.to_json(),
-        "special": {"pad": 0, "start": 1, "end": 2, "unk": 3},
+        "special": {"pad": Vocab.pad, "start": Vocab.start, "end": Vocab.end, "unk": Vocab.unk},
         "preprocess": {**asdict(pre), "layout": "NCHW", "scale": 1 / 255,
                        "formula": "(rgb / 255 - mean) / std, after resizing to size x size"},
         "grid": list(captioner.grid),
         "feat_dim": int(feats.shape[2]),
         "decoding": {"max_len": captioner.max_len, "length_penalty": captioner.length_penalty},
-        "attention_view": "onehot-argmax" if cfg["model"].get("attention") == "hard" else "weights",
+        "attention_view": captioner.decoder.attention_view,
         "graphs": graphs,
         "init": {"inputs": ["feats"], "outputs": init_outputs},
         "step": {"inputs": step_inputs, "outputs": step_outputs},
@@ -234,6 +147,33 @@ def export_onnx(captioner, out: str | Path, int8: bool = False, int8_encoder: bo
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, path)
     return path
+
+
+# ---- transformers -------------------------------------------------------------------------------
+def export_transformers(checkpoint: str | Path, out: str | Path) -> Path:
+    """Write a checkpoint as a plain transformers folder ``out`` through its family's registered
+    exporter (prefix_lm: its LM with LoRA merged, and in ``out/captioner`` a captionkit
+    checkpoint that captions with it; vit_gpt2: the VisionEncoderDecoderModel). Atomic: written
+    under a temporary name, then renamed. -> the folder."""
+    out = Path(out).resolve()
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out}: exists and is not empty")
+    cap = Captioner.load(checkpoint, with_encoder=False)
+    cfg = cap.config
+    if cfg["family"] not in EXPORTERS["transformers"]:
+        raise CheckpointError(f"{checkpoint}: a {cfg['family']} model; transformers exports exist for "
+                              f"{', '.join(list_exporters('transformers'))}")
+    spec = EXPORTERS["transformers"].get(cfg["family"])(cap.decoder, str(checkpoint), out)
+    encoder = {k: v for k, v in read_weights(checkpoint).items() if k.startswith(ENCODER_PREFIX)}
+    with atomic_folder(out) as tmp:
+        spec.save(tmp)
+        if spec.weights is not None:  # a captionkit checkpoint that loads from the exported folder
+            captioner = dict(cfg, model=dict(cfg["model"], **(spec.model_changes or {})),
+                             vocab=dict(cfg["vocab"], **(spec.vocab_changes or {})),
+                             exported_from=str(Path(checkpoint).resolve()))
+            captioner.pop("optimizer_groups", None)
+            save_checkpoint(tmp / "captioner", {**spec.weights, **encoder}, captioner)
+    return out
 
 
 def quantize_int8(out: Path, encoder: bool = False, log: Callable[[str], None] = print) -> dict[str, str]:

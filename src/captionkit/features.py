@@ -19,12 +19,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .cache import cache_root
 from .encoders.base import Encoder
 from .images import ImageError, load_rgb, to_tensor
 
 
-def default_cache_root() -> Path:
-    return Path(os.environ.get("CAPTIONKIT_CACHE", Path.home() / ".cache" / "captionkit"))
+# the feature folders sit directly under the cache root (the layout existing caches use)
+default_cache_root = cache_root
 
 
 class FeatureStore:
@@ -88,9 +89,7 @@ def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None
             good = [(i, x) for i, x in items if isinstance(x, torch.Tensor)]
             failed += [x for _, x in items if isinstance(x, str)]
             if good:
-                x = torch.stack([x for _, x in good]).contiguous(memory_format=torch.channels_last)
-                with torch.inference_mode():
-                    out = encoder(x).numpy().astype(np.float16)  # (B, L, D)
+                out = encoder.encode_batch([x for _, x in good]).numpy().astype(np.float16)  # (B, L, D)
                 for (i, _), row in zip(good, out):
                     feats[i] = row
                     done[i] = True

@@ -13,13 +13,28 @@ import numpy as np
 import torch
 from PIL import Image, ImageFile
 
-from .encoders.base import Preprocess
 from .errors import ImageError
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 MAX_PIXELS = 89_478_485  # Pillow's own default bomb threshold (about 9459 x 9459)
 MIN_SIDE = 8  # smaller images hold nothing to describe
 ImageFile.LOAD_TRUNCATED_IMAGES = False
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """How a photo becomes an encoder's input tensor (an encoder declares its own; it is part
+    of the encoder's feature-cache key).
+
+    size: the square side the photo is resized to (aspect ratio is not kept: Show, Attend
+        and Tell resizes whole images, and the Flickr8k copy is already squashed).
+    mean, std: per-channel normalisation applied to pixels scaled to [0, 1].
+    """
+
+    size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    resample: str = "bicubic"
 
 
 def load_rgb(path: str | Path) -> Image.Image:

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from .captioner import Captioner
-from .encoders.base import Preprocess
 from .export import FORMAT
+from .images import Preprocess
 from .tokenizers import load_tokenizer
 from .vocab import Vocab
 
@@ -51,6 +51,7 @@ class OrtDecoder:
         self.state_names = manifest["state"]
         self.init_outputs = manifest["init"]["outputs"]
         self.step_inputs = manifest["step"]["inputs"]
+        self.attention_view = manifest.get("attention_view", "weights")  # the model's, as exported
         self.training = False
 
     def eval(self):
@@ -83,6 +84,10 @@ class OrtEncoder:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self.session.run(["feats"], {"image": x.float().contiguous().numpy()})[0])
+
+    def encode_batch(self, images: list[torch.Tensor]) -> torch.Tensor:
+        """As :meth:`captionkit.encoders.base.Encoder.encode_batch`."""
+        return self(torch.stack(images))
 
 
 def read_manifest(folder: str | Path) -> dict:

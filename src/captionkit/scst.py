@@ -11,22 +11,22 @@ and no greedy caption is decoded. It helps where the greedy caption's reward is 
 by a model that has learnt its training captions by heart (its greedy caption then beats almost
 every sample, and nearly every advantage is negative).
 
-What a decoder family must offer: the step contract (``prepare``, ``init_state``, ``step``;
-used to sample and to decode greedily) and teacher-forced ``forward(feats, inputs) ->
-(logits, attention)`` (used to take the log-probability of the samples in one pass, which is
-much cheaper than keeping the graph of the sampling loop). The model runs without dropout
+What it uses of a model: the contract of :class:`captionkit.models.base.CaptionModel`, the
+steps (``prepare``, ``init_state``, ``step``; to sample and to decode greedily) and the
+teacher-forced ``forward(feats, inputs, image_index) -> (scores, attention)`` (to take the
+log-probability of the samples in one pass, which is much cheaper than keeping the graph of
+the sampling loop). The model runs without dropout
 throughout, so the distribution the samples come from is the one whose gradient is taken.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .decoding import _allowed, _select, greedy
+from .decoding import allowed_words, greedy, select_rows
 from .metrics import CiderD
 from .vocab import Vocab
 
@@ -40,13 +40,13 @@ def sample(model, feats: torch.Tensor, n: int, max_len: int = 20,
     B = feats.shape[0]
     mem = model.prepare(feats)
     rows = torch.arange(B).repeat_interleave(n)  # (B*n,)
-    mem, state = mem.index_select(rows), _select(model.init_state(mem), rows)
+    mem, state = mem.index_select(rows), select_rows(model.init_state(mem), rows)
     tokens = torch.full((B * n,), Vocab.start, dtype=torch.long)
     alive = torch.ones(B * n, dtype=torch.bool)
     out = []
     for t in range(max_len + 1):
         logp, state, _ = model.step(tokens, state, mem)
-        probs = _allowed(logp.float(), t == max_len).exp()  # (B*n, V)
+        probs = allowed_words(logp.float(), t == max_len).exp()  # (B*n, V)
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
         tokens = torch.where(alive, tokens, torch.full_like(tokens, Vocab.pad))
         out.append(tokens)
@@ -59,19 +59,15 @@ def sample(model, feats: torch.Tensor, n: int, max_len: int = 20,
 def sequence_logprobs(model, feats: torch.Tensor, seqs: torch.Tensor, n: int = 1) -> torch.Tensor:
     """log p of every word of ``seqs`` (B*n, T) given ``feats`` (B, L, D), n consecutive rows
     per image, teacher-forced, under the same renormalisation as sampling (<pad>, <start>,
-    <unk> excluded) -> (B*n, T), 0 at pads. A family whose forward takes ``image_index``
-    prepares each image once (the image side of an LSTM or transformer step is a large share
-    of the cost); others get the features repeated."""
+    <unk> excluded) -> (B*n, T), 0 at pads. With n > 1 the model prepares each image once
+    (``image_index``: the image side of a step is a large share of the cost)."""
     start = torch.full((seqs.shape[0], 1), Vocab.start, dtype=torch.long)
     inputs = torch.cat([start, seqs[:, :-1]], 1)  # (B*n, T): <start> w_1 .. w_{T-1}
     if n == 1:
         logits, _ = model(feats, inputs)  # (B, T, V)
     else:
         rows = torch.arange(feats.shape[0]).repeat_interleave(n)  # (B*n,)
-        if "image_index" in inspect.signature(model.forward).parameters:
-            logits, _ = model(feats, inputs, image_index=rows)  # (B*n, T, V)
-        else:
-            logits, _ = model(feats.index_select(0, rows), inputs)
+        logits, _ = model(feats, inputs, image_index=rows)  # (B*n, T, V)
     logits = logits.float().clone()
     logits[..., [Vocab.pad, Vocab.start, Vocab.unk]] = float("-inf")
     logp = F.log_softmax(logits, dim=-1).gather(2, seqs.unsqueeze(2)).squeeze(2)  # (R, T)

@@ -10,7 +10,7 @@ Three kinds, one contract, saved with the model in ``config.json``:
 - ``bpe``: byte-pair-encoding subwords trained on the training captions with the
   HuggingFace ``tokenizers`` library (an optional dependency, imported only here); the
   trained tokenizer's own JSON is stored inside ``config.json``.
-- ``lm``: a pretrained language model's own tokenizer (the ``prefix_lm`` family), its ids
+- ``lm``: a pretrained language model's own tokenizer (the LM families), its ids
   shifted up by 4; ``config.json`` names the LM source, from which it is loaded again.
 
 Every kind keeps the special ids decoding and self-critical training rely on:
@@ -169,7 +169,7 @@ class BPETokenizer:
 
 class LMTokenizer:
     """A causal language model's own tokenizer (loaded with ``transformers`` from the LM source,
-    see :mod:`captionkit.models.prefix_lm`), LM id i being captionkit id i + 4 so that the
+    see :mod:`captionkit.hf`), LM id i being captionkit id i + 4 so that the
     special ids keep their meaning; <end> stands for the LM's end-of-sequence token.
 
     Words for scoring are the decoded text split on whitespace and normalised as the training
@@ -186,7 +186,7 @@ class LMTokenizer:
 
     @classmethod
     def build(cls, source: str | None = None) -> "LMTokenizer":
-        from .models.prefix_lm import DEFAULT_LM, load_lm_tokenizer
+        from .hf import DEFAULT_LM, load_lm_tokenizer
         source = source or DEFAULT_LM
         return cls(source, load_lm_tokenizer(source))
 

@@ -16,7 +16,7 @@ what stays frozen is cached, the rest runs in every step.
 
 from __future__ import annotations
 
-import inspect
+import itertools
 import json
 import math
 import random
@@ -37,10 +37,11 @@ from .encoders import create_encoder, load_finetuned
 from .evaluation import METRICS, coco_scores, format_scores
 from .features import build_features
 from .glove import glove_embedding
-from .models import create_decoder, family_config, family_default, family_fields
+from .models import DEFAULT_FAMILY, create_model, family_config, family_fields, model_class
 from .precision import PRECISIONS, resolve_precision
 from .scst import BASELINES, SelfCritical
 from .tokenizers import KINDS, PRETRAINED_KINDS, Tokenizer, build_tokenizer, load_tokenizer
+from .vocab import Vocab
 
 
 @dataclass
@@ -220,7 +221,7 @@ class TrainConfig:
 class RunConfig:
     data: DataConfig
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
-    model: dict = field(default_factory=lambda: {"family": "sat"})
+    model: dict = field(default_factory=lambda: {"family": DEFAULT_FAMILY})
     train: TrainConfig = field(default_factory=TrainConfig)
 
     @classmethod
@@ -242,7 +243,7 @@ class RunConfig:
             raise ValueError(f"{where}: with train.init the model comes from that checkpoint; leave out [model]")
         model = dict(d.get("model", {}))
         if not train.init:
-            model.setdefault("family", "sat")
+            model.setdefault("family", DEFAULT_FAMILY)
         return cls(build(DataConfig, d["data"], "data"), build(EncoderConfig, d.get("encoder", {}), "encoder"),
                    model, train)
 
@@ -423,33 +424,33 @@ class Trainer:
                 model_cfg.setdefault("embed_dim", coverage.dim)
         family_config(self.family, model_cfg)  # validates before building
         self.model_cfg = model_cfg
-        self.model = create_decoder(self.family, model_cfg)
+        self.model = create_model(self.family, model_cfg)
         if self.init_cfg:
             load_into(self.model, self.decoder_weights(self.init_weights), tc.init)
         if vectors is not None:
-            if self.model.embed.embedding_dim != vectors.shape[1]:
-                raise ValueError(f"model.embed_dim is {self.model.embed.embedding_dim} but {tc.glove} holds "
+            embedding = self.model.word_embedding()
+            if embedding is None:
+                raise ValueError(f"train.glove: the {self.family} family has no word embedding of its own to fill")
+            if embedding.embedding_dim != vectors.shape[1]:
+                raise ValueError(f"model.embed_dim is {embedding.embedding_dim} but {tc.glove} holds "
                                  f"{vectors.shape[1]}-d vectors (leave embed_dim out to use the file's)")
             with torch.no_grad():
-                self.model.embed.weight.copy_(vectors)
-            self.model.embed.weight.requires_grad_(not tc.freeze_embeddings)
-        if tc.batching == "image" and "image_index" not in inspect.signature(self.model.training_loss).parameters:
+                embedding.weight.copy_(vectors)
+            embedding.weight.requires_grad_(not tc.freeze_embeddings)
+        if tc.batching == "image" and not self.model.image_batching:
             raise ValueError(f"train.batching = \"image\" needs a family that shares the image side between "
                              f"captions; {self.family} trains on batches of one caption length (\"length\")")
-        named = self.model.param_groups() if hasattr(self.model, "param_groups") else {}
+        named = self.model.param_groups()  # each named group at its own learning rate
         unknown = sorted(set(tc.lr_groups) - set(named))
         if unknown:
             raise ValueError(f"train.lr_groups: {self.family} trains no group {unknown[0]!r} here "
                              f"(its groups: {', '.join(named) or 'none'})")
-        if named:  # each named group at its own learning rate
-            groups = [{"params": ps, "lr": tc.lr_groups.get(name, tc.lr)} for name, ps in named.items()]
-        else:
-            groups = [{"params": [p for p in self.model.parameters() if p.requires_grad], "lr": tc.lr}]
+        groups = [{"params": ps, "lr": tc.lr_groups.get(name, tc.lr)} for name, ps in named.items()]
         if tc.finetune_blocks:
             groups.append({"params": self.tail_params, "lr": tc.encoder_lr})
         self.opt = make_optimizer(groups, tc)
         # what this run trains, counted once per tensor: the model card's "trainable parameters"
-        names = (list(named) if named else ["decoder"]) + (["encoder"] if tc.finetune_blocks else [])
+        names = list(named) + (["encoder"] if tc.finetune_blocks else [])
         self.trained_parameters = {name: sum(p.numel() for p in g["params"] if p.requires_grad)
                                    for name, g in zip(names, groups)}
         self.trained_parameters["total"] = sum(self.trained_parameters.values())
@@ -466,7 +467,7 @@ class Trainer:
                     self.image_examples[-1].append(len(self.examples))
                     self.examples.append((row, vocab.encode(toks[:cfg.data.max_words])))
         longest = max((len(ids) - 1 for _, ids in self.examples), default=0)
-        limit = getattr(self.model.cfg, "max_positions", None)
+        limit = self.model.max_positions
         if limit is not None and max(longest, tc.max_len + 1) > limit:
             raise ValueError(f"model.max_positions is {limit}, but training captions need {longest} positions "
                              f"and decoding (train.max_len + 1) {tc.max_len + 1}")
@@ -575,15 +576,14 @@ class Trainer:
                 return loss, figures
             rows = torch.tensor([self.examples[i][0] for i in idx])
             longest = max(len(self.examples[i][1]) for i in idx)  # "length" batches: all this long
-            ids = torch.tensor([self.examples[i][1] + [0] * (longest - len(self.examples[i][1]))
-                                for i in idx])  # (B, T+1), <pad> = 0 after <end> (ignored by the loss)
-            extra = {}
+            ids = torch.tensor([self.examples[i][1] + [Vocab.pad] * (longest - len(self.examples[i][1]))
+                                for i in idx])  # (B, T+1), <pad> after <end> (ignored by the loss)
+            image_index = None
             if tc.batching == "image":  # each image once, indexed per caption
                 rows, image_index = torch.unique(rows, return_inverse=True)  # (U,), (B,)
-                extra = {"image_index": image_index}
             feats = self.features(self.train_feats.index_select(0, rows))  # (B or U, L, D)
-            loss, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], tc.alpha_c,
-                                                label_smoothing=tc.label_smoothing, **extra)
+            loss, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], alpha_c=tc.alpha_c,
+                                                label_smoothing=tc.label_smoothing, image_index=image_index)
             return loss, {"loss": float(ce.detach())}
 
     def log_history(self) -> None:
@@ -690,31 +690,35 @@ class Trainer:
             self.set_lr(st["lr"])
 
     def tune_decoding(self) -> None:
-        """Pick the best checkpoint's length normalisation on the dev split (and, for hard
-        attention, whether to decode with the expected context or the most probable location)
-        and save the choice in its config."""
+        """Pick the best checkpoint's length normalisation on the dev split, together with the
+        model's declared decode options (hard attention: whether to decode with the expected
+        context or the most probable location), and save the choice in its config."""
         tc = self.cfg.train
         best = self.out / "best"
         cfg = read_config(best)
         weights = self.load_weights(best)
-        contexts = ["expected", "argmax"] if self.model_cfg.get("attention") == "hard" else [None]
+        declared = self.model.decode_options()  # option -> values to try; saved in [model]
+        variants = [tuple(zip(declared, values)) for values in itertools.product(*declared.values())]
         tried: dict[tuple, float] = {}
-        for ctx in contexts:
-            if ctx:
-                self.model.cfg.decode_context = ctx
+        for options in variants:
+            self.model.set_decode_options(**dict(options))
             for lp in tc.length_penalties:
-                tried[(ctx, lp)] = self.validate(lp)[tc.val_metric]
-        ctx, lp = max(tried, key=lambda k: (tried[k], -abs(k[1])))
-        if ctx:
-            self.model.cfg.decode_context = ctx
-            cfg["model"] = dict(cfg["model"], decode_context=ctx)
+                tried[(options, lp)] = self.validate(lp)[tc.val_metric]
+        options, lp = max(tried, key=lambda k: (tried[k], -abs(k[1])))
+        self.model.set_decode_options(**dict(options))
+        cfg["model"] = dict(cfg["model"], **dict(options))
         cfg["decoding"] = dict(cfg["decoding"], length_penalty=lp)
+
+        def label(opts: tuple, k: float, sep: str, fmt: str) -> str:
+            return "".join(f"{v}{sep}" for _, v in opts) + format(k, fmt)
+
         cfg["length_penalty_search"] = {"metric": tc.val_metric, "split": self.cfg.data.val_split, "beam": tc.val_beam,
-                                        "scores": {f"{c}, {k}" if c else str(k): v for (c, k), v in tried.items()}}
+                                        "scores": {label(o, k, ", ", ""): v for (o, k), v in tried.items()}}
         save_checkpoint(best, weights, cfg)
-        shown = ", ".join(f"{c + ' ' if c else ''}{k:g}: {100 * v:.2f}" for (c, k), v in tried.items())
-        print(f"{ctx + ' context, ' if ctx else ''}length penalty {lp:g} chosen on {self.cfg.data.val_split} "
-              f"({shown} {tc.val_metric})", file=sys.stderr)
+        shown = ", ".join(f"{label(o, k, ' ', 'g')}: {100 * v:.2f}" for (o, k), v in tried.items())
+        chosen = "".join(f"{name} {value}, " for name, value in options)
+        print(f"{chosen}length penalty {lp:g} chosen on {self.cfg.data.val_split} ({shown} {tc.val_metric})",
+              file=sys.stderr)
 
 
 def train(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,
@@ -732,7 +736,7 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
             vocab = load_tokenizer(trainer.init_cfg["vocab"])
         else:
             words = [toks for it in trainer.train_items for toks in it.words(cfg.data.words)]
-            lm = cfg.model.get("lm", family_default(cfg.model["family"], "lm"))  # the family's default LM, if any
+            lm = model_class(cfg.model["family"]).tokenizer_source(cfg.model)  # an LM family's LM
             vocab = build_tokenizer(cfg.data.tokenizer, words, cfg.data.min_count, cfg.data.top_k or None,
                                     cfg.data.bpe_vocab_size, lm=lm)
         trainer.setup(vocab)

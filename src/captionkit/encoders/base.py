@@ -1,38 +1,24 @@
-"""The encoder contract and registry.
+"""The encoder contract.
 
 An encoder turns a batch of preprocessed images ``(B, 3, S, S)`` into annotation vectors
 ``(B, L, D)``: one ``D``-dimensional vector per cell of a ``grid = (H, W)`` over the image,
 ``L = H * W``, row-major. Everything an encoder needs to be reproduced (its input size and
-normalisation) lives in its :class:`Preprocess`, which is also the feature cache's key.
+normalisation) lives in its :class:`~captionkit.images.Preprocess`, which is also the feature
+cache's key. Encoders register by name in :mod:`captionkit.registry` (``@register_encoder``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
-from typing import Callable
+from dataclasses import asdict
 
 import torch
 from torch import nn
 
 from ..errors import CheckpointError, WeightsUnavailable  # noqa: F401  (re-exported for the encoder modules)
-
-
-@dataclass(frozen=True)
-class Preprocess:
-    """How a photo becomes the encoder's input tensor.
-
-    size: the square side the photo is resized to (aspect ratio is not kept: Show, Attend
-        and Tell resizes whole images, and the Flickr8k copy is already squashed).
-    mean, std: per-channel normalisation applied to pixels scaled to [0, 1].
-    """
-
-    size: int
-    mean: tuple[float, float, float]
-    std: tuple[float, float, float]
-    resample: str = "bicubic"
-
+from ..images import Preprocess
+from ..registry import ENCODERS, list_encoders, register_encoder  # noqa: F401  (re-exported for the encoder modules)
 
 IMAGENET = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
 
@@ -51,6 +37,13 @@ class Encoder(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fmap = self.features(x)  # (B, D, H, W)
         return fmap.flatten(2).transpose(1, 2)  # (B, L, D)
+
+    def encode_batch(self, images: list[torch.Tensor]) -> torch.Tensor:
+        """Preprocessed images, each (3, S, S) -> annotation vectors (B, L, D), without autograd.
+        The one place a batch of photos goes through an encoder (captioning, the feature cache)."""
+        x = torch.stack(images).contiguous(memory_format=torch.channels_last)
+        with torch.inference_mode():
+            return self(x)
 
     def grid(self) -> tuple[int, int]:
         with torch.no_grad():
@@ -71,37 +64,19 @@ class Encoder(nn.Module):
         return f"{self.name}-{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
 
 
-EncoderFactory = Callable[..., Encoder]
-_REGISTRY: dict[str, EncoderFactory] = {}
-
-
-def register_encoder(name: str) -> Callable[[EncoderFactory], EncoderFactory]:
-    def wrap(fn: EncoderFactory) -> EncoderFactory:
-        if name in _REGISTRY:
-            raise ValueError(f"encoder {name!r} registered twice")
-        _REGISTRY[name] = fn
-        return fn
-    return wrap
-
-
-def list_encoders() -> list[str]:
-    return sorted(_REGISTRY)
-
-
 def create_encoder(name: str, weights: str | None = None) -> Encoder:
     """Build a frozen encoder in eval mode.
 
     weights: None for the pretrained weights (an error names what is missing when they are
         not on this machine), ``"random"`` for random weights (tests only), or a file path.
     """
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown encoder {name!r}; known: {', '.join(list_encoders())}")
+    factory = ENCODERS.get(name)
     if weights == "random":  # seeded, so a "random" encoder gives the same features in every process
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            enc = _REGISTRY[name](weights=weights)
+            enc = factory(weights=weights)
     else:
-        enc = _REGISTRY[name](weights=weights)
+        enc = factory(weights=weights)
     enc.name = name
     enc.eval()
     for p in enc.parameters():

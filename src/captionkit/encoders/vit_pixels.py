@@ -19,51 +19,12 @@ Why pixels and not the ViT's outputs: see the family's module docstring.
 
 from __future__ import annotations
 
-from ..hf import load_pretrained
+from ..hf import DEFAULT_VIT, load_image_processor_dict, load_vit_config, vit_geometry
 from .base import Encoder, Preprocess, register_encoder
 from .patches import Patches
 
-DEFAULT_VIT = "google/vit-base-patch16-224-in21k"
 # Pillow's filter numbers, as image processors store them
 _RESAMPLE = {2: "bilinear", 3: "bicubic"}
-
-
-def load_vit_config(source: str):
-    """The ViT's ``PretrainedConfig`` (local folder or Hugging Face cache first, then the hub)."""
-    from ..models.vit_gpt2 import transformers_module
-    return load_pretrained(transformers_module().AutoConfig, source, "vision model")
-
-
-class _ProcessorDict:
-    """``from_pretrained`` returning the image processor's settings as a dict (no processor
-    object: that would need the fast processors' torchvision transforms for nothing)."""
-
-    @staticmethod
-    def from_pretrained(where: str, **kwargs) -> dict:
-        from ..models.vit_gpt2 import transformers_module
-        return transformers_module().ImageProcessingMixin.get_image_processor_dict(where, **kwargs)[0]
-
-
-def load_image_processor_dict(source: str) -> dict:
-    """The ViT's ``preprocessor_config.json`` as a dict; an error names the model without one."""
-    return load_pretrained(_ProcessorDict, source, "vision model")
-
-
-def vit_geometry(config, source: str) -> tuple[int, int, int]:
-    """(image size, patch size, channels) of a ViT-family config, or a one-line error."""
-    size, patch = getattr(config, "image_size", None), getattr(config, "patch_size", None)
-    channels = getattr(config, "num_channels", 3)
-    if isinstance(size, (list, tuple)):
-        size = size[0] if len(set(size)) == 1 else None
-    if isinstance(patch, (list, tuple)):
-        patch = patch[0] if len(set(patch)) == 1 else None
-    if not isinstance(size, int) or not isinstance(patch, int) or size % patch:
-        raise ValueError(f"vision model {source!r} ({config.model_type}) is not a ViT of square patches "
-                         f"(image_size {getattr(config, 'image_size', None)}, patch_size "
-                         f"{getattr(config, 'patch_size', None)})")
-    if channels != 3:
-        raise ValueError(f"vision model {source!r} takes {channels} channels, not RGB")
-    return size, patch, channels
 
 
 class ViTPixels(Patches):

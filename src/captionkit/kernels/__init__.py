@@ -25,14 +25,12 @@ from pathlib import Path
 
 import torch
 
+from ..cache import cache_dir
+
 _SRC = Path(__file__).with_name("attention.c")
 _lib = None
 _tried = False
 _plain = 0  # > 0 inside ``plain_pytorch()``
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("CAPTIONKIT_CACHE", Path.home() / ".cache" / "captionkit")) / "kernels"
 
 
 def _load():
@@ -48,7 +46,7 @@ def _load():
         return None
     flags = ["-O3", "-ffast-math", "-march=native", "-fopenmp", "-fPIC", "-shared"]
     key = hashlib.sha1(_SRC.read_bytes() + " ".join([cc, platform.machine(), platform.node(), *flags]).encode())
-    so = _cache_dir() / f"attention-{key.hexdigest()[:12]}.so"
+    so = cache_dir("kernels") / f"attention-{key.hexdigest()[:12]}.so"
     if not so.exists():
         so.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)

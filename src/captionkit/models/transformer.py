@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import register_family
+from ..registry import register_exporter, register_family
+from .base import CaptionModel, DecoderExport, KVMemory, token_cross_entropy
 
 
 @dataclass
@@ -195,19 +196,8 @@ class DecoderLayer(nn.Module):
         return x + self.drop(self.mlp(self.ln3(x))), weights
 
 
-class Memory:
-    """What the decoder attends over, computed once per image: every decoder layer's
-    cross-attention keys and values of the encoded image tokens."""
-
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
-        self.keys, self.values = keys, values  # per layer (B, h, L, d)
-
-    def index_select(self, idx: torch.Tensor) -> "Memory":
-        return Memory([k.index_select(0, idx) for k in self.keys], [v.index_select(0, idx) for v in self.values])
-
-
 @register_family("transformer", TransformerConfig)
-class TransformerCaptioner(nn.Module):
+class TransformerCaptioner(CaptionModel):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.cfg = cfg
@@ -247,6 +237,14 @@ class TransformerCaptioner(nn.Module):
             if name.endswith("proj.weight") and ("attn" in name or "cross" in name or "mlp" in name):
                 nn.init.normal_(p, std=0.02 / math.sqrt(n))
 
+    # ---- declared capabilities ------------------------------------------------------------
+    @property
+    def max_positions(self) -> int:
+        return self.cfg.max_positions
+
+    def word_embedding(self) -> nn.Embedding:
+        return self.embed
+
     # ---- shared pieces ---------------------------------------------------------------------
     def encode_image(self, feats: torch.Tensor) -> torch.Tensor:
         """Cached rows (B, L, feat_dim) -> image tokens (B, L, D)."""
@@ -272,20 +270,21 @@ class TransformerCaptioner(nn.Module):
         return x @ self.embed.weight.t() + self.head_bias  # (B, T, V)
 
     # ---- the decoder step contract -------------------------------------------------------
-    def prepare(self, feats: torch.Tensor) -> Memory:
-        """(B, L, feat_dim) -> Memory: the image encoder and every layer's cross K/V, once."""
+    def prepare(self, feats: torch.Tensor) -> KVMemory:
+        """(B, L, feat_dim) -> every decoder layer's cross-attention keys and values (B, h, L, d)
+        of the encoded image tokens: the image encoder runs once per image."""
         mem = self.encode_image(feats)  # (B, L, D)
         kv = [layer.cross.keys_values(mem) for layer in self.layers]
-        return Memory([k for k, _ in kv], [v for _, v in kv])
+        return KVMemory([k for k, _ in kv], [v for _, v in kv])
 
-    def init_state(self, mem: Memory) -> tuple[torch.Tensor, ...]:
+    def init_state(self, mem: KVMemory) -> tuple[torch.Tensor, ...]:
         """(position (B,), then per layer keys and values (B, h, max_positions, d)), all zero."""
         B, h, _, d = mem.keys[0].shape
         # distinct tensors, not one repeated: an exporter treats aliased inputs as one input
         caches = tuple(torch.zeros(B, h, self.cfg.max_positions, d) for _ in range(2 * len(self.layers)))
         return (torch.zeros(B, dtype=torch.long),) + caches
 
-    def step(self, tokens: torch.Tensor, state, mem: Memory):
+    def step(self, tokens: torch.Tensor, state, mem: KVMemory):
         """tokens (B,) at the state's position -> (log-probs (B, V), new state, attention (B, L)):
         the cross-attention of layer ``attention_layer`` averaged over heads."""
         pos, caches = state[0], state[1:]
@@ -327,19 +326,51 @@ class TransformerCaptioner(nn.Module):
                 attention = weights.mean(1)  # (B, h, T, L) -> (B, T, L)
         return self.logits(x), attention
 
-    def training_loss(self, feats: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor,
+    def training_loss(self, feats: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor, *,
                       alpha_c: float = 0.0, label_smoothing: float = 0.0,
                       image_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean token cross-entropy (with label smoothing if asked) -> (loss, plain cross-entropy);
-        <pad> (0) targets are ignored, so captions of different lengths may share a batch.
+        <pad> targets are ignored, so captions of different lengths may share a batch.
         ``alpha_c`` (the LSTM's doubly stochastic attention penalty) does not apply here.
         image_index: see ``forward``."""
         logits, _ = self(feats, inputs, image_index)
-        logits = logits.float().reshape(-1, logits.shape[-1])  # (B*T, V)
-        flat = targets.reshape(-1)
-        loss = F.cross_entropy(logits, flat, ignore_index=0, label_smoothing=label_smoothing)
-        if not label_smoothing:
-            return loss, loss
-        with torch.no_grad():
-            ce = F.cross_entropy(logits, flat, ignore_index=0)
-        return loss, ce
+        return token_cross_entropy(logits, targets, label_smoothing=label_smoothing)
+
+
+# ---- ONNX export (see captionkit.export) ------------------------------------------------------------
+class _ONNXInit(nn.Module):
+    """feats -> every decoder layer's cross-attention keys, then values, then the empty
+    self-attention cache (position counter, per layer keys and values)."""
+
+    def __init__(self, decoder: TransformerCaptioner):
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, feats):
+        mem = self.decoder.prepare(feats)
+        return (*mem.keys, *mem.values, *self.decoder.init_state(mem))
+
+
+class _ONNXStep(nn.Module):
+    """The decoder's own ``step`` on plain tensors: (tokens, pos, *cache, feats, *keys, *values).
+    The step has no Python-side control flow (fixed-size cache, position counter), so this
+    traces to one graph that is right for every position."""
+
+    def __init__(self, decoder: TransformerCaptioner):
+        super().__init__()
+        self.decoder = decoder
+        self.layers = decoder.cfg.decoder_layers
+
+    def forward(self, tokens, *rest):
+        n = self.layers
+        state, mem = rest[:1 + 2 * n], rest[2 + 2 * n:]  # rest[1 + 2n] is feats, not read here
+        logp, state, attention = self.decoder.step(tokens, tuple(state), KVMemory(list(mem[:n]), list(mem[n:])))
+        return (logp, *state, attention)
+
+
+@register_exporter("onnx", "transformer")
+def onnx_export(decoder: TransformerCaptioner) -> DecoderExport:
+    n = decoder.cfg.decoder_layers
+    memory = [f"cross_k{i}" for i in range(n)] + [f"cross_v{i}" for i in range(n)]
+    state = ["pos"] + [f"self_{kv}{i}" for i in range(n) for kv in ("k", "v")]
+    return DecoderExport(_ONNXInit(decoder), _ONNXStep(decoder), memory=memory, state=state)

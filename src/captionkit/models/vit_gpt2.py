@@ -7,8 +7,9 @@ GPT-2 language model, each a Hugging Face hub name or a local folder:
 
 The ``VisionEncoderDecoderModel`` (``self.ved``) holds both sides, the new cross-attention
 layers (GPT-2's ``crossattention`` and ``ln_cross_attn``, randomly initialised) and the
-projection, so :func:`export_pretrained` writes a plain transformers folder that
-``VisionEncoderDecoderModel.from_pretrained`` loads. Real weights are never replaced by random
+projection, so its exporter (registered at the bottom; :func:`captionkit.export.export_transformers`)
+writes a plain transformers folder that ``VisionEncoderDecoderModel.from_pretrained`` loads.
+Loading the two sides is :mod:`captionkit.hf`'s. Real weights are never replaced by random
 ones: a model that is neither a folder, nor in the local Hugging Face cache, nor downloadable
 is one line naming it (:class:`~captionkit.errors.WeightsUnavailable`), and a checkpoint short
 of a tensor is refused (only GPT-2's cross-attention, which it cannot hold yet, and the ViT's
@@ -19,8 +20,8 @@ and the first N blocks stay frozen, the later blocks and the final norm train; 0
 nothing, ``"all"`` the whole side. The cross-attention layers and the projection always train.
 ``param_groups()`` names encoder, decoder, cross_attention and projection, so each can have its
 own learning rate (``train.lr_groups``). The module's ``state_dict()`` holds only the trained
-tensors: a checkpoint stores them and the two sources; loading rebuilds the model from the
-sources and puts them on top.
+tensors (:class:`~captionkit.models.base.TrainedTensorsMixin`): a checkpoint stores them and the
+two sources; loading rebuilds the model from the sources and puts them on top.
 
 How it meets the trainer's feature cache (a trade-off). The trainer caches what its [encoder]
 computes before it builds the model, and ``captionkit caption`` runs that encoder before the
@@ -62,10 +63,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..encoders.vit_pixels import DEFAULT_VIT, load_image_processor_dict, load_vit_config, vit_geometry
-from ..hf import load_pretrained, refuse_missing, require_transformers
-from . import register_family
-from .prefix_lm import N_SPECIAL, LMTokens, lm_location, load_lm_tokenizer
+from ..hf import (DEFAULT_VIT, gpt2_config, is_cross_attention, load_gpt2, load_image_processor_dict,
+                  load_lm_tokenizer, load_vit, require_transformers, vit_geometry)
+from ..registry import register_exporter, register_family
+from .base import CaptionModel, KVMemory, TrainedTensorsMixin, TransformersExport
+from .lm_tokens import N_SPECIAL, LMTokens
 
 DEFAULT_LM = "gpt2"
 ALL = "all"
@@ -73,43 +75,6 @@ ALL = "all"
 
 def transformers_module():
     return require_transformers("the vit_gpt2 family", "vit_gpt2")
-
-
-# ---- loading the two sides ----------------------------------------------------------------------
-def load_vit(source: str) -> nn.Module:
-    """The ViT-family image model (no head) in float32."""
-    tf = transformers_module()
-    config = load_vit_config(source)
-    vit_geometry(config, source)  # before the weights: a GPT-2 named here fails in one line
-    vit, info = load_pretrained(tf.AutoModel, source, "vision model", config=config, dtype=torch.float32,
-                                output_loading_info=True)
-    refuse_missing(info, source, "vision model", lambda k: k.startswith("pooler."))
-    return vit
-
-
-def _is_cross(name: str) -> bool:
-    return ".crossattention." in name or ".ln_cross_attn." in name
-
-
-def gpt2_config(source: str):
-    """The language model's config, if it is a GPT-2's; else a one-line error."""
-    config = load_pretrained(transformers_module().AutoConfig, source, "language model", lm_location)
-    if config.model_type != "gpt2":
-        raise ValueError(f"language model {source!r} is a {config.model_type} model; the vit_gpt2 family needs "
-                         f"a GPT-2 (gpt2, distilgpt2, ...): its blocks take cross-attention")
-    return config
-
-
-def load_gpt2(source: str) -> nn.Module:
-    """The GPT-2 LM in float32 with cross-attention layers added (random, to be trained), with
-    eager attention: its cross-attention weights are what the decoding steps return."""
-    tf = transformers_module()
-    config = gpt2_config(source)
-    config.add_cross_attention, config.is_decoder = True, True
-    lm, info = load_pretrained(tf.AutoModelForCausalLM, source, "language model", lm_location, config=config,
-                               dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
-    refuse_missing(info, source, "language model", _is_cross)
-    return lm
 
 
 def _block_list(model: nn.Module, source: str, what: str) -> str:
@@ -177,12 +142,13 @@ class ViTGPT2Config:
                 raise ValueError(f"ViTGPT2Config.{k} must be a number of blocks >= 0 or \"all\", got {v!r}")
 
 
-class CrossMemory:
+class CrossMemory(KVMemory):
     """Per image: the ViT's tokens in GPT-2's width (B, L, D) and each GPT-2 layer's
     cross-attention keys and values of them (B, heads, L, head_dim)."""
 
     def __init__(self, hidden: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]):
-        self.hidden, self.keys, self.values = hidden, keys, values
+        super().__init__(keys, values)
+        self.hidden = hidden
 
     def index_select(self, idx: torch.Tensor) -> "CrossMemory":
         return CrossMemory(self.hidden.index_select(0, idx), [k.index_select(0, idx) for k in self.keys],
@@ -221,7 +187,10 @@ def _trains(part: int | str, freeze: int | str) -> bool:
 
 
 @register_family("vit_gpt2", ViTGPT2Config)
-class ViTGPT2Captioner(LMTokens, nn.Module):
+class ViTGPT2Captioner(TrainedTensorsMixin, LMTokens, CaptionModel):
+    GROUPS = ("encoder", "decoder", "cross_attention", "projection")
+    default_lm = DEFAULT_LM
+
     def __init__(self, cfg: ViTGPT2Config):
         super().__init__()
         self.cfg = cfg
@@ -260,7 +229,7 @@ class ViTGPT2Captioner(LMTokens, nn.Module):
             if freeze != ALL and freeze > n:
                 raise ValueError(f"ViTGPT2Config.freeze_{what}_blocks is {freeze}, but {source!r} has {n} blocks "
                                  f"(\"all\" freezes all of it)")
-        self.groups: dict[str, str] = {}  # trained parameter name -> its group
+        groups: dict[str, str] = {}  # trained parameter name -> its group
         for name, p in self.named_parameters():
             if name.startswith("ved.enc_to_dec_proj."):
                 group = "projection"
@@ -269,7 +238,7 @@ class ViTGPT2Captioner(LMTokens, nn.Module):
                 trains = not sub.startswith("pooler.") and _trains(
                     _side_part(sub, vit_blocks, ("embeddings.",)), cfg.freeze_encoder_blocks)
                 group = "encoder" if trains else None
-            elif _is_cross(name):
+            elif is_cross_attention(name):
                 group = "cross_attention"
             else:
                 sub = name[len("ved.decoder."):]
@@ -277,36 +246,13 @@ class ViTGPT2Captioner(LMTokens, nn.Module):
                 group = "decoder" if _trains(part, cfg.freeze_decoder_blocks) else None
             p.requires_grad_(group is not None)
             if group:
-                self.groups[name] = group
+                groups[name] = group
         # what training changes: saved in checkpoints, everything else comes from the sources
-        self.trained = set(self.groups)
+        self.set_trained(groups)
 
     @property
     def gpt2(self) -> nn.Module:
         return self.ved.decoder
-
-    # ---- checkpoints hold the trained tensors only -----------------------------------------
-    def state_dict(self, *args, **kwargs):
-        full = super().state_dict(*args, **kwargs)
-        prefix = kwargs.get("prefix", "")
-        return type(full)((k, v) for k, v in full.items() if k[len(prefix):] in self.trained)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load trained tensors on top of the two sources; with ``strict`` they must be exactly
-        the tensors this configuration trains."""
-        if strict and set(state_dict) != self.trained:
-            missing, extra = sorted(self.trained - set(state_dict)), sorted(set(state_dict) - self.trained)
-            raise RuntimeError(f"vit_gpt2 weights: missing {missing[:3]}, unexpected {extra[:3]}")
-        return super().load_state_dict(state_dict, strict=False, assign=assign)
-
-    def param_groups(self) -> dict[str, list[nn.Parameter]]:
-        """The trained parameters by group (for per-group learning rates): encoder, decoder,
-        cross_attention, projection; empty groups left out."""
-        groups: dict[str, list[nn.Parameter]] = {"encoder": [], "decoder": [], "cross_attention": [], "projection": []}
-        for name, p in self.named_parameters():
-            if name in self.groups:
-                groups[self.groups[name]].append(p)
-        return {k: v for k, v in groups.items() if v}
 
     # ---- the image side --------------------------------------------------------------------
     def pixels(self, feats: torch.Tensor) -> torch.Tensor:
@@ -366,12 +312,7 @@ class ViTGPT2Captioner(LMTokens, nn.Module):
         layers = cache.self_attention_cache.layers
         return logp, tuple(t for layer in layers for t in (layer.keys, layer.values)), attention
 
-    # ---- teacher-forced training -----------------------------------------------------------
-    def forward(self, feats: torch.Tensor, inputs: torch.Tensor, image_index: torch.Tensor | None = None):
-        """The families' teacher-forced contract (self-critical rescoring uses it): -> log-probs
-        over captionkit ids (B, T, V) and no attention (None). See ``lm_logits``."""
-        return self.to_vocab(self.lm_logits(feats, inputs, image_index)), None
-
+    # ---- teacher-forced training (forward and training_loss: LMTokens) ---------------------
     def lm_logits(self, feats: torch.Tensor, inputs: torch.Tensor, image_index: torch.Tensor | None = None):
         """feats (B, H*W, 3*p*p), inputs (B, T) = <start> w_1 .. w_{T-1} -> GPT-2 logits (B, T, V_lm).
         As in decoding, the memory is prepared first (gradients flow back through it to the
@@ -386,23 +327,15 @@ class ViTGPT2Captioner(LMTokens, nn.Module):
                          use_cache=True).logits
 
 
-def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write a vit_gpt2 checkpoint as a plain transformers folder ``out``: the
-    VisionEncoderDecoderModel (``save_pretrained``), GPT-2's tokenizer and the ViT's image
+@register_exporter("transformers", "vit_gpt2")
+def transformers_export(model: ViTGPT2Captioner, checkpoint: str, out: Path) -> TransformersExport:
+    """The VisionEncoderDecoderModel (``save_pretrained``), GPT-2's tokenizer and the ViT's image
     processor settings, which ``VisionEncoderDecoderModel.from_pretrained`` and transformers'
-    own ``generate`` use. Atomic: written under a temporary name, then renamed."""
-    from ..captioner import Captioner
-    from ..checkpoint import CheckpointError, atomic_folder
+    own ``generate`` use."""
+    def save(folder: Path) -> None:
+        model.ved.save_pretrained(folder)
+        load_lm_tokenizer(model.cfg.lm).save_pretrained(folder)
+        (folder / "preprocessor_config.json").write_text(json.dumps(load_image_processor_dict(model.cfg.vit),
+                                                                    indent=1))
 
-    out = Path(out).resolve()
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"{out}: exists and is not empty")
-    cap = Captioner.load(checkpoint, with_encoder=False)
-    if cap.config["family"] != "vit_gpt2":
-        raise CheckpointError(f"{checkpoint}: a {cap.config['family']} model, not vit_gpt2")
-    model: ViTGPT2Captioner = cap.decoder
-    with atomic_folder(out) as tmp:
-        model.ved.save_pretrained(tmp)
-        load_lm_tokenizer(model.cfg.lm).save_pretrained(tmp)
-        (tmp / "preprocessor_config.json").write_text(json.dumps(load_image_processor_dict(model.cfg.vit), indent=1))
-    return out
+    return TransformersExport(save)
