@@ -19,7 +19,6 @@ of the library.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -29,9 +28,11 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .checkpoint import atomic_folder
 from .kernels import plain_pytorch
+from .outputs import ONNX_FORMAT, check_folder_target
 
-FORMAT = "captionkit-onnx"
+FORMAT = ONNX_FORMAT
 VERSION = 1
 GRAPHS = ("encoder", "init", "step")
 
@@ -169,15 +170,30 @@ def _onnx_export(module: nn.Module, args: tuple, path: Path, inputs: list[str], 
 
 
 def export_onnx(captioner, out: str | Path, int8: bool = False, int8_encoder: bool = False,
-                model_name: str | None = None, log: Callable[[str], None] = print) -> Path:
+                model_name: str | None = None, log: Callable[[str], None] = print,
+                overwrite: bool = False, web: bool = False) -> Path:
     """Write ``manifest.json``, ``encoder.onnx``, ``init.onnx``, ``step.onnx`` (and the
-    ``*.int8.onnx`` graphs with ``int8``) to ``out``; returns the manifest path."""
+    ``*.int8.onnx`` graphs with ``int8``; the in-browser demo page with ``web``) to the folder
+    ``out``; returns the manifest path. ``out`` must be missing or empty, or with ``overwrite``
+    an ONNX export captionkit wrote (captionkit.outputs); it is written atomically and marked."""
     import onnx  # a clear ImportError before any work
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_folder_target(out, overwrite=overwrite, kinds=("onnx",))
+    if web:
+        web_demo_source()
     if captioner.encoder is None:
         raise ValueError("the captioner was loaded without its encoder")
+    with atomic_folder(out, kind="onnx", replace=overwrite) as tmp:
+        _write_onnx(captioner, tmp, int8, int8_encoder, model_name, log)
+        if web:
+            copy_web_demo(tmp)
+    return out / "manifest.json"
+
+
+def _write_onnx(captioner, out: Path, int8: bool, int8_encoder: bool, model_name: str | None,
+                log: Callable[[str], None]) -> None:
+    import onnx
+
     cfg = captioner.config
     spec = decoder_export(cfg["family"], captioner.decoder)
     enc, pre = captioner.encoder, captioner.encoder.preprocess
@@ -229,11 +245,7 @@ def export_onnx(captioner, out: str | Path, int8: bool = False, int8_encoder: bo
         "memory": [n for n in ("feats", *spec.memory) if n in read],
         "config": {k: cfg[k] for k in ("family", "model", "encoder", "decoding") if k in cfg},
     }
-    path = out / "manifest.json"
-    tmp = out / f".manifest.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, path)
-    return path
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
 def quantize_int8(out: Path, encoder: bool = False, log: Callable[[str], None] = print) -> dict[str, str]:
@@ -263,14 +275,21 @@ def quantize_int8(out: Path, encoder: bool = False, log: Callable[[str], None] =
     return files
 
 
-def copy_web_demo(out: str | Path) -> None:
-    """Copy the in-browser demo page next to the exported graphs (open ``out/index.html``
-    from any static file server)."""
+def web_demo_source() -> Path:
+    """The in-browser demo page's folder in the package; FileNotFoundError when its
+    onnxruntime-web files were not built."""
     from importlib.resources import files
     src = Path(str(files("captionkit") / "web"))
     vendor = src / "vendor" / "ort"
     if not (vendor / "ort.wasm.min.mjs").exists():
         raise FileNotFoundError(f"{vendor}: onnxruntime-web is not built; run `make web` first")
+    return src
+
+
+def copy_web_demo(out: str | Path) -> None:
+    """Copy the in-browser demo page next to the exported graphs (open ``out/index.html``
+    from any static file server)."""
+    src = web_demo_source()
     out = Path(out)
     for item in ("index.html", "js", "css", "vendor"):
         s = src / item

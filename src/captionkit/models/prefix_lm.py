@@ -456,18 +456,18 @@ class PrefixLMCaptioner(LMTokens, nn.Module):
         return self.lm
 
 
-def export_standalone(checkpoint: str | Path, out: str | Path) -> Path:
+def export_standalone(checkpoint: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     """Write a prefix_lm checkpoint's LM, LoRA merged (or its trained blocks), as a plain
     transformers folder ``out`` (safetensors, config, tokenizer) that any LLaMA runtime loads,
     and in ``out/captioner`` a captionkit checkpoint whose frozen LM is that folder (projector
-    and tuned encoder blocks copied), which captions as the original does. Atomic: written
-    under a temporary name, then renamed."""
+    and tuned encoder blocks copied), which captions as the original does. ``out`` must be
+    missing or empty, or with ``overwrite`` a transformers export captionkit wrote
+    (captionkit.outputs). Atomic: written under a temporary name, then renamed."""
     from ..captioner import Captioner
     from ..checkpoint import ENCODER_PREFIX, CheckpointError, read_weights, save_checkpoint
+    from ..outputs import check_folder_target
 
-    out = Path(out).resolve()
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"{out}: exists and is not empty")
+    out = check_folder_target(out, overwrite=overwrite, kinds=("transformers",)).resolve()
     cap = Captioner.load(checkpoint, with_encoder=False)
     cfg = cap.config
     if cfg["family"] != "prefix_lm":
@@ -479,7 +479,7 @@ def export_standalone(checkpoint: str | Path, out: str | Path) -> Path:
     projector = {k: v for k, v in model.state_dict().items() if k.startswith("projector.")}
     encoder = {k: v for k, v in read_weights(checkpoint).items() if k.startswith(ENCODER_PREFIX)}
     tok = load_lm_tokenizer(model.cfg.lm)
-    with atomic_folder(out) as tmp:
+    with atomic_folder(out, kind="transformers", replace=overwrite) as tmp:
         model.standalone_lm().save_pretrained(tmp)
         tok.save_pretrained(tmp)
         captioner = dict(cfg, model=dict(cfg["model"], lm=str(out), lm_training="frozen"),

@@ -374,22 +374,23 @@ class ViTGPT2Captioner(LMTokens, nn.Module):
                          use_cache=True).logits
 
 
-def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
+def export_pretrained(checkpoint: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     """Write a vit_gpt2 checkpoint as a plain transformers folder ``out``: the
     VisionEncoderDecoderModel (``save_pretrained``), GPT-2's tokenizer and the ViT's image
     processor settings, which ``VisionEncoderDecoderModel.from_pretrained`` and transformers'
-    own ``generate`` use. Atomic: written under a temporary name, then renamed."""
+    own ``generate`` use. ``out`` must be missing or empty, or with ``overwrite`` a transformers
+    export captionkit wrote (captionkit.outputs). Atomic: written under a temporary name, then
+    renamed."""
     from ..captioner import Captioner
     from ..checkpoint import CheckpointError, atomic_folder
+    from ..outputs import check_folder_target
 
-    out = Path(out).resolve()
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"{out}: exists and is not empty")
+    out = check_folder_target(out, overwrite=overwrite, kinds=("transformers",)).resolve()
     cap = Captioner.load(checkpoint, with_encoder=False)
     if cap.config["family"] != "vit_gpt2":
         raise CheckpointError(f"{checkpoint}: a {cap.config['family']} model, not vit_gpt2")
     model: ViTGPT2Captioner = cap.decoder
-    with atomic_folder(out) as tmp:
+    with atomic_folder(out, kind="transformers", replace=overwrite) as tmp:
         model.ved.save_pretrained(tmp)
         load_lm_tokenizer(model.cfg.lm).save_pretrained(tmp)
         (tmp / "preprocessor_config.json").write_text(json.dumps(load_image_processor_dict(model.cfg.vit), indent=1))
