@@ -20,6 +20,7 @@ from captionkit.errors import ConfigError
 from captionkit.models import family_fields
 
 BASE = '[data]\ndataset = "x"\n'
+FAMILIES = ["sat", "transformer", "prefix_lm", "vit_gpt2"]
 
 
 def load(tmp_path, text: str) -> RunConfig:
@@ -49,7 +50,8 @@ def load(tmp_path, text: str) -> RunConfig:
     ('[trian]\nepochs = 2', r"unknown table\(s\): trian \(did you mean train\?\)"),
     ("data = 3", r"\[data\] must be a table, got 3"),
     # cross-field and cross-table
-    ('[train]\nobjective = "scst"\nscst_baseline = "mean"\nsamples = 1', 'train.scst_baseline = "mean" needs train.samples >= 2'),
+    ('[train]\nobjective = "scst"\nscst_baseline = "mean"\nsamples = 1',
+     'train.scst_baseline = "mean" needs train.samples >= 2'),
     ('[data]\ntokenizer = "bpe"\n[train]\nglove = "g.txt"', "train.glove: word vectors need a word tokenizer"),
     ('[model]\nfamily = "transformer"\nwidth = 10', r"model.width \(10\) must be a multiple of heads \(4\)"),
     ('[model]\nfamily = "rnn"', "model.family: unknown model family 'rnn'; known: prefix_lm, sat, transformer, vit_gpt2"),
@@ -125,26 +127,28 @@ def test_checkpoint_configs_are_checked_the_same_way():
     assert family_config("transformer", {"vocab_size": 10, "grid": (3, 4), "dropout": 0}).dropout == 0.0
 
 
-def test_the_trainer_set_fields_are_those_the_families_declare():
-    for family in ("sat", "transformer", "prefix_lm", "vit_gpt2"):
+def test_the_trainer_set_fields_are_fields_of_the_families():
+    for family in FAMILIES:
         assert {"vocab_size", "feat_dim"} <= family_fields(family)
-        assert set(TRAINER_SET) >= family_fields(family) & set(TRAINER_SET)
+    assert set(TRAINER_SET) <= set().union(*(family_fields(f) for f in FAMILIES))
 
 
 # ---- property: whatever the document, it loads or it is one ConfigError line naming a field ----------
 NAMES = sorted({f.name for cls in (DataConfig, EncoderConfig, TrainConfig) for f in dataclasses.fields(cls)}
-               | {n for fam in ("sat", "transformer", "prefix_lm", "vit_gpt2") for n in family_fields(fam)}
+               | {n for fam in FAMILIES for n in family_fields(fam)}
                | {"family"})
 WORDS = ["sat", "transformer", "prefix_lm", "vit_gpt2", "word", "char", "bpe", "lm", "adam", "scst", "mean",
          "all", "soft", "hard", "mlp", "CIDEr", "random", "patches", "efficientnet_lite0", "x", ""]
+# no subnormal floats: captionkit's attention kernel is built with -ffast-math, which flushes them
+# to zero in the whole process once it is loaded, and Hypothesis then refuses to generate them
 leaves = st.one_of(st.integers(min_value=-2 ** 63, max_value=2 ** 63 - 1), st.integers(-3, 70),
-                   st.floats(), st.booleans(), st.text(max_size=12), st.sampled_from(WORDS), st.dates())
+                   st.floats(allow_subnormal=False), st.booleans(), st.text(max_size=12), st.sampled_from(WORDS),
+                   st.dates())
 values = st.recursive(leaves, lambda inner: st.lists(inner, max_size=4)
                       | st.dictionaries(st.sampled_from(NAMES) | st.text(max_size=6), inner, max_size=3),
                       max_leaves=8)
 keys = st.sampled_from(NAMES) | st.text(max_size=10)
 tables = st.dictionaries(keys, values, max_size=6)
-FAMILIES = ["sat", "transformer", "prefix_lm", "vit_gpt2"]
 OWN = {cls.SECTION: [f.name for f in dataclasses.fields(cls)] for cls in (DataConfig, EncoderConfig, TrainConfig)}
 
 
@@ -156,8 +160,8 @@ def near_valid(draw) -> dict:
     doc = {"data": {"dataset": "x"}, "model": {"family": family}}
     section = draw(st.sampled_from(SECTIONS))
     own = OWN.get(section) or sorted(family_fields(family) - set(TRAINER_SET))
-    plausible = st.one_of(st.integers(0, 70), st.floats(0, 1), st.booleans(), st.sampled_from(WORDS),
-                          st.lists(st.integers(0, 12), max_size=3))
+    plausible = st.one_of(st.integers(0, 70), st.floats(0, 1, allow_subnormal=False), st.booleans(),
+                          st.sampled_from(WORDS), st.lists(st.integers(0, 12), max_size=3))
     extra = draw(st.dictionaries(st.sampled_from(own), plausible | values, min_size=1, max_size=3))
     if draw(st.integers(0, 9)) == 0:  # now and then a stray key
         extra[draw(keys)] = draw(values)

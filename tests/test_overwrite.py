@@ -133,6 +133,14 @@ def test_train_overwrite_starts_a_marked_run_again(tiny_config, finished_run):
     assert read_config(finished_run / "last")["state"]["step"] == 2
 
 
+def test_resuming_a_run_written_before_markers_marks_it(tiny_config, finished_run):
+    from captionkit.train import train
+    step = read_config(finished_run / "last")["state"]["step"]
+    train(tiny_config, out=finished_run, resume=True, max_steps=step, progress=False)
+    assert json.loads((finished_run / MARKER).read_text())["kind"] == "run"
+    assert read_config(finished_run / "last")["state"]["step"] == step
+
+
 def test_a_new_run_folder_is_marked_and_resumable(tiny_run):
     assert json.loads((tiny_run / MARKER).read_text())["kind"] == "run"
     assert owner_kind(tiny_run / "best") == "checkpoint"

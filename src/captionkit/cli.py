@@ -27,7 +27,6 @@ def _number(parse, test, wanted: str):
         if not test(value):
             raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
         return value
-    convert.__name__ = wanted  # argparse names the type in some messages
     return convert
 
 

@@ -40,7 +40,7 @@ from .evaluation import coco_scores, format_scores
 from .features import build_features
 from .glove import glove_embedding
 from .models import create_decoder, family_config, family_default, family_fields
-from .outputs import check_folder_target, owner_kind, write_marker
+from .outputs import MARKER, check_folder_target, write_marker
 from .precision import resolve_precision
 from .scst import SelfCritical
 from .tokenizers import Tokenizer, build_tokenizer, load_tokenizer
@@ -569,7 +569,7 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
     check_inputs(cfg, config)
     trainer = Trainer(cfg, out)
     if resume:
-        if owner_kind(out) is None:  # a run written before folders were marked
+        if not (out / MARKER).is_file():  # a run written before folders were marked
             write_marker(out, "run")
         trainer.resume()
     else:
