@@ -111,12 +111,14 @@ def test_a_model_typo_is_reported_before_any_dataset_or_feature_loads(tiny_confi
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("value", ["-1", "0", "1.5", "many"])
-def test_max_steps_must_be_a_positive_integer(tiny_config, value, capsys):
+@pytest.mark.parametrize("value,why", [("-1", "must be at least 1, got -1"), ("0", "must be at least 1, got 0"),
+                                       ("1.5", "expected a whole number, got '1.5'"),
+                                       ("many", "expected a whole number, got 'many'")])
+def test_max_steps_must_be_a_positive_integer(tiny_config, value, why, capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "--config", str(tiny_config), "--max-steps", value])
     assert e.value.code == 2
-    assert f"argument --max-steps: must be a positive integer, got '{value}'" in capsys.readouterr().err
+    assert f"argument --max-steps: {why}" in capsys.readouterr().err
 
 
 def test_checkpoint_configs_are_checked_the_same_way():

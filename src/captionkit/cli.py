@@ -9,31 +9,13 @@ import os
 import sys
 from pathlib import Path
 
+from .argtypes import positive_int
 from .errors import CheckpointError, DatasetError, ImageError, OutputError, WeightsUnavailable
 from .vlm import DEFAULT_VLM, DTYPES
 
 
 class UsageError(ValueError):
     pass
-
-
-# ---- argparse types: a bad number is refused by the parser, before any work ---------------------
-def _number(parse, test, wanted: str):
-    def convert(text: str):
-        try:
-            value = parse(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}") from None
-        if not test(value):
-            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
-        return value
-    return convert
-
-
-positive_int = _number(int, lambda v: v >= 1, "a positive integer")
-non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
-positive_float = _number(float, lambda v: 0 < v < float("inf"), "a positive number")
-port = _number(int, lambda v: 0 <= v <= 65535, "a port number (0-65535)")
 
 
 def _write_json(path: str | Path, obj) -> None:

@@ -1,0 +1,36 @@
+"""argparse ``type=`` functions for numeric options: a value out of range is refused by the
+parser, with the option's name, before anything loads. Light on imports (no torch)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable
+
+
+def _at_least(low: float, convert: Callable[[str], float], what: str) -> Callable[[str], float]:
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value):  # float("nan") and float("inf") parse
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low:g}, got {value:g}")
+        return value
+    parse.__name__ = f"{convert.__name__}_at_least_{low:g}"
+    return parse
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """A whole number >= ``low``: "1.5" and "1e3" are refused."""
+    return _at_least(low, int, "a whole number")
+
+
+def float_at_least(low: float) -> Callable[[str], float]:
+    """A finite number >= ``low`` ("nan" and "inf" are refused)."""
+    return _at_least(low, float, "a number")
+
+
+positive_int = int_at_least(1)
