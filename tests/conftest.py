@@ -83,6 +83,21 @@ def _isolated_cache(tmp_path_factory):
     os.environ["CAPTIONKIT_CACHE"] = str(tmp_path_factory.mktemp("cache"))
 
 
+@pytest.fixture
+def no_expensive_work(monkeypatch):
+    """Fail the test if a command gets as far as loading a dataset, features or a model: user
+    mistakes (a bad config, a refused output folder) are reported before any of these."""
+    import captionkit.captioner
+    import captionkit.train
+
+    def expensive(*a, **k):
+        raise AssertionError("expensive work started before the user's input was checked")
+
+    monkeypatch.setattr(captionkit.train, "load_dataset", expensive)
+    monkeypatch.setattr(captionkit.train, "build_features", expensive)
+    monkeypatch.setattr(captionkit.captioner.Captioner, "load", expensive)
+
+
 @pytest.fixture(scope="session")
 def flickr_dir(tmp_path_factory) -> Path:
     return write_flickr8k(tmp_path_factory.mktemp("flickr"))

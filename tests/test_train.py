@@ -25,7 +25,7 @@ def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ValueError, match=r"bad.toml: unknown field\(s\) in \[train\]: learning_rate"):
         RunConfig.load(bad)
     bad.write_text('[data]\ndataset = "x"\n[train]\noptimizer = "sgd"\n')
-    with pytest.raises(ValueError, match="train.optimizer must be adam, adamw or rmsprop"):
+    with pytest.raises(ValueError, match="bad.toml: train.optimizer must be one of adam, adamw, rmsprop, not .sgd."):
         RunConfig.load(bad)
 
 

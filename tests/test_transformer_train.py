@@ -211,9 +211,9 @@ def test_learning_rate_schedules():
     assert lr_factor(TrainConfig(), 123, 0.7) == 1.0  # plateau without warm-up: the old behaviour
     with pytest.raises(ValueError, match="inverse_sqrt"):
         TrainConfig(schedule="inverse_sqrt")
-    with pytest.raises(ValueError, match="train.schedule must be plateau, cosine or inverse_sqrt"):
+    with pytest.raises(ValueError, match="train.schedule must be one of plateau, cosine, inverse_sqrt"):
         TrainConfig(schedule="linear")
-    with pytest.raises(ValueError, match="train.caption_sampling must be all or random_one"):
+    with pytest.raises(ValueError, match="train.caption_sampling must be one of all, random_one"):
         TrainConfig(caption_sampling="one")
 
 

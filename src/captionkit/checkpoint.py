@@ -20,8 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .errors import CheckpointError
+from .outputs import CHECKPOINT_FORMAT, write_marker
 
-FORMAT, VERSION = "captionkit-checkpoint", 1
+FORMAT, VERSION = CHECKPOINT_FORMAT, 1
 ENCODER_PREFIX = "encoder."  # fine-tuned encoder tensors, stored beside the decoder's
 
 
@@ -40,24 +41,46 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _publish(tmp: Path, folder: Path, replace: bool) -> None:
+    """Rename the finished ``tmp`` to ``folder``. An existing folder of that name (an empty
+    one, or any with ``replace``: the caller has checked that it may go, see
+    captionkit.outputs) is first renamed to ``.<name>.old`` and removed after the swap, so a
+    crash between the two renames leaves the old folder, which :func:`resolve` finds."""
+    if folder.is_dir() and not folder.is_symlink() and (replace or not any(folder.iterdir())):
+        old = folder.with_name(f".{folder.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(folder, old)
+        os.replace(tmp, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, folder)  # a full folder without ``replace``: the OS refuses (ENOTEMPTY)
+    _fsync_dir(folder.parent)
+
+
+def _ordinary_permissions(tmp: Path) -> None:
+    """mkdtemp makes a folder private; what captionkit writes is an ordinary folder."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in [tmp, *tmp.iterdir()]:
+        os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
+
+
 @contextmanager
-def atomic_folder(folder: str | Path) -> Iterator[Path]:
+def atomic_folder(folder: str | Path, kind: str | None = None, replace: bool = False) -> Iterator[Path]:
     """Write a folder atomically: the block writes into a temporary folder beside ``folder``,
-    which is given ordinary permissions (mkdtemp makes it private) and renamed to ``folder``
-    when the block ends (an existing empty ``folder`` is replaced), or removed if it fails.
-    ``save_checkpoint`` has its own variant, which also replaces a full folder and fsyncs."""
+    which is renamed to ``folder`` when the block ends, or removed if it fails. ``kind``: the
+    folder is marked as captionkit's (``.captionkit.json``, see captionkit.outputs), so that
+    ``--overwrite`` may replace it later. An existing empty ``folder`` is replaced; a full one
+    only with ``replace``, after the caller checked it (``outputs.check_folder_target``)."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         yield tmp
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in [tmp, *tmp.iterdir()]:
-            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
-        if folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()
-        os.replace(tmp, folder)
+        if kind:
+            write_marker(tmp, kind)
+        _ordinary_permissions(tmp)
+        _publish(tmp, folder, replace)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -65,7 +88,8 @@ def atomic_folder(folder: str | Path) -> Iterator[Path]:
 
 def save_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], config: dict,
                     optimizer: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write a checkpoint folder atomically (an existing folder of that name is replaced)."""
+    """Write a checkpoint folder atomically and fsynced (an existing folder of that name is
+    replaced: callers check the target first, see captionkit.outputs)."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
@@ -75,22 +99,12 @@ def save_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], config
             save_file({k: v.contiguous().cpu() for k, v in optimizer.items()}, tmp / "optimizer.safetensors")
         body = {k: v for k, v in config.items() if k not in ("format", "version")}  # ours, never a copy's
         (tmp / "config.json").write_text(json.dumps({"format": FORMAT, "version": VERSION, **body}, indent=1))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a checkpoint is an ordinary folder
+        write_marker(tmp, "checkpoint")
+        _ordinary_permissions(tmp)
         for f in tmp.iterdir():
-            os.chmod(f, 0o666 & ~umask)
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        if folder.exists() and not folder.is_symlink():
-            old = folder.with_name(f".{folder.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(folder, old)
-            os.replace(tmp, folder)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, folder)
-        _fsync_dir(folder.parent)
+        _publish(tmp, folder, replace=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

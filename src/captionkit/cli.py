@@ -79,28 +79,33 @@ def cmd_caption(paths: list[str], model: str | None, beam: int, json_out: str | 
 
 
 def cmd_export(format: str, model: str | None, out: str, int8: bool, int8_encoder: bool,
-               check: list[str] | None, check_beam: int, web: bool) -> int:
+               check: list[str] | None, check_beam: int, web: bool, overwrite: bool) -> int:
     from .captioner import Captioner
+    from .outputs import check_folder_target
     try:
-        from .export import copy_web_demo, export_onnx
+        from .export import export_onnx, web_demo_source
         from .onnx_runtime import parity_check
     except ImportError as e:
         raise UsageError(f"ONNX export needs the onnx extra: pip install 'captionkit[onnx]' ({e})") from None
     from .captioner import DEFAULT_MODEL
+    from .images import find_images
 
+    check_folder_target(out, overwrite=overwrite, kinds=("onnx",))  # all before the model loads
+    if web:
+        try:
+            web_demo_source()
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from None
+    files = find_images(check) if check else []
+    if check and not files:
+        raise UsageError(f"no image files found in {' '.join(check)}")
     cap = Captioner.load(model)
     manifest = export_onnx(cap, out, int8=int8 or int8_encoder, int8_encoder=int8_encoder,
-                           model_name=Path(model or DEFAULT_MODEL).name)
+                           model_name=Path(model or DEFAULT_MODEL).name, overwrite=overwrite, web=web)
     print(f"wrote {manifest.parent}: " + ", ".join(
         f"{p.name} {p.stat().st_size / 1e6:.1f} MB" for p in sorted(manifest.parent.glob("*.onnx"))))
     if web:
-        try:
-            copy_web_demo(out)
-        except FileNotFoundError as e:
-            raise UsageError(str(e)) from None
         print(f"in-browser demo: serve {out} with any static file server and open index.html")
-    from .images import find_images
-    files = find_images(check) if check else []
     variants = ["float32"] + (["int8"] if int8 or int8_encoder else [])
     for variant in variants:
         rep = parity_check(cap, out, files, beam=check_beam, variant=variant)
@@ -253,26 +258,37 @@ def _write_per_image(path: str, rep, cand: dict) -> None:
     os.replace(tmp, path)
 
 
-def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool, init: str | None) -> int:
+def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool, init: str | None,
+              overwrite: bool) -> int:
     from .train import train
-    train(config, out=out, max_steps=max_steps, resume=resume, init=init)
+    train(config, out=out, max_steps=max_steps, resume=resume, init=init, overwrite=overwrite)
     return 0
 
 
 def cmd_features(dataset: str, images: str | None, encoder: str,
                  image_column: str, title_column: str, image_suffix: str) -> int:
-    from .encoders import create_encoder
-    from .features import build_features
+    from .encoders import create_encoder, list_encoders
+    from .features import build_features, default_cache_root
+    from .outputs import check_writable_folder
 
+    if encoder not in list_encoders():
+        raise UsageError(f"--encoder: unknown encoder {encoder!r}; known: {', '.join(list_encoders())}")
+    check_writable_folder(default_cache_root())
     ds = _load_dataset(dataset, images, image_column, title_column, image_suffix)
     store = build_features(create_encoder(encoder), [it.path for it in ds.all_items()])
     print(f"{len(store.index)} images, grid {store.grid}: {store.folder}")
     return 0
 
 
-def cmd_pack(checkpoint: str, out: str, fp16: bool) -> int:
+def cmd_pack(checkpoint: str, out: str, fp16: bool, overwrite: bool) -> int:
     """Copy a trained checkpoint without its optimizer state (optionally its decoder in float16)
     for shipping; fine-tuned encoder blocks stay float32, like the rest of the encoder."""
+    from .checkpoint import resolve
+    from .outputs import check_folder_target
+
+    if Path(out).resolve() == resolve(checkpoint).resolve():
+        raise UsageError(f"{out}: is the checkpoint being packed; choose another folder")
+    check_folder_target(out, overwrite=overwrite, kinds=("checkpoint",))
     import torch
 
     from .checkpoint import ENCODER_PREFIX, read_config, read_weights, save_checkpoint
@@ -288,12 +304,12 @@ def cmd_pack(checkpoint: str, out: str, fp16: bool) -> int:
     return 0
 
 
-def cmd_merge_lora(model: str, out: str) -> int:
+def cmd_merge_lora(model: str, out: str, overwrite: bool) -> int:
     """Export a prefix_lm checkpoint's LM with its LoRA adapters merged (see
     captionkit.export.export_transformers)."""
     from .export import export_transformers
 
-    folder = export_transformers(model, out)
+    folder = export_transformers(model, out, overwrite=overwrite)
     print(f"wrote {folder} (the merged LM, a transformers folder) and {folder / 'captioner'} "
           f"(a captionkit checkpoint captioning with it)")
     return 0
@@ -352,6 +368,11 @@ def _add_score_opts(p: argparse.ArgumentParser) -> None:
                    help="comma-separated: bleu, meteor, rouge, cider, spice")
 
 
+def _add_overwrite(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help=f"{what} (never a file or folder captionkit did not write; see docs/outputs.md)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="captionkit", description="Image captioning: caption, train, evaluate.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -397,10 +418,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a decoder from a TOML config")
     t.add_argument("--config", required=True)
-    t.add_argument("--out", help="run folder (default runs/<config name>)")
-    t.add_argument("--max-steps", type=int)
-    t.add_argument("--resume", action="store_true", help="continue from OUT/last")
+    t.add_argument("--out", help="run folder (default runs/<config name>); a new run needs a new or empty one")
+    t.add_argument("--max-steps", type=positive_int)
+    t.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/last")
     t.add_argument("--init", metavar="DIR", help="start from this checkpoint (replaces the config's train.init)")
+    _add_overwrite(t, "start the run in OUT again, replacing the run captionkit wrote there")
 
     f = sub.add_parser("features", help="compute and cache a dataset's encoder features")
     f.add_argument("--dataset", required=True)
@@ -412,10 +434,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("checkpoint")
     k.add_argument("out")
     k.add_argument("--fp16", action="store_true")
+    _add_overwrite(k, "replace OUT if it is a checkpoint captionkit wrote")
 
     m = sub.add_parser("merge-lora", help="write a prefix_lm model's LM with LoRA merged, as a transformers folder")
     m.add_argument("--model", required=True, help="a prefix_lm checkpoint folder")
     m.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
+    _add_overwrite(m, "replace OUT if it is a merged LM captionkit wrote")
 
     z = sub.add_parser("zero-shot", help="caption photos with an instruction-tuned vision-language model")
     z.add_argument("paths", nargs="+")
@@ -440,8 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--int8-encoder", action="store_true", help="quantise the encoder's convolutions too")
     x.add_argument("--check", nargs="+", metavar="PATH",
                    help="photos or folders to caption with PyTorch and onnxruntime and compare")
-    x.add_argument("--check-beam", type=int, default=3)
+    x.add_argument("--check-beam", type=positive_int, default=3)
     x.add_argument("--web", action="store_true", help="copy the in-browser demo page into OUT")
+    _add_overwrite(x, "replace OUT if it is an ONNX export captionkit wrote")
 
     v = sub.add_parser("serve", help="HTTP API and web page (FastAPI)")
     v.add_argument("--model", action="append", help="checkpoint folder or shipped model name; repeat for several (default: transformer-lite2-flickr8k)")

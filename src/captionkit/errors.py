@@ -21,3 +21,8 @@ class WeightsUnavailable(RuntimeError):
 class OutputError(ValueError):
     """A place to write that is refused (it exists, is a folder captionkit did not write, ...);
     the message names the path. See captionkit.outputs."""
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be used; one line naming the file and the field (see
+    captionkit.config)."""

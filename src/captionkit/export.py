@@ -28,7 +28,6 @@ transformers; nothing here is imported by the rest of the library.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict
@@ -42,10 +41,11 @@ from .captioner import Captioner
 from .checkpoint import ENCODER_PREFIX, CheckpointError, atomic_folder, read_weights, save_checkpoint
 from .kernels import plain_pytorch
 from .models.base import DecoderExport
+from .outputs import ONNX_FORMAT, check_folder_target
 from .registry import EXPORTERS, list_exporters
 from .vocab import Vocab
 
-FORMAT = "captionkit-onnx"
+FORMAT = ONNX_FORMAT
 VERSION = 1
 GRAPHS = ("encoder", "init", "step")
 
@@ -82,15 +82,30 @@ def _onnx_export(module: nn.Module, args: tuple, path: Path, inputs: list[str], 
 
 
 def export_onnx(captioner, out: str | Path, int8: bool = False, int8_encoder: bool = False,
-                model_name: str | None = None, log: Callable[[str], None] = print) -> Path:
+                model_name: str | None = None, log: Callable[[str], None] = print,
+                overwrite: bool = False, web: bool = False) -> Path:
     """Write ``manifest.json``, ``encoder.onnx``, ``init.onnx``, ``step.onnx`` (and the
-    ``*.int8.onnx`` graphs with ``int8``) to ``out``; returns the manifest path."""
+    ``*.int8.onnx`` graphs with ``int8``; the in-browser demo page with ``web``) to the folder
+    ``out``; returns the manifest path. ``out`` must be missing or empty, or with ``overwrite``
+    an ONNX export captionkit wrote (captionkit.outputs); it is written atomically and marked."""
     import onnx  # a clear ImportError before any work
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_folder_target(out, overwrite=overwrite, kinds=("onnx",))
+    if web:
+        web_demo_source()
     if captioner.encoder is None:
         raise ValueError("the captioner was loaded without its encoder")
+    with atomic_folder(out, kind="onnx", replace=overwrite) as tmp:
+        _write_onnx(captioner, tmp, int8, int8_encoder, model_name, log)
+        if web:
+            copy_web_demo(tmp)
+    return out / "manifest.json"
+
+
+def _write_onnx(captioner, out: Path, int8: bool, int8_encoder: bool, model_name: str | None,
+                log: Callable[[str], None]) -> None:
+    import onnx
+
     cfg = captioner.config
     spec = decoder_export(cfg["family"], captioner.decoder)
     enc, pre = captioner.encoder, captioner.encoder.preprocess
@@ -142,22 +157,17 @@ def export_onnx(captioner, out: str | Path, int8: bool = False, int8_encoder: bo
         "memory": [n for n in ("feats", *spec.memory) if n in read],
         "config": {k: cfg[k] for k in ("family", "model", "encoder", "decoding") if k in cfg},
     }
-    path = out / "manifest.json"
-    tmp = out / f".manifest.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, path)
-    return path
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
 # ---- transformers -------------------------------------------------------------------------------
-def export_transformers(checkpoint: str | Path, out: str | Path) -> Path:
+def export_transformers(checkpoint: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     """Write a checkpoint as a plain transformers folder ``out`` through its family's registered
     exporter (prefix_lm: its LM with LoRA merged, and in ``out/captioner`` a captionkit
-    checkpoint that captions with it; vit_gpt2: the VisionEncoderDecoderModel). Atomic: written
-    under a temporary name, then renamed. -> the folder."""
-    out = Path(out).resolve()
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"{out}: exists and is not empty")
+    checkpoint that captions with it; vit_gpt2: the VisionEncoderDecoderModel). ``out`` must be
+    missing or empty, or with ``overwrite`` a transformers export captionkit wrote
+    (captionkit.outputs). Atomic: written under a temporary name, then renamed. -> the folder."""
+    out = check_folder_target(out, overwrite=overwrite, kinds=("transformers",)).resolve()
     cap = Captioner.load(checkpoint, with_encoder=False)
     cfg = cap.config
     if cfg["family"] not in EXPORTERS["transformers"]:
@@ -165,7 +175,7 @@ def export_transformers(checkpoint: str | Path, out: str | Path) -> Path:
                               f"{', '.join(list_exporters('transformers'))}")
     spec = EXPORTERS["transformers"].get(cfg["family"])(cap.decoder, str(checkpoint), out)
     encoder = {k: v for k, v in read_weights(checkpoint).items() if k.startswith(ENCODER_PREFIX)}
-    with atomic_folder(out) as tmp:
+    with atomic_folder(out, kind="transformers", replace=overwrite) as tmp:
         spec.save(tmp)
         if spec.weights is not None:  # a captionkit checkpoint that loads from the exported folder
             captioner = dict(cfg, model=dict(cfg["model"], **(spec.model_changes or {})),
@@ -203,14 +213,21 @@ def quantize_int8(out: Path, encoder: bool = False, log: Callable[[str], None] =
     return files
 
 
-def copy_web_demo(out: str | Path) -> None:
-    """Copy the in-browser demo page next to the exported graphs (open ``out/index.html``
-    from any static file server)."""
+def web_demo_source() -> Path:
+    """The in-browser demo page's folder in the package; FileNotFoundError when its
+    onnxruntime-web files were not built."""
     from importlib.resources import files
     src = Path(str(files("captionkit") / "web"))
     vendor = src / "vendor" / "ort"
     if not (vendor / "ort.wasm.min.mjs").exists():
         raise FileNotFoundError(f"{vendor}: onnxruntime-web is not built; run `make web` first")
+    return src
+
+
+def copy_web_demo(out: str | Path) -> None:
+    """Copy the in-browser demo page next to the exported graphs (open ``out/index.html``
+    from any static file server)."""
+    src = web_demo_source()
     out = Path(out)
     for item in ("index.html", "js", "css", "vendor"):
         s = src / item

@@ -1,8 +1,9 @@
 """An on-disk, memory-mapped cache of encoder features, so decoder training never reruns the CNN.
 
 Layout: ``ROOT/<encoder cache key>/<image-set hash>/`` holding ``feats.npy`` (N, L, D) float16,
-``done.npy`` (N,) bool (which rows are written: an interrupted build resumes) and
-``meta.json`` (image paths, grid, encoder). The encoder key covers architecture, weights and
+``done.npy`` (N,) bool (which rows are written: an interrupted build resumes),
+``meta.json`` (image paths, grid, encoder) and captionkit's folder marker. A folder of that
+name holding anything else is refused, never written into. The encoder key covers architecture, weights and
 preprocessing, so changing any of them never reuses stale features.
 """
 
@@ -21,7 +22,9 @@ import torch
 
 from .cache import cache_root
 from .encoders.base import Encoder
+from .errors import OutputError
 from .images import ImageError, load_rgb, to_tensor
+from .outputs import check_writable_folder, owner_kind, write_marker
 
 
 # the feature folders sit directly under the cache root (the layout existing caches use)
@@ -58,13 +61,17 @@ def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None
     """Encode every image of ``paths`` once (resuming a partial build) and return the store.
 
     Unreadable images are reported on stderr and left out of the store."""
-    root = root or default_cache_root()
+    root = check_writable_folder(root or default_cache_root())
     folder = _folder_for(root, encoder, paths)
+    meta_path, feats_path, done_path = folder / "meta.json", folder / "feats.npy", folder / "done.npy"
+    if folder.is_dir() and any(folder.iterdir()) and not meta_path.exists() and owner_kind(folder) != "features":
+        raise OutputError(f"{folder}: holds files captionkit did not write (no meta.json); "
+                          f"refusing to write features into it")
     folder.mkdir(parents=True, exist_ok=True)
     grid = encoder.grid()
     L, D = grid[0] * grid[1], encoder.dim
-    meta_path, feats_path, done_path = folder / "meta.json", folder / "feats.npy", folder / "done.npy"
     if not meta_path.exists():
+        write_marker(folder, "features")
         np.lib.format.open_memmap(feats_path, mode="w+", dtype=np.float16, shape=(len(paths), L, D)).flush()
         np.save(done_path, np.zeros(len(paths), dtype=bool))
         meta = {"paths": [str(p) for p in paths], "grid": list(grid), "encoder": encoder.cache_key()}

@@ -25,6 +25,7 @@ from .errors import OutputError
 
 MARKER = ".captionkit.json"  # {"written_by": "captionkit", "kind": ...} in every folder captionkit writes
 CHECKPOINT_FORMAT = "captionkit-checkpoint"  # config.json "format" of checkpoints (see checkpoint.py)
+ONNX_FORMAT = "captionkit-onnx"  # manifest.json "format" of ONNX exports (see export.py)
 OVERWRITE_FLAG = "--overwrite"
 
 
@@ -65,6 +66,17 @@ def check_file_target(path: str | Path, *, overwrite: bool, flag: str = OVERWRIT
     return p
 
 
+def _json_format(path: Path) -> str | None:
+    """The "format" of a JSON file, or None."""
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc.get("format") if isinstance(doc, dict) else None
+
+
 def owner_kind(folder: str | Path) -> str | None:
     """What captionkit wrote this folder as ("checkpoint", "run", "onnx", ...), or None if
     nothing shows that captionkit wrote it."""
@@ -78,14 +90,13 @@ def owner_kind(folder: str | Path) -> str | None:
         if isinstance(doc, dict) and doc.get("written_by") == "captionkit":
             return str(doc.get("kind") or "unknown")
         return None
-    config = folder / "config.json"  # checkpoints written before the marker existed
-    if config.is_file():
-        try:
-            doc = json.loads(config.read_text())
-        except (OSError, ValueError):
-            return None
-        if isinstance(doc, dict) and doc.get("format") == CHECKPOINT_FORMAT:
-            return "checkpoint"
+    # folders written before the marker existed, recognised by captionkit's own formats
+    if _json_format(folder / "config.json") == CHECKPOINT_FORMAT:
+        return "checkpoint"
+    if _json_format(folder / "manifest.json") == ONNX_FORMAT:
+        return "onnx"
+    if any(_json_format(folder / name / "config.json") == CHECKPOINT_FORMAT for name in ("last", "best")):
+        return "run"
     return None
 
 
@@ -114,6 +125,16 @@ def check_folder_target(path: str | Path, *, overwrite: bool, kinds: tuple[str, 
                               f"refusing to replace it")
     _check_parent(p)
     return p
+
+
+def check_writable_folder(folder: str | Path) -> Path:
+    """A folder captionkit writes files into but does not own (a cache root): an existing
+    folder or one that can be created, and writable; one line otherwise."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(f"{folder}: is a file, not a folder")
+    _check_parent(folder / MARKER)
+    return folder
 
 
 def marker_text(kind: str) -> str:

@@ -20,10 +20,9 @@ import itertools
 import json
 import math
 import random
+import shutil
 import sys
 import time
-import tomllib
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -32,238 +31,23 @@ import torch
 from .captioner import Captioner
 from .checkpoint import (ENCODER_PREFIX, CheckpointError, load_into, optimizer_tensors, read_config,
                          read_weights, resolve, restore_optimizer, save_checkpoint)
-from .data import WORD_STYLES, ImageItem, load_dataset
+from .config import (TRAINER_SET, VAL_METRICS, ConfigError, DataConfig, EncoderConfig,  # noqa: F401  (the
+                     RunConfig, TrainConfig)  # config classes are imported from here by tests and benchmarks)
+from .data import ImageItem, load_dataset
 from .encoders import create_encoder, load_finetuned
-from .evaluation import METRICS, coco_scores, format_scores
+from .errors import OutputError
+from .evaluation import coco_scores, format_scores
 from .features import build_features
 from .glove import glove_embedding
-from .models import DEFAULT_FAMILY, create_model, family_config, family_fields, model_class
-from .precision import PRECISIONS, resolve_precision
-from .scst import BASELINES, SelfCritical
-from .tokenizers import KINDS, PRETRAINED_KINDS, Tokenizer, build_tokenizer, load_tokenizer
+from .models import create_model, family_config, family_fields, model_class
+from .outputs import MARKER, check_folder_target, write_marker
+from .precision import resolve_precision
+from .scst import SelfCritical
+from .tokenizers import Tokenizer, build_tokenizer, load_tokenizer
 from .vocab import Vocab
 
 
-@dataclass
-class DataConfig:
-    """dataset: a Flickr8k/Kaggle folder, a Karpathy/COCO JSON file or a title CSV (one title
-        per image, see captionkit.data.read_title_csv).
-    images: the image folder of a JSON or CSV dataset.
-    image_column / title_column / image_suffix: a CSV's columns of image names and titles, and
-        what turns an image name into its file name (Epicurious' layout by default).
-    words: how reference captions become training words: "karpathy" (lower case, punctuation
-        dropped) or "cased" (case and in-word hyphens and apostrophes kept: for subword
-        tokenizers on titles). Scores do not depend on it: the scorers' PTB tokenisation
-        lower-cases both sides and keeps hyphenated words whole.
-    tokenizer: how captions become tokens: "word", "char", "bpe" or "lm" (the language model's
-        own tokenizer, that of model.lm: the prefix_lm family; see captionkit.tokenizers).
-    min_count / top_k: vocabulary from the training captions (top_k 0 = no cap); for char,
-        characters seen fewer than min_count times become <unk>; for bpe, pairs seen fewer
-        than min_count times are not merged.
-    bpe_vocab_size: the BPE vocabulary size, specials included; every character of the
-        training captions is kept, so a very small size can come out a little larger.
-    max_words: longer training captions are truncated (in words, before tokenising)."""
-
-    dataset: str
-    images: str = ""
-    tokenizer: str = "word"
-    min_count: int = 5
-    top_k: int = 10000
-    bpe_vocab_size: int = 2000
-    max_words: int = 30
-    train_split: str = "train"
-    val_split: str = "dev"
-    words: str = "karpathy"
-    image_column: str = "Image_Name"
-    title_column: str = "Title"
-    image_suffix: str = ".jpg"
-
-    def __post_init__(self):
-        if self.words not in WORD_STYLES:
-            raise ValueError(f"data.words must be one of {', '.join(WORD_STYLES)}, not {self.words!r}")
-        if not self.image_column or not self.title_column:
-            raise ValueError("data.image_column and data.title_column must name CSV columns")
-        if self.tokenizer not in KINDS + PRETRAINED_KINDS:
-            raise ValueError(f"data.tokenizer must be one of {', '.join(KINDS + PRETRAINED_KINDS)}, "
-                             f"not {self.tokenizer!r}")
-        if self.bpe_vocab_size < 5 or self.min_count < 1:
-            raise ValueError("data.bpe_vocab_size must be at least 5 and data.min_count at least 1")
-
-
-@dataclass
-class EncoderConfig:
-    name: str = "efficientnet_lite2"
-    weights: str = ""  # empty: the encoder's pretrained weights
-
-
-VAL_METRICS = tuple(m for m in METRICS if m != "SPICE")  # SPICE is too slow for every epoch
 _SCORER = {"METEOR": "meteor", "ROUGE_L": "rouge"}  # validation scores BLEU and CIDEr, and these when chosen
-
-
-@dataclass
-class TrainConfig:
-    """optimizer: adam, adamw (decoupled weight decay on matrices, embeddings and positions,
-        not on biases and norms) or rmsprop.
-    precision: bf16 (mixed precision matmuls), fp32, or auto: bf16 where the CPU multiplies
-        bf16 natively, else fp32 (see captionkit.precision).
-    schedule: "plateau" (lr *= lr_decay after lr_patience epochs without dev gain), "cosine"
-        (from lr down to 0 over the epochs) or "inverse_sqrt" (lr * sqrt(warmup_steps / step));
-        each after a linear warm-up over warmup_steps steps (inverse_sqrt needs one).
-    label_smoothing: spread this much of each target's probability over the vocabulary.
-    caption_sampling: "all" (every caption of every image, each epoch) or "random_one" (one
-        caption per image per epoch, drawn anew each epoch: augmentation, 1/5 of the steps).
-    batching: "length" (each batch holds captions of one length, in a seeded order: no padding,
-        which the LSTM's attention penalty needs) or "image" (each batch holds whole images with
-        all their captions of the epoch, padded; the image side runs once per image instead of
-        once per caption: the transformer's encoder is then 5x cheaper with caption_sampling
-        "all"). Images are bucketed by their longest caption, so padding stays small.
-    glove: a GloVe-format word-vector file to initialise the word embedding (word tokenizer
-        only); the vocabulary's coverage is printed and saved as glove_coverage.json. When
-        [model] sets no embed_dim, the file's dimension is used. freeze_embeddings: keep them.
-    alpha_c: weight of the doubly stochastic attention penalty (LSTM only).
-    val_metric: the dev score that selects the best checkpoint and drives early stopping and
-        lr decay: Bleu_1..Bleu_4, METEOR, ROUGE_L or CIDEr (CIDEr-D).
-    min_delta: an epoch improves only if its val_metric beats the best so far by more than
-        this, on the scorers' own scale (BLEU, METEOR, ROUGE-L 0..1, CIDEr 0..10: the printed
-        x100 scores divided by 100; 0.001 = 0.1 printed points). Smaller gains count as epochs
-        without improvement and do not replace the best checkpoint.
-    patience: validations without improvement before stopping; lr_patience: before lr *= lr_decay.
-    val_every: score the dev split after every N-th epoch (and the last); the best checkpoint
-        is chosen among those epochs. For runs of many short epochs (caption_sampling
-        "random_one"), where a dev pass would cost as much as the epoch.
-    checkpoint_every: also save the resumable checkpoint every N steps.
-    length_penalties: after training, the best checkpoint's beam-search length normalisation
-        is chosen among these on the dev split (by val_metric) and saved in its config.
-    objective: "xe" (cross-entropy / the family's training loss) or "scst" (self-critical).
-    init: a checkpoint folder to start from; its vocabulary, model and encoder are used (the
-        config's [model] table must then be left out). Its dev score is the one to beat.
-    samples: scst only, captions sampled per image.
-    scst_baseline: scst only, "greedy" (the greedy caption's CIDEr-D, Rennie et al.) or "mean"
-        (the image's other samples' mean CIDEr-D, Luo 2020; needs samples >= 2).
-    finetune_blocks: train the encoder's last N blocks too (0: frozen encoder).
-    encoder_lr: their learning rate (decayed together with lr).
-    lr_groups: learning rates of the model's named parameter groups, for families that name
-        them (prefix_lm: projector, lora, lm_blocks), e.g. {projector = 1e-3, lora = 2e-4};
-        a group not listed trains at lr. All follow lr's schedule and decay in proportion."""
-
-    epochs: int = 20
-    batch_size: int = 32
-    optimizer: str = "adam"
-    lr: float = 4e-4
-    weight_decay: float = 0.0
-    grad_clip: float = 5.0
-    alpha_c: float = 1.0
-    precision: str = "auto"
-    seed: int = 0
-    val_beam: int = 3
-    val_metric: str = "CIDEr"
-    val_max_images: int = 0
-    val_every: int = 1
-    patience: int = 5
-    min_delta: float = 0.0
-    lr_patience: int = 2
-    lr_decay: float = 0.5
-    max_len: int = 20
-    checkpoint_every: int = 1000
-    length_penalties: list[float] = field(default_factory=lambda: [0.0])
-    objective: str = "xe"
-    init: str = ""
-    samples: int = 5
-    scst_baseline: str = "greedy"
-    finetune_blocks: int = 0
-    encoder_lr: float = 1e-4
-    schedule: str = "plateau"
-    warmup_steps: int = 0
-    label_smoothing: float = 0.0
-    caption_sampling: str = "all"
-    batching: str = "length"
-    glove: str = ""
-    freeze_embeddings: bool = False
-    lr_groups: dict[str, float] = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.schedule not in ("plateau", "cosine", "inverse_sqrt"):
-            raise ValueError(f"train.schedule must be plateau, cosine or inverse_sqrt, not {self.schedule!r}")
-        if self.warmup_steps < 0 or (self.schedule == "inverse_sqrt" and self.warmup_steps < 1):
-            raise ValueError("train.warmup_steps must be >= 0, and >= 1 for the inverse_sqrt schedule")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ValueError(f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if self.caption_sampling not in ("all", "random_one"):
-            raise ValueError(f"train.caption_sampling must be all or random_one, not {self.caption_sampling!r}")
-        if self.batching not in ("length", "image"):
-            raise ValueError(f"train.batching must be length or image, not {self.batching!r}")
-        if self.freeze_embeddings and not self.glove:
-            raise ValueError("train.freeze_embeddings needs train.glove (frozen random embeddings learn nothing)")
-        if self.objective not in ("xe", "scst"):
-            raise ValueError(f"train.objective must be xe or scst, not {self.objective!r}")
-        if self.samples < 1 or self.finetune_blocks < 0 or self.encoder_lr <= 0:
-            raise ValueError("train.samples and train.encoder_lr must be positive, train.finetune_blocks >= 0")
-        if self.scst_baseline not in BASELINES:
-            raise ValueError(f"train.scst_baseline must be one of {', '.join(BASELINES)}, not {self.scst_baseline!r}")
-        if self.scst_baseline == "mean" and self.samples < 2:
-            raise ValueError("train.scst_baseline = \"mean\" needs train.samples >= 2")
-        if self.optimizer not in ("adam", "adamw", "rmsprop"):
-            raise ValueError(f"train.optimizer must be adam, adamw or rmsprop, not {self.optimizer!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
-        if self.batch_size < 1 or self.epochs < 1 or self.lr <= 0 or self.val_every < 1:
-            raise ValueError("train.batch_size, train.epochs, train.lr and train.val_every must be positive")
-        if self.val_metric not in VAL_METRICS:
-            raise ValueError(f"train.val_metric must be one of {', '.join(VAL_METRICS)}, not {self.val_metric!r}")
-        if self.min_delta < 0 or self.patience < 1:
-            raise ValueError("train.min_delta must be >= 0 and train.patience at least 1")
-        bad = [k for k, v in self.lr_groups.items() if not isinstance(v, (int, float)) or v <= 0]
-        if bad:
-            raise ValueError(f"train.lr_groups: the learning rate of {bad[0]!r} must be a positive number")
-
-
-@dataclass
-class RunConfig:
-    data: DataConfig
-    encoder: EncoderConfig = field(default_factory=EncoderConfig)
-    model: dict = field(default_factory=lambda: {"family": DEFAULT_FAMILY})
-    train: TrainConfig = field(default_factory=TrainConfig)
-
-    @classmethod
-    def from_dict(cls, d: dict, where: str = "config") -> "RunConfig":
-        def build(kind, table, name):
-            known = {f.name for f in fields(kind)}
-            unknown = sorted(set(table) - known)
-            if unknown:
-                raise ValueError(f"{where}: unknown field(s) in [{name}]: {', '.join(unknown)}")
-            return kind(**table)
-
-        if "data" not in d or "dataset" not in d["data"]:
-            raise ValueError(f"{where}: [data] needs 'dataset'")
-        unknown = sorted(set(d) - {"data", "encoder", "model", "train"})
-        if unknown:
-            raise ValueError(f"{where}: unknown table(s): {', '.join(unknown)}")
-        train = build(TrainConfig, d.get("train", {}), "train")
-        if train.init and "model" in d:
-            raise ValueError(f"{where}: with train.init the model comes from that checkpoint; leave out [model]")
-        model = dict(d.get("model", {}))
-        if not train.init:
-            model.setdefault("family", DEFAULT_FAMILY)
-        return cls(build(DataConfig, d["data"], "data"), build(EncoderConfig, d.get("encoder", {}), "encoder"),
-                   model, train)
-
-    @classmethod
-    def load(cls, path: str | Path, init: str | None = None) -> "RunConfig":
-        """Read a TOML config; ``init`` (a checkpoint folder) replaces its train.init."""
-        path = Path(path)
-        try:
-            d = tomllib.loads(path.read_text())
-            if init:
-                d.setdefault("train", {})["init"] = init
-            return cls.from_dict(d, str(path))
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"{path}: invalid TOML ({e})") from None
-        except FileNotFoundError:
-            raise ValueError(f"{path}: no such config file") from None
-
-    def to_dict(self) -> dict:
-        return {"data": asdict(self.data), "encoder": asdict(self.encoder), "model": dict(self.model),
-                "train": asdict(self.train)}
 
 
 def make_optimizer(groups: list[dict], tc: TrainConfig) -> torch.optim.Optimizer:
@@ -334,6 +118,8 @@ class Trainer:
         self.cfg, self.out = cfg, out
         tc = cfg.train
         torch.manual_seed(tc.seed)
+        self.init_cfg = read_config(tc.init) if tc.init else None  # before the dataset: a bad folder costs nothing
+        self.init_weights = read_weights(tc.init) if tc.init else {}
         ds = load_dataset(cfg.data.dataset, cfg.data.images or None, cfg.data.image_column,
                           cfg.data.title_column, cfg.data.image_suffix)
         self.train_items = ds.split(cfg.data.train_split)
@@ -344,8 +130,6 @@ class Trainer:
             raise ValueError(f"{cfg.data.dataset}: the {cfg.data.train_split} split is empty")
         self.bf16 = resolve_precision(tc.precision) == "bf16"
         print(f"precision {tc.precision}: {'bf16 mixed precision' if self.bf16 else 'float32'} matmuls", file=sys.stderr)
-        self.init_cfg = read_config(tc.init) if tc.init else None
-        self.init_weights = read_weights(tc.init) if tc.init else {}
         # dev scores are taken with the model's own length normalisation: a run from a tuned
         # checkpoint keeps its setting (compared at 0, a self-critical model that writes
         # longer captions would look worse than it is); length_penalties retunes it at the end
@@ -408,9 +192,6 @@ class Trainer:
         vectors = None
         if self.init_cfg:
             self.family, model_cfg = self.init_cfg["family"], dict(self.init_cfg["model"])
-            if tc.glove:
-                raise ValueError("train.glove initialises a new model's embedding; with train.init the "
-                                 "embedding comes from that checkpoint")
         else:
             self.family = cfg.model["family"]
             model_cfg = {k: v for k, v in cfg.model.items() if k != "family"}
@@ -721,17 +502,82 @@ class Trainer:
               file=sys.stderr)
 
 
+def check_run_folder(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse a run folder this run must not write, before any expensive work: ``--resume``
+    needs a checkpoint to continue; a new run needs a missing or empty folder, or ``overwrite``
+    and a folder holding a captionkit run (never a folder captionkit did not write)."""
+    if resume and overwrite:
+        raise OutputError("give --resume (continue the run in OUT) or --overwrite (start it again), not both")
+    has_run = (resolve(out / "last") / "config.json").is_file()
+    if resume:
+        if not has_run:
+            raise OutputError(f"{out}: no checkpoint to resume ({out / 'last'} is missing); "
+                              f"leave out --resume to start a new run there")
+        return
+    if has_run and not overwrite:
+        raise OutputError(f"{out}: holds a training run; pass --resume to continue it, --overwrite to start "
+                          f"it again (its checkpoints are replaced), or choose another --out")
+    check_folder_target(out, overwrite=overwrite, kinds=("run",))
+
+
+def check_resumable(cfg: RunConfig, out: Path) -> None:
+    """The config's family and [model] fields are those the checkpoint to resume was trained
+    with (checked again, in full, once the model is built)."""
+    folder = resolve(out / "last")
+    saved = read_config(folder)
+    if cfg.train.init:
+        return  # the model comes from the init checkpoint, as it did for the saved run
+    if saved.get("family") != cfg.model["family"]:
+        raise ConfigError(f"{folder}: trained as family {saved.get('family')!r}, the config names "
+                          f"model.family = {cfg.model['family']!r}; resume with the run's own config")
+    for k, v in cfg.model.items():
+        if k != "family" and saved["model"].get(k) != v:
+            raise ConfigError(f"{folder}: trained with model.{k} = {saved['model'].get(k)!r}, the config says "
+                              f"{v!r}; resume with the run's own config")
+
+
+def check_inputs(cfg: RunConfig, config: str | Path) -> None:
+    """The files the config names that are cheap to check: the checkpoint to start from and
+    the word-vector file."""
+    if cfg.train.init:
+        read_config(cfg.train.init)  # one line naming the folder when it is not a checkpoint
+    if cfg.train.glove and not Path(cfg.train.glove).is_file():
+        raise ConfigError(f"{config}: train.glove: {cfg.train.glove}: no such word-vector file")
+
+
+def start_run_folder(out: Path, replace: bool) -> None:
+    """Make ``out`` the folder of a new run, marked as captionkit's; with ``replace``, first
+    empty it of the previous run that :func:`check_run_folder` found there."""
+    if replace and out.is_dir():
+        for child in out.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    write_marker(out, "run")
+
+
 def train(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,
-          resume: bool = False, progress: bool = True, init: str | None = None) -> dict:
+          resume: bool = False, progress: bool = True, init: str | None = None, overwrite: bool = False) -> dict:
+    """Train from a TOML config into the run folder ``out`` (default runs/<config name>).
+    Everything the user gave is checked first (the config, the folder, the files it names);
+    ``resume`` continues the run in ``out``, ``overwrite`` replaces a run there."""
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
+        raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
     cfg = RunConfig.load(config, init)
     out = Path(out) if out else Path("runs") / Path(config).stem
-    out.mkdir(parents=True, exist_ok=True)
+    check_run_folder(out, resume, overwrite)
+    if resume:
+        check_resumable(cfg, out)
+    check_inputs(cfg, config)
     trainer = Trainer(cfg, out)
-    if resume and resolve(out / "last").exists():
+    if resume:
+        if not (out / MARKER).is_file():  # a run written before folders were marked
+            write_marker(out, "run")
         trainer.resume()
     else:
-        if resume:
-            print(f"--resume: no checkpoint in {out}, starting fresh", file=sys.stderr)
+        start_run_folder(out, replace=overwrite)
         if trainer.init_cfg:
             vocab = load_tokenizer(trainer.init_cfg["vocab"])
         else:

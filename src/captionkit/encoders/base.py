@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -85,14 +87,28 @@ def create_encoder(name: str, weights: str | None = None) -> Encoder:
 
 
 def load_state_file(path: str) -> dict[str, torch.Tensor]:
-    """Load a weights file without unpickling arbitrary objects."""
-    if str(path).endswith(".safetensors"):
-        from safetensors.torch import load_file
-        return load_file(path)
-    sd = torch.load(path, map_location="cpu", weights_only=True)
-    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
+    """A weights file's tensors (safetensors, or a PyTorch state dict loaded with
+    ``weights_only``: nothing but tensors is ever unpickled). A file that cannot be read that way
+    -- damaged, or holding other objects, which can run code when unpickled -- is one
+    CheckpointError line; it is never loaded by other means."""
+    if not Path(path).is_file():
+        raise WeightsUnavailable(f"{path}: weights file not found")
+    try:
+        if str(path).endswith(".safetensors"):
+            from safetensors.torch import load_file
+            return load_file(path)
+        with warnings.catch_warnings():  # torch warns about the pickle protocol of files it refuses anyway
+            warnings.simplefilter("ignore")
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch and safetensors raise many types here; their advice is not for users
+        raise CheckpointError(f"{path}: not a readable weights file ({type(e).__name__}): captionkit loads "
+                              f"safetensors and PyTorch state dicts of tensors only") from None
+    if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
         sd = sd["state_dict"]
-    return sd
+    tensors = {k: v for k, v in sd.items() if torch.is_tensor(v)} if isinstance(sd, dict) else {}
+    if not tensors:
+        raise CheckpointError(f"{path}: holds no state dict of tensors ({type(sd).__name__})")
+    return tensors
 
 
 def load_finetuned(encoder: Encoder, weights: dict[str, torch.Tensor], where: str) -> None:

@@ -31,7 +31,7 @@ mixes all cells into every prefix token, so with it the attention is uniform ove
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError, WeightsUnavailable
+from ..fields import check_fields, field_error, spec
 from ..hf import DEFAULT_LM, load_lm, load_lm_tokenizer
 from ..registry import register_exporter, register_family
 from .base import CaptionModel, KVMemory, TrainedTensorsMixin, TransformersExport
@@ -80,47 +81,28 @@ class PrefixLMConfig:
     unfreeze_after: "blocks": the first N blocks stay frozen.
     """
 
-    vocab_size: int
-    feat_dim: int = 1280
-    grid: list[int] = field(default_factory=lambda: [9, 9])
-    lm: str = DEFAULT_LM
-    pool: list[int] = field(default_factory=lambda: [3, 3])
-    projector: str = "mlp"
-    tokens_per_cell: int = 1
-    projector_hidden: int = 0
-    mapper_layers: int = 2
-    mapper_heads: int = 8
-    mapper_tokens: int = 10
-    lm_training: str = "lora"
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.05
-    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
-    unfreeze_after: int = 0
+    vocab_size: int = spec(ge=1)
+    feat_dim: int = spec(1280, ge=1)
+    grid: list[int] = spec(default_factory=lambda: [9, 9], length=2, ge=1)
+    lm: str = spec(DEFAULT_LM, min_len=1)
+    pool: list[int] = spec(default_factory=lambda: [3, 3], length=2, ge=1)
+    projector: str = spec("mlp", choices=PROJECTORS)
+    tokens_per_cell: int = spec(1, ge=1)
+    projector_hidden: int = spec(0, ge=0)
+    mapper_layers: int = spec(2, ge=1)
+    mapper_heads: int = spec(8, ge=1)
+    mapper_tokens: int = spec(10, ge=1)
+    lm_training: str = spec("lora", choices=LM_TRAINING)
+    lora_rank: int = spec(8, ge=1)
+    lora_alpha: float = spec(16.0, gt=0)
+    lora_dropout: float = spec(0.05, ge=0, lt=1)
+    lora_targets: list[str] = spec(default_factory=lambda: ["q_proj", "v_proj"], min_len=1)
+    unfreeze_after: int = spec(0, ge=0)
 
     def __post_init__(self):
-        for k in ("vocab_size", "feat_dim", "tokens_per_cell", "mapper_layers", "mapper_heads", "mapper_tokens",
-                  "lora_rank"):
-            if int(getattr(self, k)) < 1:
-                raise ValueError(f"PrefixLMConfig.{k} must be positive, got {getattr(self, k)}")
-        if self.projector not in PROJECTORS:
-            raise ValueError(f"PrefixLMConfig.projector must be one of {', '.join(PROJECTORS)}, not {self.projector!r}")
-        if self.lm_training not in LM_TRAINING:
-            raise ValueError(f"PrefixLMConfig.lm_training must be one of {', '.join(LM_TRAINING)}, "
-                             f"not {self.lm_training!r}")
-        for k in ("grid", "pool"):
-            v = getattr(self, k)
-            if len(v) != 2 or min(v) < 1:
-                raise ValueError(f"PrefixLMConfig.{k} must be [h, w] of positive sizes, got {v}")
-            setattr(self, k, [int(x) for x in v])  # JSON and TOML give lists; keep one form
+        check_fields(self)
         if self.pool[0] > self.grid[0] or self.pool[1] > self.grid[1]:
-            raise ValueError(f"PrefixLMConfig.pool {self.pool} must not exceed the grid {self.grid}")
-        if not 0.0 <= self.lora_dropout < 1.0 or self.lora_alpha <= 0:
-            raise ValueError("PrefixLMConfig.lora_dropout must be in [0, 1) and lora_alpha positive")
-        if not self.lora_targets or not all(isinstance(t, str) for t in self.lora_targets):
-            raise ValueError(f"PrefixLMConfig.lora_targets must list module names, got {self.lora_targets}")
-        if self.projector_hidden < 0 or self.unfreeze_after < 0:
-            raise ValueError("PrefixLMConfig.projector_hidden and unfreeze_after must be >= 0")
+            raise field_error(self, "pool", f"{self.pool} must not exceed the grid {self.grid}")
 
     @property
     def n_cells(self) -> int:

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..fields import check_fields, spec
 from ..kernels import EnergyContext
 from ..registry import register_exporter, register_family
 from ..vocab import Vocab
@@ -62,37 +63,23 @@ class SATConfig:
         model's weighted mean) or "argmax" (the annotation vector of the most probable location).
     """
 
-    vocab_size: int
-    feat_dim: int = 1280
-    embed_dim: int = 512
-    hidden_dim: int = 512
-    attn_dim: int = 512
-    dropout: float = 0.5
+    vocab_size: int = spec(ge=5)  # the 4 special tokens and at least a word
+    feat_dim: int = spec(1280, ge=1)
+    embed_dim: int = spec(512, ge=1)
+    hidden_dim: int = spec(512, ge=1)
+    attn_dim: int = spec(512, ge=1)
+    dropout: float = spec(0.5, ge=0, lt=1)
     gate: bool = True
-    embed_dropout: float = 0.0
-    attention: str = "soft"
-    reinforce_weight: float = 1.0
-    entropy_weight: float = 0.01
-    baseline_decay: float = 0.9
-    expected_prob: float = 0.5
-    decode_context: str = "expected"
+    embed_dropout: float = spec(0.0, ge=0, lt=1)
+    attention: str = spec("soft", choices=("soft", "hard"))
+    reinforce_weight: float = spec(1.0, ge=0)
+    entropy_weight: float = spec(0.01, ge=0)
+    baseline_decay: float = spec(0.9, ge=0, le=1)
+    expected_prob: float = spec(0.5, ge=0, le=1)
+    decode_context: str = spec("expected", choices=("expected", "argmax"))
 
     def __post_init__(self):
-        if self.decode_context not in ("expected", "argmax"):
-            raise ValueError(f"SATConfig.decode_context must be expected or argmax, not {self.decode_context!r}")
-        if self.attention not in ("soft", "hard"):
-            raise ValueError(f"SATConfig.attention must be soft or hard, not {self.attention!r}")
-        for k in ("baseline_decay", "expected_prob"):
-            if not 0.0 <= getattr(self, k) <= 1.0:
-                raise ValueError(f"SATConfig.{k} must be in [0, 1], got {getattr(self, k)}")
-        for k in ("vocab_size", "feat_dim", "embed_dim", "hidden_dim", "attn_dim"):
-            if int(getattr(self, k)) < 1:
-                raise ValueError(f"SATConfig.{k} must be positive, got {getattr(self, k)}")
-        if self.vocab_size < 5:
-            raise ValueError("SATConfig.vocab_size must include the 4 special tokens and a word")
-        for k in ("dropout", "embed_dropout"):
-            if not 0.0 <= getattr(self, k) < 1.0:
-                raise ValueError(f"SATConfig.{k} must be in [0, 1), got {getattr(self, k)}")
+        check_fields(self)
 
 
 class Memory:

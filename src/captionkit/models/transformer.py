@@ -28,12 +28,13 @@ of tokens is small next to the matmuls. One step per token; the teacher-forced
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..fields import check_fields, field_error, spec
 from ..registry import register_exporter, register_family
 from .base import CaptionModel, DecoderExport, KVMemory, token_cross_entropy
 
@@ -63,38 +64,27 @@ class TransformerConfig:
         negative counts from the last layer.
     """
 
-    vocab_size: int
-    feat_dim: int = 1280
-    grid: list[int] = field(default_factory=lambda: [9, 9])
-    width: int = 256
-    heads: int = 4
-    encoder_layers: int = 0
-    decoder_layers: int = 3
-    mlp_ratio: int = 4
-    dropout: float = 0.1
-    max_positions: int = 64
-    embed_dim: int = 0
+    vocab_size: int = spec(ge=5)  # the 4 special tokens and at least one more
+    feat_dim: int = spec(1280, ge=1)
+    grid: list[int] = spec(default_factory=lambda: [9, 9], length=2, ge=1)
+    width: int = spec(256, ge=1)
+    heads: int = spec(4, ge=1)
+    encoder_layers: int = spec(0, ge=0)
+    decoder_layers: int = spec(3, ge=1)
+    mlp_ratio: int = spec(4, ge=1)
+    dropout: float = spec(0.1, ge=0, lt=1)
+    max_positions: int = spec(64, ge=1)
+    embed_dim: int = spec(0, ge=0)
     tie_embeddings: bool = True
     attention_layer: int = -1
 
     def __post_init__(self):
-        for k in ("vocab_size", "feat_dim", "width", "heads", "decoder_layers", "mlp_ratio", "max_positions"):
-            if int(getattr(self, k)) < 1:
-                raise ValueError(f"TransformerConfig.{k} must be positive, got {getattr(self, k)}")
-        if self.vocab_size < 5:
-            raise ValueError("TransformerConfig.vocab_size must include the 4 special tokens and a token")
+        check_fields(self)
         if self.width % self.heads:
-            raise ValueError(f"TransformerConfig.width ({self.width}) must be a multiple of heads ({self.heads})")
-        if self.encoder_layers < 0 or self.embed_dim < 0:
-            raise ValueError("TransformerConfig.encoder_layers and embed_dim must be >= 0")
-        if len(self.grid) != 2 or min(self.grid) < 1:
-            raise ValueError(f"TransformerConfig.grid must be [H, W], got {self.grid}")
+            raise field_error(self, "width", f"({self.width}) must be a multiple of heads ({self.heads})")
         if not -self.decoder_layers <= self.attention_layer < self.decoder_layers:
-            raise ValueError(f"TransformerConfig.attention_layer must name one of the {self.decoder_layers} "
-                             f"decoder layers, got {self.attention_layer}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"TransformerConfig.dropout must be in [0, 1), got {self.dropout}")
-        self.grid = [int(g) for g in self.grid]  # JSON and TOML give lists; keep one form
+            raise field_error(self, "attention_layer", f"must name one of the {self.decoder_layers} decoder layers, "
+                                                       f"got {self.attention_layer}")
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):

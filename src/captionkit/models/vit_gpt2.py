@@ -57,12 +57,13 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..fields import check_fields, spec
 from ..hf import (DEFAULT_VIT, gpt2_config, is_cross_attention, load_gpt2, load_image_processor_dict,
                   load_lm_tokenizer, load_vit, require_transformers, vit_geometry)
 from ..registry import register_exporter, register_family
@@ -117,29 +118,16 @@ class ViTGPT2Config:
     lr_groups = {encoder = 1e-5, decoder = 5e-5, cross_attention = 5e-4}.
     """
 
-    vocab_size: int
-    feat_dim: int = 768
-    grid: list[int] = field(default_factory=lambda: [14, 14])
-    vit: str = DEFAULT_VIT
-    lm: str = DEFAULT_LM
-    freeze_encoder_blocks: int | str = ALL
-    freeze_decoder_blocks: int | str = 0
+    vocab_size: int = spec(ge=1)
+    feat_dim: int = spec(768, ge=1)
+    grid: list[int] = spec(default_factory=lambda: [14, 14], length=2, ge=1)
+    vit: str = spec(DEFAULT_VIT, min_len=1)
+    lm: str = spec(DEFAULT_LM, min_len=1)
+    freeze_encoder_blocks: int | str = spec(ALL, ge=0, choices=(ALL,), describe=f'a number of blocks >= 0 or "{ALL}"')
+    freeze_decoder_blocks: int | str = spec(0, ge=0, choices=(ALL,), describe=f'a number of blocks >= 0 or "{ALL}"')
 
     def __post_init__(self):
-        for k in ("vocab_size", "feat_dim"):
-            if isinstance(getattr(self, k), bool) or not isinstance(getattr(self, k), int) or getattr(self, k) < 1:
-                raise ValueError(f"ViTGPT2Config.{k} must be a positive integer, got {getattr(self, k)!r}")
-        if len(self.grid) != 2 or min(self.grid) < 1:
-            raise ValueError(f"ViTGPT2Config.grid must be [h, w] of positive sizes, got {self.grid}")
-        self.grid = [int(g) for g in self.grid]  # JSON and TOML give lists; keep one form
-        for k in ("vit", "lm"):
-            if not isinstance(getattr(self, k), str) or not getattr(self, k):
-                raise ValueError(f"ViTGPT2Config.{k} must name a model (a hub name or a folder), "
-                                 f"got {getattr(self, k)!r}")
-        for k in ("freeze_encoder_blocks", "freeze_decoder_blocks"):
-            v = getattr(self, k)
-            if v != ALL and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise ValueError(f"ViTGPT2Config.{k} must be a number of blocks >= 0 or \"all\", got {v!r}")
+        check_fields(self)
 
 
 class CrossMemory(KVMemory):
