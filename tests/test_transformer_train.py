@@ -118,7 +118,7 @@ def test_caption_command_with_attention_works_for_a_transformer(word_run, char_r
         assert rc == 0, err
         name, caption = out.strip().split("\t")
         assert name == "photo.jpg" and caption
-        im = Image.open(figs / "photo.png")
+        im = Image.open(figs / "photo.jpg.png")  # figures are named after the whole file name
         assert im.format == "PNG" and im.width > 200
 
 
