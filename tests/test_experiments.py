@@ -75,6 +75,20 @@ def test_grid_random_sample_and_draws_are_reproducible():
     assert names[1] == "001-lr=1-hidden_dim=16" and len(set(names)) == 6
 
 
+def test_fields_that_vary_together_are_one_axis_of_inline_tables(tiny_config):
+    ax = sw.parse_set('{model.hidden_dim = 16},{model.hidden_dim = 24, train.lr_groups.x = 1e-3}')
+    trials = sw.trial_overrides([sw.parse_set("train.lr=1e-2"), ax])
+    assert sw.trial_names(trials) == ["000-lr=0.01-hidden_dim=16", "001-lr=0.01-hidden_dim=24-x=0.001"]
+    base = tomllib.loads(tiny_config.read_text())
+    d = sw.apply_overrides(base, {**trials[1], "train.lr_groups.x": 2e-3}, "base.toml")
+    assert d["model"] == {**base["model"], "hidden_dim": 24} and d["train"]["lr_groups"] == {"x": 2e-3}
+    assert sw.override_columns(trials[1]) == {"train.lr": 1e-2, "model.hidden_dim": 24, "train.lr_groups.x": 1e-3}
+    with pytest.raises(ValueError, match="expected inline tables"):
+        sw.parse_set("{model.hidden_dim = 16},24")
+    with pytest.raises(ValueError, match="expected TABLE.FIELD=VALUE"):
+        sw.parse_set("model=16")
+
+
 def test_overrides_are_validated_like_a_config_file_naming_the_field(tiny_config):
     base = tomllib.loads(tiny_config.read_text())
     d = sw.apply_overrides(base, {"train.lr": 3e-3, "train.lr_groups.lora": 1e-4}, "base.toml")
@@ -127,6 +141,7 @@ def test_ray_engine_without_ray_says_how_to_install_it(tiny_config, tmp_path, mo
 
 
 # ---- sweeps ----------------------------------------------------------------------------------
+@pytest.mark.slow  # the tiny_sweep fixture: 4 trials, ~30 s on the shared 2-core machine
 def test_a_local_grid_gives_a_run_folder_per_trial_and_the_summary(tiny_sweep, capsys):
     trials = sorted(p.name for p in (tiny_sweep / "trials").iterdir())
     assert trials == ["000-lr=0.01-hidden_dim=16", "001-lr=0.01-hidden_dim=24",
@@ -250,6 +265,7 @@ def test_train_writes_tensorboard_event_files_that_tensorboard_reads(tiny_config
 
 
 # ---- curves and reports ----------------------------------------------------------------------
+@pytest.mark.slow  # the tiny_sweep fixture: 4 trials, ~30 s on the shared 2-core machine
 def test_plot_draws_one_line_per_run_in_every_panel(tiny_sweep, tmp_path, capsys):
     png, data = tmp_path / "curves.png", tmp_path / "curves.json"
     assert main(["plot", str(tiny_sweep), "--out", str(png), "--data", str(data),
@@ -298,6 +314,7 @@ class _Page(HTMLParser):
         self.text.append(data)
 
 
+@pytest.mark.slow  # the tiny_sweep fixture: 4 trials, ~30 s on the shared 2-core machine
 def test_report_holds_every_run_and_image(tiny_sweep, tiny_run, tmp_path, flickr_dir):
     out = tmp_path / "report.html"
     assert main(["report", str(tiny_sweep), "--out", str(out), "--images", "3", "--metrics", "bleu,rouge,cider",

@@ -24,12 +24,21 @@ def default_metrics(runs: list[Run]) -> list[str]:
     return ["loss", "val_loss", *dict.fromkeys(chosen)]
 
 
+def counts_captions(run: Run) -> bool:
+    """Whether the run's history counts what each epoch trained on (older runs' does not)."""
+    return any("captions" in e or "images" in e for e in run.history)
+
+
 def curve_series(runs: list[Run], metrics: list[str], x: str = "captions") -> dict:
     """{"x": ..., "panels": [{"metric", "title", "lines": [{"label", "run", "x": [...], "y": [...]}]}]}:
     every run's values of each metric at the epochs that recorded it (scores x100). x: captions
     seen so far (images for self-critical runs), or the epoch."""
     if x not in XS:
         raise ValueError(f"--x must be one of {', '.join(XS)}, not {x!r}")
+    uncounted = [r for r in runs if x == "captions" and not counts_captions(r)]
+    if uncounted:
+        raise ValueError(f"{uncounted[0].path}: its history.jsonl does not count the captions seen "
+                         f"(written by an older captionkit); plot it with --x epochs")
     panels = []
     for metric in metrics:
         lines = []

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .evaluation import bootstrap, score_captions
-from .plot import curve_series, default_metrics, draw_curves
+from .plot import counts_captions, curve_series, default_metrics, draw_curves
 from .runs import Run, best_entry, differing_settings, flatten, format_value, seen, trained_parameters
 
 
@@ -35,12 +35,16 @@ class RunResult:
 
 def _same_data(runs: list[Run]) -> dict:
     """The runs' shared [data] table (their dataset, image folder and CSV columns)."""
+    from .train import DataConfig
+
+    defaults = DataConfig(dataset="")  # runs saved before a field existed have its default
     keys = ("dataset", "images", "image_column", "title_column", "image_suffix")
-    first = {k: runs[0].config["data"].get(k) for k in keys}
+    first = {k: runs[0].config["data"].get(k, getattr(defaults, k)) for k in keys}
     for r in runs[1:]:
-        other = {k: r.config["data"].get(k) for k in keys}
+        other = {k: r.config["data"].get(k, getattr(defaults, k)) for k in keys}
         if other != first:
-            raise ValueError(f"{r.path}: trained on {other['dataset']}, not {first['dataset']} like {runs[0].path}; "
+            k = next(k for k in keys if other[k] != first[k])
+            raise ValueError(f"{r.path}: trained with data.{k} = {other[k]!r}, {runs[0].path} with {first[k]!r}; "
                              f"a report compares runs on one dataset")
     return first
 
@@ -111,10 +115,11 @@ def build_report(runs: list[Run], split: str = "dev", images: int = 10, beam: in
         results.append(res)
     history_metrics = {k for r in runs for e in r.history for k in e}
     metrics = [m for m in default_metrics(runs) if m in history_metrics]
-    curves = base64.b64encode(draw_curves(curve_series(runs, metrics))).decode("ascii") if metrics else ""
+    x = "captions" if all(counts_captions(r) for r in runs) else "epochs"
+    curves = base64.b64encode(draw_curves(curve_series(runs, metrics, x))).decode("ascii") if metrics else ""
     photos = {it.name: thumbnail(it.path) for it in shown_items}
     return _html(results, shown_items, photos, curves, split=split, beam=beam, rounds=rounds,
-                 dataset=str(data["dataset"]), n_images=len(items))
+                 dataset=str(data["dataset"]), n_images=len(items), x=x)
 
 
 # ---- the page ----------------------------------------------------------------------------
@@ -127,11 +132,13 @@ table { border-collapse: collapse; margin: 6px 0; }
 th, td { border: 1px solid #d5dbe0; padding: 5px 8px; text-align: left; vertical-align: top; }
 th { background: #f2f5f7; font-weight: 600; }
 td.num { text-align: right; white-space: nowrap; font-variant-numeric: tabular-nums; }
-.best { font-weight: 700; } .ci { color: #6b7782; font-size: 12px; }
+.best { font-weight: 700; } .ci { display: block; color: #6b7782; font-size: 12px; font-weight: 400; }
+td.label { white-space: nowrap; }
 .run { font-weight: 600; } .path { color: #6b7782; font-size: 12px; word-break: break-all; }
 .swatch { display: inline-block; width: 10px; height: 10px; border-radius: 2px; margin-right: 6px; }
 img.curves { max-width: 100%; border: 1px solid #e3e7ea; }
-table.captions td.photo { width: 232px; } .photo-box { position: relative; }
+table.captions { width: 100%; } table.captions td.photo { width: 232px; }
+table.captions td.refs { width: 38%; } .photo-box { position: relative; }
 .photo-box canvas { position: absolute; left: 0; top: 0; pointer-events: none; }
 .photo-name { color: #6b7782; font-size: 12px; margin-top: 2px; word-break: break-all; }
 ul.refs { margin: 0; padding-left: 18px; color: #3c4650; } ul.refs li { margin: 1px 0; }
@@ -163,6 +170,7 @@ document.querySelectorAll('.w.att').forEach(function (w) {
 });
 """
 
+_SETTING_COLUMNS = 6  # more differing settings than this are listed as rows, not columns
 _COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
             "#bcbd22", "#17becf"]  # matplotlib's tab10, the curves' colours
 
@@ -181,7 +189,7 @@ def _caption_html(res: RunResult, name: str) -> str:
 
 
 def _html(results: list[RunResult], shown_items, photos, curves: str, split: str, beam: int, rounds: int,
-          dataset: str, n_images: int) -> str:
+          dataset: str, n_images: int, x: str) -> str:
     runs = [r.run for r in results]
     keys = differing_settings(runs)
     flat = [flatten(r.config) for r in runs]
@@ -193,20 +201,27 @@ def _html(results: list[RunResult], shown_items, photos, curves: str, split: str
            f"<h1>captionkit report</h1><div class=\"meta\">{len(runs)} run{'s' * (len(runs) != 1)} &middot; "
            f"{_e(dataset)}, {_e(split)} split ({n_images} images) &middot; beam {beam} &middot; "
            f"written {time.strftime('%Y-%m-%d %H:%M')}</div>"]
-    # the runs and what differs
-    out.append("<h2>Runs</h2><table><tr><th>run</th>" + "".join(f"<th>{_e(k)}</th>" for k in keys) +
+    # the runs and what differs: as columns when few settings differ, else as rows of their own table
+    wide = len(keys) > _SETTING_COLUMNS
+    columns = [] if wide else keys
+    out.append("<h2>Runs</h2><table><tr><th>run</th>" + "".join(f"<th>{_e(k)}</th>" for k in columns) +
                "<th>best epoch</th><th>epochs</th><th>captions seen</th><th>trained parameters</th></tr>")
     for r, f in zip(runs, flat):
         best = best_entry(r.history, r.config.get("train", {}).get("val_metric", "CIDEr")) or {}
         params = trained_parameters(r.path)
         out.append(f"<tr><td>{swatch[id(r)]}<span class=\"run\">{_e(r.label)}</span>"
                    f"<div class=\"path\">{_e(r.path)}</div></td>" +
-                   "".join(f"<td>{_e(format_value(f.get(k, '-')))}</td>" for k in keys) +
+                   "".join(f"<td>{_e(format_value(f.get(k, '-')))}</td>" for k in columns) +
                    f"<td class=\"num\">{best.get('epoch', '')}</td>"
                    f"<td class=\"num\">{max((e['epoch'] for e in r.history), default=0)}</td>"
-                   f"<td class=\"num\">{sum(seen(e) for e in r.history):,}</td>"
+                   f"<td class=\"num\">{f'{sum(seen(e) for e in r.history):,}' if counts_captions(r) else ''}</td>"
                    f"<td class=\"num\">{'' if params is None else f'{params:,}'}</td></tr>")
     out.append("</table>")
+    if wide:
+        out.append(f"<details open><summary>{len(keys)} settings that differ</summary><table><tr><th>setting</th>" +
+                   "".join(f"<th>{swatch[id(r)]}{_e(r.label)}</th>" for r in runs) + "</tr>" +
+                   "".join(f"<tr><th>{_e(k)}</th>" + "".join(f"<td>{_e(format_value(f.get(k, '-')))}</td>" for f in flat)
+                           + "</tr>" for k in keys) + "</table></details>")
     if common:
         out.append("<details><summary>settings shared by every run</summary><table>" +
                    "".join(f"<tr><th>{_e(k)}</th><td>{_e(format_value(flat[0][k]))}</td></tr>" for k in common) +
@@ -223,12 +238,13 @@ def _html(results: list[RunResult], shown_items, photos, curves: str, split: str
         cells = "".join(f"<td class=\"num{' best' if r.scores.get(m) == best[m] and len(results) > 1 else ''}\">"
                         f"{_fmt_score(r.scores[m], r.intervals.get(m)) if m in r.scores else ''}</td>"
                         for m in metrics)
-        out.append(f"<tr><td>{swatch[id(r.run)]}<span class=\"run\">{_e(r.run.label)}</span></td>{cells}</tr>")
+        out.append(f"<tr><td class=\"label\">{swatch[id(r.run)]}<span class=\"run\">{_e(r.run.label)}</span></td>{cells}</tr>")
     out.append("</table>")
     impl = results[0].implementation
     out.append("<div class=\"note\">" + "; ".join(f"{_e(k)}: {_e(v)}" for k, v in impl.items()) + "</div>")
     if curves:
-        out.append("<h2>Training curves</h2><div class=\"note\">x = captions seen; dev scores x100; the dev loss "
+        out.append(f"<h2>Training curves</h2><div class=\"note\">x = {'captions seen' if x == 'captions' else 'epoch'}; "
+                   "dev scores x100; the dev loss "
                    "is teacher-forced, without dropout.</div>"
                    f"<img class=\"curves\" alt=\"training curves\" src=\"data:image/png;base64,{curves}\">")
     # captions
@@ -243,7 +259,7 @@ def _html(results: list[RunResult], shown_items, photos, curves: str, split: str
         out.append(f"<tr class=\"image\" data-image=\"{_e(it.name)}\"><td class=\"photo\"><div class=\"photo-box\">"
                    f"<img alt=\"{_e(it.name)}\" width=\"{w}\" height=\"{h}\" src=\"data:image/jpeg;base64,{data}\">"
                    f"<canvas></canvas></div><div class=\"photo-name\">{_e(it.name)}</div></td>"
-                   "<td><ul class=\"refs\">" + "".join(f"<li>{_e(ref)}</li>" for ref in it.raw) + "</ul></td>"
+                   "<td class=\"refs\"><ul class=\"refs\">" + "".join(f"<li>{_e(ref)}</li>" for ref in it.raw) + "</ul></td>"
                    f"<td>{caps}</td></tr>")
     out.append(f"</table><script>{_SCRIPT}</script></body></html>")
     return "\n".join(out)

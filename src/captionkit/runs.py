@@ -126,15 +126,20 @@ def format_value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
 
 
+LABEL_SETTINGS = 4  # runs differing in more settings than this are labelled by their folders
+
+
 def label_runs(runs: list[Run]) -> None:
-    """Label each run by its differing settings ("lr=0.0001, hidden_dim=512"); runs with the
-    same settings (or a single run) by their folders."""
+    """Label each run by its differing settings ("lr=0.0001, hidden_dim=512"), or by its folder
+    when they are more than LABEL_SETTINGS, none (a single run) or the same as another run's."""
     keys = differing_settings(runs)
     short = short_keys(keys)
     for r in runs:
         flat = flatten(r.config)
-        r.label = ", ".join(f"{short[k]}={format_value(flat.get(k, '-'))}" for k in keys) or str(r.path)
+        r.label = ", ".join(f"{short[k]}={format_value(flat.get(k, '-'))}" for k in keys)
+        if not keys or len(keys) > LABEL_SETTINGS:
+            r.label = r.path.name
     labels = [r.label for r in runs]
-    for r in runs:  # the same settings twice (e.g. one run given twice): the folder tells them apart
+    for r in runs:  # the same label twice (e.g. one run given twice, folders of one name): the path
         if labels.count(r.label) > 1:
-            r.label = f"{r.label} ({r.path})" if keys else str(r.path)
+            r.label = str(r.path)

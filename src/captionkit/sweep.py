@@ -36,18 +36,22 @@ from typing import Any
 from .errors import OutputError
 from .evaluation import METRICS
 from .outputs import atomic_write_text, check_folder_target, owner_kind, write_marker
-from .runs import LOSS_METRIC, best_entry, format_value, read_history, seen, short_keys, trained_parameters
+from .runs import LOSS_METRIC, best_entry, flatten, format_value, read_history, seen, short_keys, trained_parameters
 
 SWEEP_FILE = "sweep.json"
 _DISTRIBUTIONS = ("loguniform", "uniform")
 FINISHED = ("finished", "stopped early")  # a trial in either state is not run again
+ROOT = ""  # the key of an axis of inline tables merged into the whole config
 
 
 # ---- the definition: axes, trials, configs --------------------------------------------------
 @dataclass
 class Axis:
     """One ``--set KEY=VALUES``: the dotted config key and its values, or a distribution
-    ``{"dist": "loguniform", "low": a, "high": b}`` for random sweeps."""
+    ``{"dist": "loguniform", "low": a, "high": b}`` for random sweeps. Fields that vary together
+    are one axis without a key (``ROOT``) whose values are inline tables with dotted keys, each
+    merged into the config: ``{model.lm_training = "frozen"},{model.lm_training = "lora",
+    train.lr_groups.lora = 5e-4}``."""
 
     key: str
     values: list[Any] | None = None
@@ -84,7 +88,13 @@ def parse_value(text: str) -> Any:
 
 
 def parse_set(text: str) -> Axis:
-    """``train.lr=1e-4,3e-5`` or ``train.lr=loguniform(1e-5,1e-3)`` -> Axis."""
+    """``train.lr=1e-4,3e-5``, ``train.lr=loguniform(1e-5,1e-3)`` or ``{a.b = 1, c.d = 2},{...}`` -> Axis."""
+    if text.lstrip().startswith("{"):  # fields varying together
+        tables = [parse_value(v) for v in _split_top(text.strip())]
+        if not all(isinstance(t, dict) and t for t in tables):
+            raise ValueError(f"--set {text}: expected inline tables of TABLE.FIELD = VALUE, e.g. "
+                             f"{{model.lm_training = \"lora\", train.lr_groups.lora = 5e-4}},{{model.lm_training = \"frozen\"}}")
+        return Axis(ROOT, values=tables)
     key, eq, values = text.partition("=")
     key = key.strip()
     if not eq or not values.strip() or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", key):
@@ -111,7 +121,7 @@ def trial_overrides(axes: list[Axis], random_count: int | None = None, seed: int
     distribution."""
     keys = [a.key for a in axes]
     if len(set(keys)) != len(keys):
-        raise ValueError(f"--set {next(k for k in keys if keys.count(k) > 1)} is given twice")
+        raise ValueError(f"--set {next(k for k in keys if keys.count(k) > 1) or '{...}'} is given twice")
     if any(a.dist for a in axes):
         if not random_count:
             raise ValueError(f"--set {next(a.key for a in axes if a.dist)}=...(LOW,HIGH) needs --random N")
@@ -131,12 +141,21 @@ def trial_overrides(axes: list[Axis], random_count: int | None = None, seed: int
 def trial_names(overrides: list[dict[str, Any]]) -> list[str]:
     """Folder names: the trial's number, then its overrides by field name (the whole key where
     two keys share a field name), e.g. ``002-lr=3e-05-hidden_dim=512``."""
-    short = short_keys(list(overrides[0]) if overrides else [])
     names = []
     for i, ov in enumerate(overrides):
-        slug = "-".join(f"{short[k]}={format_value(v)}" for k, v in ov.items())
+        columns = override_columns(ov)
+        short = short_keys(list(columns))
+        slug = "-".join(f"{short[k]}={format_value(v)}" for k, v in columns.items())
         names.append(f"{i:03d}" + ("-" + re.sub(r"[^\w.=+,-]", "_", slug)[:100] if slug else ""))
     return names
+
+
+def override_columns(overrides: dict[str, Any]) -> dict[str, Any]:
+    """A trial's overrides by dotted key, the inline tables of a ROOT axis spelt out."""
+    out: dict[str, Any] = {}
+    for k, v in overrides.items():
+        out.update(flatten(v) if k == ROOT else {k: v})
+    return out
 
 
 def apply_overrides(base: dict, overrides: dict[str, Any], where: str) -> dict:
@@ -146,7 +165,7 @@ def apply_overrides(base: dict, overrides: dict[str, Any], where: str) -> dict:
     from .train import RunConfig
 
     d = copy.deepcopy(base)
-    for key, value in overrides.items():
+    for key, value in override_columns(overrides).items():
         *tables, name = key.split(".")
         node = d
         for t in tables:
@@ -247,7 +266,7 @@ def define(config: str | Path, sets: list[str], out: str | Path, metric: str | N
     names = trial_names(overrides)
     trials = []
     for name, ov in zip(names, overrides):
-        shown = " ".join(f"{k}={format_value(v)}" for k, v in ov.items())
+        shown = " ".join(f"{k}={format_value(v)}" for k, v in override_columns(ov).items())
         full = apply_overrides(base, {**fixed, **ov}, f"{config} with --set {shown}")
         trials.append({"name": name, "overrides": ov, "config": full})
     definition = {"base_config": str(config), "base": base, "axes": [a.__dict__ for a in axes],
@@ -293,7 +312,7 @@ def trial_row(sweep: Sweep, trial: dict) -> dict:
     history = read_history(sweep.run_dir(trial["name"]))
     status = sweep.status(trial["name"])
     best = best_entry(history, sweep.metric) or {}
-    row = {"trial": trial["name"], **trial["overrides"],
+    row = {"trial": trial["name"], **override_columns(trial["overrides"]),
            "status": status["status"], "best_epoch": best.get("epoch", ""),
            "epochs": max((h["epoch"] for h in history), default=0)}
     for m in METRICS:
@@ -442,8 +461,15 @@ def run_ray(sweep: Sweep, cpus: int | None = 2, cpus_per_trial: float = 1, addre
         run_config=tune.RunConfig(name="ray", storage_path=str(folder / "ray"), verbose=0))
     # Ctrl-C ends the sweep at once (Ray would stop the trials and return them as if
     # finished): their status stays "running" and a rerun resumes them
+    before = os.environ.get("TUNE_DISABLE_SIGINT_HANDLER")
     os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
-    results = tuner.fit()
+    try:
+        results = tuner.fit()
+    finally:
+        if before is None:
+            del os.environ["TUNE_DISABLE_SIGINT_HANDLER"]
+        else:
+            os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = before
     for res in results:
         name = res.config["trial"]
         if sweep.status(name)["status"] == "finished":
