@@ -259,9 +259,10 @@ def _write_per_image(path: str, rep, cand: dict) -> None:
 
 
 def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool, init: str | None,
-              overwrite: bool) -> int:
+              overwrite: bool, tensorboard: str | None = None) -> int:
     from .train import train
-    train(config, out=out, max_steps=max_steps, resume=resume, init=init, overwrite=overwrite)
+    train(config, out=out, max_steps=max_steps, resume=resume, init=init, overwrite=overwrite,
+          tensorboard=tensorboard)
     return 0
 
 
@@ -351,6 +352,62 @@ def _add_caption_outputs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="name every file skipped in the given folders")
 
 
+def cmd_sweep(config: str, sets: list[str] | None, out: str, metric: str | None, engine: str,
+              random: int | None, seed: int, cpus: int, cpus_per_trial: float, address: str | None,
+              grace_epochs: int) -> int:
+    from .sweep import define, format_table, ray_missing, run_local, run_ray
+
+    if engine == "ray" and ray_missing():
+        raise UsageError(ray_missing())
+    if cpus < 1 or cpus_per_trial <= 0 or grace_epochs < 1:
+        raise UsageError("--cpus, --cpus-per-trial and --grace-epochs must be positive")
+    sweep = define(config, sets or [], out, metric=metric, random_count=random, seed=seed, engine=engine)
+    print(f"{out}: {len(sweep.trials)} trials, {len(sweep.todo())} to run ({engine}); metric {sweep.metric}",
+          file=sys.stderr)
+    if engine == "local":
+        rows = run_local(sweep)
+    else:
+        rows = run_ray(sweep, cpus=cpus, cpus_per_trial=cpus_per_trial, address=address, grace_epochs=grace_epochs)
+    print(format_table(rows))
+    print(f"summary: {Path(out) / 'summary.csv'}, {Path(out) / 'summary.json'} (scores x100)", file=sys.stderr)
+    return 0
+
+
+def cmd_plot(runs: list[str], out: str, metrics: str | None, x: str, data: str | None, overwrite: bool) -> int:
+    from .outputs import atomic_write_bytes, atomic_write_text, check_file_target
+    from .plot import curve_series, default_metrics, draw_curves
+    from .runs import find_runs
+
+    target = check_file_target(out, overwrite=overwrite)
+    data_target = check_file_target(data, overwrite=overwrite) if data else None
+    found = find_runs(runs)
+    names = [m.strip() for m in metrics.split(",") if m.strip()] if metrics else default_metrics(found)
+    series = curve_series(found, names, x)
+    atomic_write_bytes(target, draw_curves(series))
+    if data_target:
+        atomic_write_text(data_target, json.dumps(series, indent=1))
+    print(f"wrote {out}: {len(series['panels'])} panels ({', '.join(names)}), {len(found)} runs")
+    return 0
+
+
+def cmd_report(runs: list[str], out: str, split: str, images: int, beam: int, bootstrap: int, seed: int,
+               overwrite: bool, tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str) -> int:
+    from .outputs import atomic_write_text, check_file_target
+    from .report import build_report
+    from .runs import find_runs
+
+    if images < 0 or bootstrap < 0:
+        raise UsageError("--images and --bootstrap must be >= 0")
+    target = check_file_target(out, overwrite=overwrite)
+    found = find_runs(runs)
+    page = build_report(found, split=split, images=images, beam=beam, rounds=bootstrap, seed=seed,
+                        score_opts=_score_opts(tokenizer, meteor, no_brevity_penalty, metrics),
+                        progress=lambda line: print(line, file=sys.stderr, flush=True))
+    atomic_write_text(target, page)
+    print(f"wrote {out} ({len(page.encode()) / 1e6:.1f} MB): {len(found)} runs, {images} images")
+    return 0
+
+
 def _add_csv_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-column", default="Image_Name", help="a CSV dataset's column of image names")
     p.add_argument("--title-column", default="Title", help="a CSV dataset's column of titles")
@@ -423,6 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/last")
     t.add_argument("--init", metavar="DIR", help="start from this checkpoint (replaces the config's train.init)")
     _add_overwrite(t, "start the run in OUT again, replacing the run captionkit wrote there")
+    t.add_argument("--tensorboard", metavar="DIR",
+                   help="write TensorBoard event files here (replaces the config's train.tensorboard)")
 
     f = sub.add_parser("features", help="compute and cache a dataset's encoder features")
     f.add_argument("--dataset", required=True)
@@ -477,6 +536,44 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-batch", type=int, default=8, help="queued requests captioned together")
     v.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     v.add_argument("--onnx", metavar="DIR", help="host this ONNX export for the in-browser demo at /onnx")
+
+    w = sub.add_parser("sweep", help="train a grid (or a random sample) of config variations; see docs/experiments.md")
+    w.add_argument("--config", required=True, help="the base TOML config")
+    w.add_argument("--set", dest="sets", action="append", metavar="TABLE.FIELD=V1,V2",
+                   help="values to sweep (repeat for a grid over several fields); "
+                        "loguniform(LOW,HIGH) or uniform(LOW,HIGH) with --random")
+    w.add_argument("--out", required=True, help="the sweep folder (rerun the same command to resume)")
+    w.add_argument("--metric", help="dev metric to rank (and stop early) by: CIDEr, Bleu_4, METEOR, ... or "
+                   "val_loss (default: the config's train.val_metric; a score also becomes every trial's)")
+    w.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="local: one trial after another; ray: Ray Tune with ASHA early stopping")
+    w.add_argument("--random", type=int, metavar="N", help="N random trials instead of the whole grid")
+    w.add_argument("--seed", type=int, default=0, help="seed of --random")
+    w.add_argument("--cpus", type=int, default=2, help="ray: CPUs of the local Ray")
+    w.add_argument("--cpus-per-trial", type=float, default=1, help="ray: CPUs each trial holds (and torch threads)")
+    w.add_argument("--address", help="ray: an existing Ray cluster (its nodes must see --out)")
+    w.add_argument("--grace-epochs", type=int, default=1, help="ray: epochs before ASHA may stop a trial")
+
+    g = sub.add_parser("plot", help="training curves of runs and sweeps, one panel per metric")
+    g.add_argument("runs", nargs="+", metavar="RUN_OR_SWEEP")
+    g.add_argument("--out", required=True, help="the PNG to write")
+    g.add_argument("--metrics", help="comma-separated history fields, e.g. loss,val_loss,CIDEr,lr "
+                   "(default: loss, val_loss and the runs' train.val_metric)")
+    g.add_argument("--x", choices=("captions", "epochs"), default="captions", help="the x axis")
+    g.add_argument("--data", metavar="JSON", help="also write the plotted numbers here")
+    g.add_argument("--overwrite", action="store_true", help="replace existing output files")
+
+    r = sub.add_parser("report", help="one self-contained HTML page comparing runs and sweeps")
+    r.add_argument("runs", nargs="+", metavar="RUN_OR_SWEEP")
+    r.add_argument("--out", required=True, help="the HTML file to write")
+    r.add_argument("--split", default="dev", help="the split to caption and score (dev; test for final numbers)")
+    r.add_argument("--images", type=int, default=10, help="images in the captions table")
+    r.add_argument("--beam", type=int, default=3)
+    r.add_argument("--bootstrap", type=int, default=1000, metavar="N",
+                   help="resamples for the 95%% intervals (0: none)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--overwrite", action="store_true", help="replace an existing report")
+    _add_score_opts(r)
     return p
 
 

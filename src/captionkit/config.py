@@ -132,7 +132,9 @@ class TrainConfig:
     encoder_lr: their learning rate (decayed together with lr).
     lr_groups: learning rates of the model's named parameter groups, for families that name
         them (prefix_lm: projector, lora, lm_blocks), e.g. {projector = 1e-3, lora = 2e-4};
-        a group not listed trains at lr. All follow lr's schedule and decay in proportion."""
+        a group not listed trains at lr. All follow lr's schedule and decay in proportion.
+    tensorboard: a folder to write TensorBoard event files into (each epoch's training figures,
+        dev scores and dev loss; see captionkit.tblog); empty: none."""
 
     SECTION: ClassVar[str] = "train"
 
@@ -170,6 +172,7 @@ class TrainConfig:
     glove: str = ""
     freeze_embeddings: bool = False
     lr_groups: dict[str, float] = spec(default_factory=dict, gt=0)
+    tensorboard: str = ""
 
     def __post_init__(self):
         check_fields(self)

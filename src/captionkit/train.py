@@ -24,6 +24,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -238,15 +239,7 @@ class Trainer:
         print("trained parameters: " + ", ".join(f"{k} {v:,}" for k, v in self.trained_parameters.items()),
               file=sys.stderr)
         self.lr_scales = [g["lr"] / tc.lr for g in self.opt.param_groups]
-        # (image row, token ids) for every training caption; each image's captions' indices
-        self.examples: list[tuple[int, list[int]]] = []
-        self.image_examples: list[list[int]] = []
-        for row, it in enumerate(self.train_items):
-            self.image_examples.append([])
-            for toks in it.words(cfg.data.words):
-                if toks:
-                    self.image_examples[-1].append(len(self.examples))
-                    self.examples.append((row, vocab.encode(toks[:cfg.data.max_words])))
+        self.examples, self.image_examples = self.encode_captions(self.train_items)
         longest = max((len(ids) - 1 for _, ids in self.examples), default=0)
         limit = self.model.max_positions
         if limit is not None and max(longest, tc.max_len + 1) > limit:
@@ -258,6 +251,18 @@ class Trainer:
             self.scst = SelfCritical(refs, vocab, tc.samples, tc.max_len, tc.scst_baseline)
         self.state = {"epoch": 0, "step": 0, "batch_in_epoch": 0, "best_score": None, "best_epoch": 0,
                       "bad_epochs": 0, "lr_bad_epochs": 0, "lr": tc.lr, "history": []}
+
+    def encode_captions(self, items: list[ImageItem]) -> tuple[list[tuple[int, list[int]]], list[list[int]]]:
+        """(image row, token ids) for every caption of ``items``, and each image's captions' indices."""
+        examples: list[tuple[int, list[int]]] = []
+        image_examples: list[list[int]] = []
+        for row, it in enumerate(items):
+            image_examples.append([])
+            for toks in it.words(self.cfg.data.words):
+                if toks:
+                    image_examples[-1].append(len(examples))
+                    examples.append((row, self.vocab.encode(toks[:self.cfg.data.max_words])))
+        return examples, image_examples
 
     @staticmethod
     def decoder_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -326,6 +331,26 @@ class Trainer:
         refs = {it.name: it.raw for it in self.val_items}
         return coco_scores(captions, refs, metrics=("bleu", "cider", _SCORER.get(tc.val_metric, "cider")), quiet=True)
 
+    @torch.no_grad()
+    def validation_loss(self) -> float:
+        """The teacher-forced cross-entropy of the dev captions (the model's training_loss, without
+        dropout), per token: the dev counterpart of the training ``loss``, to see over-fitting.
+        Under a forked RNG, so that a family whose loss samples leaves training's draws unchanged."""
+        tc = self.cfg.train
+        examples, _ = self.encode_captions(self.val_items)
+        self.model.eval()
+        total, tokens = 0.0, 0
+        with torch.random.fork_rng(devices=[]):
+            for idx in length_batches([len(ids) for _, ids in examples], tc.batch_size, seed=0):
+                rows = torch.tensor([examples[i][0] for i in idx])
+                ids = torch.tensor([examples[i][1] for i in idx])  # (B, T+1), one length per batch
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+                    feats = self.features(self.val_feats.index_select(0, rows))
+                    _, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], tc.alpha_c)
+                total += float(ce) * ids[:, 1:].numel()
+                tokens += ids[:, 1:].numel()
+        return total / max(tokens, 1)
+
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """xe: caption indices, one length per batch; scst: image rows."""
         tc = self.cfg.train
@@ -377,16 +402,21 @@ class Trainer:
         for pg, scale in zip(self.opt.param_groups, self.lr_scales):
             pg["lr"] = lr * scale
 
-    def run(self, max_steps: int | None = None, progress: bool = True) -> dict:
+    def run(self, max_steps: int | None = None, progress: bool = True,
+            on_epoch: Callable[[dict], None] | None = None) -> dict:
+        """Train to the end (or ``max_steps``). ``on_epoch`` is called with each epoch's history
+        entry (dev scores and ``val_loss`` when validated) once it is logged and saved."""
         tc, st = self.cfg.train, self.state
         self.set_lr(st["lr"])
         if self.init_cfg and st["best_score"] is None:  # the starting point is the score to beat
-            scores = self.validate()
+            scores, val_loss = self.validate(), self.validation_loss()
             st.update(best_score=scores[tc.val_metric], best_epoch=0)
-            st["history"].append({"epoch": 0, "step": 0, **scores})
-            print(f"epoch 0 ({tc.init}): dev {format_scores(scores)}", file=sys.stderr)
+            st["history"].append({"epoch": 0, "step": 0, **scores, "val_loss": val_loss})
+            print(f"epoch 0 ({tc.init}): dev {format_scores(scores)} loss {val_loss:.3f}", file=sys.stderr)
             self.log_history()
             self.save("best", with_optimizer=False)
+            if on_epoch:
+                on_epoch(st["history"][-1])
         params = list(self.model.parameters()) + (self.tail_params if tc.finetune_blocks else [])
         while st["epoch"] < tc.epochs:
             batches = self.epoch_batches(st["epoch"])
@@ -440,13 +470,16 @@ class Trainer:
                 print(f"epoch {st['epoch']}: not validated (train.val_every = {tc.val_every})", file=sys.stderr)
             else:
                 scores = self.validate()
-                st["history"].append({**entry, **scores})
+                val_loss = self.validation_loss()
+                st["history"].append({**entry, **scores, "val_loss": val_loss})
                 self.judge(scores[tc.val_metric])
-                print(f"epoch {st['epoch']}: dev {format_scores(scores)} ({tc.val_metric} "
+                print(f"epoch {st['epoch']}: dev {format_scores(scores)} loss {val_loss:.3f} ({tc.val_metric} "
                       f"{'best' if st['best_epoch'] == st['epoch'] else 'no gain'}; "
                       f"lr {self.opt.param_groups[0]['lr']:.2e})", file=sys.stderr)
             self.log_history()
             self.save("last", with_optimizer=True)
+            if on_epoch:
+                on_epoch(st["history"][-1])
             if st["bad_epochs"] >= tc.patience:
                 gain = f" above {100 * tc.min_delta:g} (x100)" if tc.min_delta else ""
                 span = "epochs" if tc.val_every == 1 else f"validations (every {tc.val_every} epochs)"
@@ -559,10 +592,12 @@ def start_run_folder(out: Path, replace: bool) -> None:
 
 
 def train(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,
-          resume: bool = False, progress: bool = True, init: str | None = None, overwrite: bool = False) -> dict:
+          resume: bool = False, progress: bool = True, init: str | None = None, overwrite: bool = False,
+          on_epoch: Callable[[dict], None] | None = None, tensorboard: str | None = None) -> dict:
     """Train from a TOML config into the run folder ``out`` (default runs/<config name>).
     Everything the user gave is checked first (the config, the folder, the files it names);
-    ``resume`` continues the run in ``out``, ``overwrite`` replaces a run there."""
+    ``resume`` continues the run in ``out``, ``overwrite`` replaces a run there. ``on_epoch``:
+    see Trainer.run; ``tensorboard``: a folder for event files (replaces train.tensorboard)."""
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
         raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
     cfg = RunConfig.load(config, init)
@@ -571,6 +606,11 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
     if resume:
         check_resumable(cfg, out)
     check_inputs(cfg, config)
+    tensorboard = tensorboard or cfg.train.tensorboard
+    if tensorboard:  # its package is checked before the expensive work
+        from .tblog import TensorBoardLog
+        tb = TensorBoardLog(tensorboard)
+        on_epoch = tb.chain(on_epoch)
     trainer = Trainer(cfg, out)
     if resume:
         if not (out / MARKER).is_file():  # a run written before folders were marked
@@ -586,4 +626,8 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
             vocab = build_tokenizer(cfg.data.tokenizer, words, cfg.data.min_count, cfg.data.top_k or None,
                                     cfg.data.bpe_vocab_size, lm=lm)
         trainer.setup(vocab)
-    return trainer.run(max_steps=max_steps, progress=progress)
+    try:
+        return trainer.run(max_steps=max_steps, progress=progress, on_epoch=on_epoch)
+    finally:
+        if tensorboard:
+            tb.close()
