@@ -72,6 +72,23 @@ def load_run(folder: str | Path) -> Run:
                      f"give run folders written by captionkit train, or sweep folders)")
 
 
+SWEEP_FILE = "sweep.json"  # a sweep folder's definition (captionkit.sweep writes it)
+
+
+def trial_folder(sweep_folder: str | Path, name: str) -> Path:
+    """Where a sweep keeps the run folder of its trial ``name``."""
+    return Path(sweep_folder) / "trials" / name
+
+
+def sweep_trial_folders(sweep_folder: Path) -> list[Path]:
+    """The run folders of a sweep's trials, in the sweep's order (read here rather than through
+    captionkit.sweep, which imports this module)."""
+    path = sweep_folder / SWEEP_FILE
+    if not path.is_file():
+        raise ValueError(f"{sweep_folder}: not a captionkit sweep folder (no {SWEEP_FILE})")
+    return [trial_folder(sweep_folder, t["name"]) for t in json.loads(path.read_text())["trials"]]
+
+
 def find_runs(paths: list[str | Path]) -> list[Run]:
     """Run folders, and each sweep folder's trials that have a checkpoint, in the order given;
     labelled by what differs between them."""
@@ -81,9 +98,7 @@ def find_runs(paths: list[str | Path]) -> list[Run]:
         if not p.is_dir():
             raise ValueError(f"{p}: no such run or sweep folder")
         if owner_kind(p) == "sweep":
-            from .sweep import load_sweep
-            sweep = load_sweep(p)
-            started = [sweep.run_dir(t["name"]) for t in sweep.trials]
+            started = sweep_trial_folders(p)
             started = [r for r in started if (resolve(r / "last") / "config.json").is_file()]
             if not started:
                 raise ValueError(f"{p}: no trial of this sweep has a checkpoint yet")

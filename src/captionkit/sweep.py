@@ -36,9 +36,9 @@ from typing import Any
 from .errors import OutputError
 from .evaluation import METRICS
 from .outputs import atomic_write_text, check_folder_target, owner_kind, write_marker
-from .runs import LOSS_METRIC, best_entry, flatten, format_value, read_history, seen, short_keys, trained_parameters
+from .runs import (LOSS_METRIC, SWEEP_FILE, best_entry, flatten, format_value, read_history, seen, short_keys,
+                   trained_parameters, trial_folder)
 
-SWEEP_FILE = "sweep.json"
 _DISTRIBUTIONS = ("loguniform", "uniform")
 FINISHED = ("finished", "stopped early")  # a trial in either state is not run again
 ROOT = ""  # the key of an axis of inline tables merged into the whole config
@@ -228,7 +228,7 @@ class Sweep:
         return self.definition["metric"]
 
     def run_dir(self, name: str) -> Path:
-        return self.folder / "trials" / name
+        return trial_folder(self.folder, name)
 
     def config_path(self, name: str) -> Path:
         return self.folder / "configs" / f"{name}.toml"
