@@ -97,7 +97,7 @@ def test_overrides_are_validated_like_a_config_file_naming_the_field(tiny_config
     assert tomllib.loads(sw.to_toml(d)) == d
     with pytest.raises(ValueError, match=r"base.toml: unknown field\(s\) in \[train\]: lrr"):
         sw.apply_overrides(base, {"train.lrr": 1.0}, "base.toml")
-    with pytest.raises(ValueError, match="train.optimizer must be adam, adamw or rmsprop"):
+    with pytest.raises(ValueError, match="train.optimizer must be one of adam, adamw, rmsprop"):
         sw.apply_overrides(base, {"train.optimizer": "sgd"}, "base.toml")
     with pytest.raises(ValueError, match=r"unknown field\(s\) in \[model\] for family 'sat': hidden"):
         sw.apply_overrides(base, {"model.hidden": 3}, "base.toml")

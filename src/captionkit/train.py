@@ -346,7 +346,7 @@ class Trainer:
                 ids = torch.tensor([examples[i][1] for i in idx])  # (B, T+1), one length per batch
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
                     feats = self.features(self.val_feats.index_select(0, rows))
-                    _, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], tc.alpha_c)
+                    _, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], alpha_c=tc.alpha_c)
                 total += float(ce) * ids[:, 1:].numel()
                 tokens += ids[:, 1:].numel()
         return total / max(tokens, 1)
