@@ -15,7 +15,7 @@ import html
 import io
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from .evaluation import bootstrap, score_captions
@@ -35,13 +35,14 @@ class RunResult:
 
 def _same_data(runs: list[Run]) -> dict:
     """The runs' shared [data] table (their dataset, image folder and CSV columns)."""
-    from .train import DataConfig
+    from .config import DataConfig
 
-    defaults = DataConfig(dataset="")  # runs saved before a field existed have its default
+    # runs saved before a field existed have its declared default (dataset has none)
+    defaults = {f.name: f.default for f in fields(DataConfig)}
     keys = ("dataset", "images", "image_column", "title_column", "image_suffix")
-    first = {k: runs[0].config["data"].get(k, getattr(defaults, k)) for k in keys}
+    first = {k: runs[0].config["data"].get(k, defaults[k]) for k in keys}
     for r in runs[1:]:
-        other = {k: r.config["data"].get(k, getattr(defaults, k)) for k in keys}
+        other = {k: r.config["data"].get(k, defaults[k]) for k in keys}
         if other != first:
             k = next(k for k in keys if other[k] != first[k])
             raise ValueError(f"{r.path}: trained with data.{k} = {other[k]!r}, {runs[0].path} with {first[k]!r}; "
