@@ -183,10 +183,11 @@ def decode_reduced(data: bytes, side: int, name: str = "upload", formats: set[st
         return _reduce_rgb(im, plan.factor), plan
 
 
-# Modes Image.reduce averages as they are (LA and RGBA premultiplied by alpha, so that the
-# colour of transparent pixels does not bleed; compositing on white after averaging then gives
-# the same as before). Palette, bilevel and 16-bit images are converted to RGB first.
-REDUCIBLE_MODES = {"L", "LA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "LAB", "HSV", "I", "F"}
+# Modes whose conversion to RGB commutes with averaging, so a strip is reduced first and then
+# converted (LA and RGBA: Image.reduce averages them premultiplied by alpha, and compositing on
+# white after averaging gives what it gives before). Other modes (palette, bilevel, integer,
+# CMYK and other colour spaces, whose conversion looks up or clips) are converted first.
+REDUCIBLE_MODES = {"L", "LA", "RGB", "RGBA", "RGBX", "F"}
 
 
 def _reduce_rgb(im: Image.Image, factor: tuple[int, int]) -> Image.Image:
