@@ -81,7 +81,7 @@ def main() -> int:
             path = Path(tmp) / f"photo.{fmt.lower()}"
             im.save(path, fmt, **opts)
             r = subprocess.run([sys.executable, "-c", CHILD, str(path), str(args.model_side)],
-                               capture_output=True, text=True, env=env)
+                               capture_output=True, text=True, env=env, check=False)
             if r.returncode:
                 print(f"{fmt} {mode} {opts}: failed\n{r.stderr[-800:]}")
                 ok = False

@@ -14,6 +14,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Self
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,7 +63,7 @@ def get_json(port: int, path: str, headers: dict | None = None) -> dict:
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
-    return sorted_values[min(len(sorted_values) - 1, max(0, int(round(q * len(sorted_values))) - 1))]
+    return sorted_values[min(len(sorted_values) - 1, max(0, round(q * len(sorted_values)) - 1))]
 
 
 class Server:
@@ -75,7 +76,7 @@ class Server:
         self.port = 0
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> Server:
+    def __enter__(self) -> Self:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "captionkit", "serve", "--host", "127.0.0.1",
                                           "--port", "0", *self.args], stdout=log, stderr=subprocess.STDOUT,

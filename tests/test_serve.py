@@ -170,7 +170,9 @@ def _photo(mode: str, w: int = 403, h: int = 211):
     import numpy as np
     from PIL import Image
     y, x = np.mgrid[0:h, 0:w]
-    ramp = lambda k: ((x * (3 + k) + y * (5 - k)) % 256).astype(np.uint8)  # noqa: E731
+
+    def ramp(k: int):
+        return ((x * (3 + k) + y * (5 - k)) % 256).astype(np.uint8)
     if mode in ("RGB", "RGBA", "CMYK", "LA"):
         bands = {"RGB": 3, "RGBA": 4, "CMYK": 4, "LA": 2}[mode]
         return Image.fromarray(np.stack([ramp(k) for k in range(bands)], -1), mode)
@@ -178,10 +180,10 @@ def _photo(mode: str, w: int = 403, h: int = 211):
         im = Image.fromarray(ramp(0), "L")
         return im.convert("P") if mode == "P" else im
     if mode == "I;16":
-        return Image.fromarray((ramp(0).astype(np.uint16) * 200 + y.astype(np.uint16)))
+        return Image.fromarray(ramp(0).astype(np.uint16) * 200 + y.astype(np.uint16))
     if mode == "I":
-        return Image.fromarray((ramp(1).astype(np.int32) * 3000 - 7))
-    return Image.fromarray((ramp(2).astype(np.float32) / 7.0 - 3.0))  # F
+        return Image.fromarray(ramp(1).astype(np.int32) * 3000 - 7)
+    return Image.fromarray(ramp(2).astype(np.float32) / 7.0 - 3.0)  # F
 
 
 @pytest.mark.parametrize("mode,fmt", [("RGBA", "PNG"), ("LA", "PNG"), ("RGB", "PNG"), ("L", "PNG"), ("P", "PNG"),
@@ -192,7 +194,7 @@ def test_reduced_decode_equals_converting_then_reducing(monkeypatch, mode, fmt):
     import numpy as np
     from PIL import Image
 
-    import captionkit.images as images
+    from captionkit import images
     monkeypatch.setattr(images, "STRIP_PIXELS", 403 * 8)  # many strips, the last one partial
     buf = io.BytesIO()
     _photo(mode).save(buf, fmt)

@@ -47,6 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..captioner import DEFAULT_MODEL, Captioner
+from ..encoders.base import Preprocess
 from ..errors import ImageError
 from ..images import MAX_PIXELS, decode_reduced, to_tensor
 from .guards import ApiKey, BodyLimit, RateLimit, error_response
@@ -336,6 +337,24 @@ def create_app(models: dict[str, Captioner], config: ServeConfig | None = None) 
                 "memory": memory,
                 "onnx_demo": "/app/index.html?model=/onnx-model/" if config.onnx_dir else None}
 
+    def decode(data: bytes, label: str, pre: Preprocess) -> torch.Tensor:  # on a decode thread
+        im, plan = decode_reduced(data, pre.size, label, PIL_FORMATS, config.max_pixels, config.max_decode_bytes)
+        x = to_tensor(im, pre)
+        if plan.bytes > TRIM_AFTER_BYTES:
+            release_free_memory()
+        return x
+
+    async def to_input(upload: UploadFile, label: str, pre: Preprocess) -> torch.Tensor:
+        """The upload's bytes, read into memory and decoded under the held-uploads cap."""
+        with held.take():
+            data = await upload.read()
+            if not data:
+                raise ApiError(400, f"{label}: empty file")
+            try:
+                return await asyncio.get_running_loop().run_in_executor(decoders, decode, data, label, pre)
+            except ImageError as e:
+                raise ApiError(400, str(e)) from None
+
     @app.post("/v1/caption")
     async def caption(request: Request):
         t0 = time.perf_counter()
@@ -359,27 +378,8 @@ def create_app(models: dict[str, Captioner], config: ServeConfig | None = None) 
             if not isinstance(name, str) or name not in workers:
                 raise ApiError(400, f"unknown model {str(name)[:60]!r}; known: {', '.join(workers)}")
             worker = workers[name]
-            pre = worker.captioner.encoder.preprocess
             label = (upload.filename or "image")[:100]
-            with held.take():  # from reading the bytes into memory until they are decoded
-                data = await upload.read()
-                await form.close()
-                if not data:
-                    raise ApiError(400, f"{label}: empty file")
-
-                def prepare():
-                    im, plan = decode_reduced(data, pre.size, label, PIL_FORMATS, config.max_pixels,
-                                              config.max_decode_bytes)
-                    x = to_tensor(im, pre)
-                    if plan.bytes > TRIM_AFTER_BYTES:
-                        release_free_memory()
-                    return x
-
-                try:
-                    x = await asyncio.get_running_loop().run_in_executor(decoders, prepare)
-                except ImageError as e:
-                    raise ApiError(400, str(e)) from None
-                del data
+            x = await to_input(upload, label, worker.captioner.encoder.preprocess)
         finally:
             await form.close()
         res = await worker.submit(x, beam)
@@ -445,5 +445,6 @@ def serve(model_paths: list[str] | None, sock: socket.socket, config: ServeConfi
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}/"
     worst = app.state.memory["worst_case_bytes"] / 2 ** 30
+    sock.listen(2048)  # from now on connections wait for uvicorn instead of being refused
     print(f"captionkit serve: {', '.join(models)} on {url} (worst-case memory {worst:.2f} GiB)", flush=True)
     make_server(app, config).run(sockets=[sock])
