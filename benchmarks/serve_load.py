@@ -7,13 +7,15 @@ concurrent clients (photos from --photos, default samples/), and reports failure
 latency and requests/s. Then, while one client keeps sending good requests, it sends bad
 ones -- non-images, truncated files, zero-byte files, a 60 MB upload, wrong part and body
 content types -- and checks each gets a 4xx JSON error and every good request still succeeds.
-Exits 1 if any check fails.
+Last, it opens a connection that sends nothing and times how long the server keeps it open.
+Exits 1 if any check fails (or the idle connection stays open 60 s).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import sys
 import threading
@@ -92,6 +94,16 @@ def main() -> int:
         status, doc, _ = post(port, *good_bodies[0])
         ok &= status == 200
         print(f"after the bad requests: {status}, {'server still serving' if status == 200 else 'FAIL'}")
+
+        # 3. a connection that sends nothing is closed (the server's --header-timeout)
+        with socket.create_connection(("127.0.0.1", port)) as idle:
+            idle.settimeout(120)
+            t0 = time.perf_counter()
+            closed = idle.recv(1) == b""
+            secs = time.perf_counter() - t0
+        print(f"idle connection: {'closed' if closed else 'answered'} after {secs:.1f} s"
+              f"{'' if closed and secs < 60 else '   <-- FAIL'}")
+        ok &= closed and secs < 60
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
