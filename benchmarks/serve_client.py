@@ -19,6 +19,19 @@ from typing import Self
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def add_client_args(ap) -> None:
+    """The options every server benchmark takes: how many clients, which photos, what beam, and
+    extra arguments for the server."""
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--photos", default=str(ROOT / "samples"), help="folder of JPEG or PNG photos")
+    ap.add_argument("--beam", type=int, default=3)
+    ap.add_argument("--server-args", default="", help="extra arguments for captionkit serve")
+
+
+def photo_files(folder: str | Path) -> list[Path]:
+    return sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
+
+
 def multipart(fields: dict, files: dict) -> tuple[bytes, str]:
     b = uuid.uuid4().hex
     out = io.BytesIO()

@@ -21,21 +21,17 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-from serve_client import ROOT, Server, multipart, percentile, post
+from serve_client import Server, add_client_args, multipart, percentile, photo_files, post
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=400)
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--photos", default=str(ROOT / "samples"))
-    ap.add_argument("--beam", type=int, default=3)
+    add_client_args(ap)
     ap.add_argument("--big-mb", type=float, default=60.0, help="size of the oversized upload")
-    ap.add_argument("--server-args", default="", help="extra arguments for captionkit serve")
     args = ap.parse_args()
-    photos = sorted(p for p in Path(args.photos).iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
+    photos = photo_files(args.photos)
     blobs = [(p.name, p.read_bytes()) for p in photos]
     ok = True
     with Server(args.server_args.split()) as server:

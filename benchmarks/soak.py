@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from PIL import Image
-from serve_client import ROOT, Server, get_json, multipart, percentile, post
+from serve_client import Server, add_client_args, get_json, multipart, percentile, photo_files, post
 
 GB = 1e9
 KEY = "soak-" + os.urandom(8).hex()
@@ -80,16 +80,13 @@ def build_requests(photos: list[Path], beam: int) -> list[tuple[str, str, float,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=10.0)
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--photos", default=str(ROOT / "samples"))
-    ap.add_argument("--beam", type=int, default=3)
+    add_client_args(ap)
     ap.add_argument("--max-requests", type=int, default=200_000, help="stop after this many requests")
     ap.add_argument("--sample-s", type=float, default=2.0, help="seconds between memory samples")
     ap.add_argument("--drift-mb", type=float, default=100.0, help="allowed growth of the resident floor")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--server-args", default="", help="extra arguments for captionkit serve")
     args = ap.parse_args()
-    photos = sorted(p for p in Path(args.photos).iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
+    photos = photo_files(args.photos)
     reqs = build_requests(photos, args.beam)
     weights = [r[2] for r in reqs]
     auth = {"Authorization": f"Bearer {KEY}"}
