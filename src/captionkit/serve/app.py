@@ -240,12 +240,12 @@ class Slots:
             self.used -= 1
 
 
-def resident_bytes(field: str = "VmHWM") -> int | None:
+def resident_bytes(which: str = "VmHWM") -> int | None:
     """This process's resident memory from /proc (VmHWM: its peak, VmRSS: now); None elsewhere."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith(field + ":"):
+                if line.startswith(which + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
