@@ -7,93 +7,35 @@ concurrent clients (photos from --photos, default samples/), and reports failure
 latency and requests/s. Then, while one client keeps sending good requests, it sends bad
 ones -- non-images, truncated files, zero-byte files, a 60 MB upload, wrong part and body
 content types -- and checks each gets a 4xx JSON error and every good request still succeeds.
-Exits 1 if any check fails.
+Last, it opens a connection that sends nothing and times how long the server keeps it open.
+Exits 1 if any check fails (or the idle connection stays open 60 s).
 """
 
 from __future__ import annotations
 
 import argparse
-import http.client
-import io
-import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def multipart(fields: dict, files: dict) -> tuple[bytes, str]:
-    b = uuid.uuid4().hex
-    out = io.BytesIO()
-    for k, v in fields.items():
-        out.write(f"--{b}\r\nContent-Disposition: form-data; name=\"{k}\"\r\n\r\n{v}\r\n".encode())
-    for k, (name, data, ctype) in files.items():
-        out.write(f"--{b}\r\nContent-Disposition: form-data; name=\"{k}\"; filename=\"{name}\"\r\n"
-                  f"Content-Type: {ctype}\r\n\r\n".encode())
-        out.write(data)
-        out.write(b"\r\n")
-    out.write(f"--{b}--\r\n".encode())
-    return out.getvalue(), f"multipart/form-data; boundary={b}"
-
-
-def post(port: int, body: bytes, ctype: str, timeout: float = 120) -> tuple[int, dict | None, float]:
-    t0 = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("POST", "/v1/caption", body=body, headers={"Content-Type": ctype})
-        r = conn.getresponse()
-        raw = r.read()
-        try:
-            doc = json.loads(raw)
-        except ValueError:
-            doc = None
-        return r.status, doc, time.perf_counter() - t0
-    finally:
-        conn.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serve_client import Server, add_client_args, multipart, percentile, photo_files, post
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=400)
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--photos", default=str(ROOT / "samples"))
-    ap.add_argument("--beam", type=int, default=3)
+    add_client_args(ap)
     ap.add_argument("--big-mb", type=float, default=60.0, help="size of the oversized upload")
-    ap.add_argument("--server-args", default="", help="extra arguments for captionkit serve")
     args = ap.parse_args()
-    photos = sorted(p for p in Path(args.photos).iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
+    photos = photo_files(args.photos)
     blobs = [(p.name, p.read_bytes()) for p in photos]
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "captionkit", "serve", "--host", "127.0.0.1",
-                               "--port", str(port), *args.server_args.split()],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     ok = True
-    try:
-        for _ in range(1200):
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-                c.request("GET", "/healthz")
-                if c.getresponse().status == 200:
-                    break
-            except OSError:
-                if server.poll() is not None:
-                    print(server.stdout.read().decode())
-                    return 1
-                time.sleep(0.1)
+    with Server(args.server_args.split()) as server:
+        port = server.port
         good_bodies = [multipart({"beam": args.beam}, {"image": (n, d, "image/jpeg")}) for n, d in blobs]
 
         # 1. throughput and latency
@@ -105,7 +47,7 @@ def main() -> int:
         wall = time.perf_counter() - t0
         failed = [r for r in res if r[0] != 200 or not r[1] or "caption" not in r[1]]
         lat = sorted(r[2] * 1000 for r in res)
-        p95 = lat[min(len(lat) - 1, int(round(0.95 * len(lat))) - 1)]
+        p95 = percentile(lat, 0.95)
         print(f"{args.requests} requests, {args.clients} concurrent clients, beam {args.beam}: "
               f"{len(failed)} failed; latency p50 {statistics.median(lat):.0f} ms, p95 {p95:.0f} ms; "
               f"{args.requests / wall:.2f} requests/s")
@@ -148,9 +90,16 @@ def main() -> int:
         status, doc, _ = post(port, *good_bodies[0])
         ok &= status == 200
         print(f"after the bad requests: {status}, {'server still serving' if status == 200 else 'FAIL'}")
-    finally:
-        server.terminate()
-        server.wait(20)
+
+        # 3. a connection that sends nothing is closed (the server's --header-timeout)
+        with socket.create_connection(("127.0.0.1", port)) as idle:
+            idle.settimeout(120)
+            t0 = time.perf_counter()
+            closed = idle.recv(1) == b""
+            secs = time.perf_counter() - t0
+        print(f"idle connection: {'closed' if closed else 'answered'} after {secs:.1f} s"
+              f"{'' if closed and secs < 60 else '   <-- FAIL'}")
+        ok &= closed and secs < 60
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

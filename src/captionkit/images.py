@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import stat
@@ -55,10 +56,17 @@ def load_rgb(path: str | Path) -> Image.Image:
 def decode_rgb(data: bytes, name: str = "upload", formats: set[str] | None = None) -> Image.Image:
     """Like :func:`load_rgb` for the bytes of an uploaded file; ``formats`` limits the
     accepted Pillow formats (e.g. {"JPEG", "PNG"})."""
+    with _upload_errors(data, name):
+        return _open_rgb(io.BytesIO(data), name, formats)
+
+
+@contextlib.contextmanager
+def _upload_errors(data: bytes, name: str):
+    """An empty upload, and Pillow's errors on reading one, as ImageError."""
     if not data:
         raise ImageError(f"{name}: empty file")
     try:
-        return _open_rgb(io.BytesIO(data), name, formats)
+        yield
     except Image.UnidentifiedImageError:
         raise ImageError(f"{name}: cannot read image (not an image file, or a format Pillow does not know)") from None
     except OSError as e:
@@ -66,6 +74,15 @@ def decode_rgb(data: bytes, name: str = "upload", formats: set[str] | None = Non
 
 
 def _open_rgb(source, name: str, formats: set[str] | None = None) -> Image.Image:
+    with _opened(source, name, formats, MAX_PIXELS) as im:
+        im.load()
+        return to_rgb(im)
+
+
+@contextlib.contextmanager
+def _opened(source, name: str, formats: set[str] | None, max_pixels: int):
+    """Open an image, reading its header only, and check its format and pixel count before
+    anything is decoded; Pillow's errors inside the block become ImageError."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -74,12 +91,11 @@ def _open_rgb(source, name: str, formats: set[str] | None = None) -> Image.Image
                 if formats is not None and im.format not in formats:
                     raise ImageError(f"{name}: {im.format} images are not accepted")
                 w, h = im.size
-                if w * h > MAX_PIXELS:
-                    raise ImageError(f"{name}: {w}x{h} image is too large (over {MAX_PIXELS:,} pixels)")
+                if w * h > max_pixels:
+                    raise ImageError(f"{name}: {w}x{h} image is too large (over {max_pixels:,} pixels)")
                 if min(w, h) < MIN_SIDE:
                     raise ImageError(f"{name}: {w}x{h} image is too small to caption (under {MIN_SIDE} px)")
-                im.load()
-                return to_rgb(im)
+                yield im
     except ImageError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
@@ -88,16 +104,19 @@ def _open_rgb(source, name: str, formats: set[str] | None = None) -> Image.Image
         raise ImageError(f"{name}: cannot read image ({e})") from None
 
 
-def to_rgb(im: Image.Image) -> Image.Image:
-    """Any Pillow mode -> 8-bit RGB (alpha composited on white, 16-bit scaled down)."""
+def to_rgb(im: Image.Image, value_range: tuple[float, float] | None = None) -> Image.Image:
+    """Any Pillow mode -> 8-bit RGB (alpha composited on white, 16-bit scaled down).
+    ``value_range``: the (min, max) of the whole image for modes I and F, when ``im`` is a
+    strip of it (their scaling depends on it); by default ``im``'s own."""
     if im.mode in ("I;16", "I;16B", "I;16L", "I"):
         arr = np.asarray(im, dtype=np.float64)
-        top = 65535.0 if im.mode.startswith("I;16") or arr.max() > 255 else 255.0
+        hi = value_range[1] if value_range else arr.max()
+        top = 65535.0 if im.mode.startswith("I;16") or hi > 255 else 255.0
         arr = np.clip(arr / top * 255.0 + 0.5, 0, 255).astype(np.uint8)
         return Image.fromarray(arr, "L").convert("RGB")
     if im.mode == "F":
         arr = np.asarray(im, dtype=np.float64)
-        lo, hi = float(arr.min()), float(arr.max())
+        lo, hi = map(float, value_range) if value_range else (float(arr.min()), float(arr.max()))
         arr = (arr - lo) / (hi - lo if hi > lo else 1.0) * 255.0
         return Image.fromarray(arr.astype(np.uint8), "L").convert("RGB")
     if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
@@ -105,6 +124,107 @@ def to_rgb(im: Image.Image) -> Image.Image:
         bg = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(bg, rgba).convert("RGB")
     return im.convert("RGB")
+
+
+# Decoding uploads with bounded memory (the server). A photo much larger than the model's input
+# is decoded reduced: a JPEG by its decoder at 1/2, 1/4 or 1/8 scale (draft mode), any other
+# format in full and then box-reduced by integer factors strip by strip, each strip converted to
+# RGB on its own, so no full-size copy is ever made. Both stop at REDUCE_GAP times the model's
+# input side, where Pillow finds the final bicubic resize indistinguishable from a resize of the
+# full image (Image.resize, reducing_gap); smaller photos are decoded exactly as load_rgb does.
+REDUCE_GAP = 3
+STRIP_PIXELS = 1 << 20  # pixels per strip converted at a time
+# Memory a decoder holds beside the image, in units of the decoded image: libtiff may read a
+# whole strip (often the whole image) into a buffer of its own, libwebp decodes into canvases of
+# its own that Pillow then copies. A progressive JPEG also keeps all its DCT coefficients
+# (2 bytes per component and pixel, at full size). Converting to RGB works on a strip at a time:
+# bytes per strip pixel, numpy's float64 temporaries for the 16- and 32-bit modes. All measured
+# with benchmarks/decode_memory.py, which checks that the estimate is an upper bound.
+DECODER_COPIES = {"TIFF": 1.0, "WEBP": 3.5}
+CONVERT_BYTES = {"I": 64, "I;16": 64, "I;16B": 64, "I;16L": 64, "F": 64}
+CONVERT_BYTES_DEFAULT = 32
+
+
+def mode_bytes(mode: str) -> int:
+    """Bytes per pixel Pillow stores for an image of this mode."""
+    if mode in ("1", "L", "P"):
+        return 1
+    if mode.startswith("I;16"):
+        return 2
+    return 4
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How an upload will be decoded, known from its header alone."""
+    size: tuple[int, int]  # pixels the decoder produces (a JPEG in draft mode: already scaled down)
+    mode: str
+    format: str
+    factor: tuple[int, int]  # then box-reduced by these factors (1, 1: not reduced)
+    bytes: int  # the most memory decoding holds at once, an upper estimate
+
+
+def plan_decode(im: Image.Image, side: int) -> DecodePlan:
+    """The plan for an opened, not yet decoded image (puts a JPEG in draft mode)."""
+    goal = REDUCE_GAP * side
+    coefficients = 0
+    if im.format in ("JPEG", "MPO"):
+        if im.info.get("progressive"):
+            coefficients = 2 * len(im.getbands()) * im.size[0] * im.size[1]
+        if min(im.size) >= 2 * goal:
+            im.draft(im.mode, (goal, goal))  # the decoder itself scales down by 2, 4 or 8
+    w, h = im.size
+    factor = (max(1, w // goal), max(1, h // goal))
+    out_pixels = -(-w // factor[0]) * -(-h // factor[1])
+    # converted whole when not reduced, else one strip of whole factor-rows at a time
+    converted = w * h if factor == (1, 1) else min(w * h, max(STRIP_PIXELS, w * factor[1]))
+    work = converted * CONVERT_BYTES.get(im.mode, CONVERT_BYTES_DEFAULT) + 4 * out_pixels
+    decoded = w * h * mode_bytes(im.mode)
+    total = int(decoded * (1 + DECODER_COPIES.get(im.format, 0.0))) + coefficients + work
+    return DecodePlan((w, h), im.mode, im.format, factor, total)
+
+
+def decode_reduced(data: bytes, side: int, name: str = "upload", formats: set[str] | None = None,
+                   max_pixels: int = MAX_PIXELS, max_bytes: int | None = None) -> tuple[Image.Image, DecodePlan]:
+    """Like :func:`decode_rgb`, for a model whose input is ``side`` pixels square, and with the
+    plan it followed: a photo larger than REDUCE_GAP * ``side`` is decoded reduced (see above);
+    one whose header says it has more than ``max_pixels`` pixels, or would need more than
+    ``max_bytes`` to decode, is refused with an ImageError before any pixel is decoded."""
+    with _upload_errors(data, name), _opened(io.BytesIO(data), name, formats, max_pixels) as im:
+        plan = plan_decode(im, side)
+        if max_bytes is not None and plan.bytes > max_bytes:
+            w, h = im.size
+            raise ImageError(f"{name}: {w}x{h} {plan.mode} {plan.format} image would need "
+                             f"{plan.bytes / 2 ** 20:.0f} MiB to decode; the limit is {max_bytes / 2 ** 20:.0f} MiB")
+        im.load()
+        return _reduce_rgb(im, plan.factor), plan
+
+
+# Modes whose conversion to RGB commutes with averaging, so a strip is reduced first and then
+# converted (LA and RGBA: Image.reduce averages them premultiplied by alpha, and compositing on
+# white after averaging gives what it gives before). Other modes (palette, bilevel, integer,
+# CMYK and other colour spaces, whose conversion looks up or clips) are converted first.
+REDUCIBLE_MODES = {"L", "LA", "RGB", "RGBA", "RGBX", "F"}
+
+
+def _reduce_rgb(im: Image.Image, factor: tuple[int, int]) -> Image.Image:
+    """to_rgb(im) reduced by ``factor``, one strip of whole factor-rows at a time, so that no
+    full-size copy of ``im`` is made."""
+    if factor == (1, 1):
+        return to_rgb(im)
+    fx, fy = factor
+    w, h = im.size
+    value_range = im.getextrema() if im.mode in ("I", "F") else None
+    out = Image.new("RGB", (-(-w // fx), -(-h // fy)))
+    rows = fy * max(1, STRIP_PIXELS // (w * fy))
+    for y in range(0, h, rows):
+        strip = im.crop((0, y, w, min(h, y + rows)))
+        if im.mode in REDUCIBLE_MODES:
+            small = to_rgb(strip.reduce(factor), value_range)
+        else:
+            small = to_rgb(strip, value_range).reduce(factor)
+        out.paste(small, (0, y // fy))
+    return out
 
 
 _RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}

@@ -3,27 +3,36 @@
     GET  /                 the page: drop a photo, read the caption, hover a word for its attention
     POST /v1/caption       multipart form: ``image`` (the file), optional ``beam`` and ``model``
                            -> {caption, words, attention, grid, model, beam, elapsed_ms}
-    GET  /v1/models        the loaded models and the server's limits
+    GET  /v1/models        the loaded models, the server's limits and its worst-case memory
     GET  /healthz          liveness and queue depth
     GET  /app/...          the static pages; /app/index.html is the in-browser ONNX demo
     GET  /onnx-model/...   an ONNX export (``--onnx DIR``) for that demo
 
-Every refused request gets a 4xx JSON body ``{"error": message, "status": code}``: a body over
-the upload limit (413), a request that is not multipart or a part whose type is not an
-accepted image type (415), a missing or empty file, a file that is no readable image, a bad
-``beam`` or an unknown ``model`` (400). A full request queue answers 503 with Retry-After.
+Every refused request gets a 4xx JSON body ``{"error": message, "status": code}``: a missing or
+wrong API key (401), a client over its rate limit (429, Retry-After), a body over the upload
+limit (413), a request that is not multipart or a part whose type is not an accepted image type
+(415), a missing or empty file, a file that is no readable image or too large to decode, a bad
+``beam`` or an unknown ``model`` (400). A busy server answers 503 with Retry-After.
 
-Captioning runs on one worker thread per model that takes up to ``max_batch`` queued requests
-of the same beam size at a time and encodes and decodes them as one batch.
+Memory is bounded at each stage (see :func:`memory_bounds` and docs/serving.md): an upload's
+pixel count and decoding memory are checked from its header before anything is decoded, large
+photos are decoded reduced (``images.decode_reduced``), at most ``decode_workers`` decode at once
+and at most ``decode_queue`` uploads wait for them; captioning runs on one worker thread per
+model that takes up to ``max_batch`` queued requests of the same beam size at a time and
+encodes and decodes them as one batch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
 import queue
+import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
@@ -31,15 +40,17 @@ from pathlib import Path
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
+from fastapi.responses import FileResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
-from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..captioner import DEFAULT_MODEL, Captioner
+from ..encoders.base import Preprocess
 from ..errors import ImageError
-from ..images import decode_rgb, to_tensor
+from ..images import MAX_PIXELS, decode_reduced, to_tensor
+from .guards import ApiKey, BodyLimit, RateLimit, error_response
 
 ACCEPTED_TYPES = {"image/jpeg": "JPEG", "image/png": "PNG", "image/webp": "WEBP", "image/gif": "GIF",
                   "image/bmp": "BMP", "image/tiff": "TIFF"}
@@ -47,26 +58,38 @@ PIL_FORMATS = {"JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF"}  # MPO: multi
 WEB_DIR = Path(str(files("captionkit") / "web"))
 
 
+MiB = 2 ** 20
+FIELD_BYTES = 64 * 1024  # the largest text field (beam, model) a form may carry
+SPOOL_BYTES = 1 * MiB  # Starlette keeps this much of an uploaded file in memory, the rest on disk
+CONNECTION_BYTES = 2 * MiB  # a connection sending a request: the spool, 8 fields, uvicorn's buffers
+
+
 @dataclass
 class ServeConfig:
-    max_upload_bytes: int = 10 * 2 ** 20  # the whole request body
+    max_upload_bytes: int = 10 * MiB  # the whole request body
     queue_size: int = 32  # requests waiting for a model, over all clients
     max_batch: int = 8  # requests captioned together
     max_beam: int = 10
     default_beam: int = 3
     onnx_dir: str | None = None  # an ONNX export to host for the in-browser demo
-    drain_limit: int = 256 * 2 ** 20  # an oversized body is read and dropped up to this size, so
+    drain_limit: int = 256 * MiB  # an oversized body is read and dropped up to this size, so
     # the client gets its 413 instead of a reset connection; beyond it the connection is closed
+    max_pixels: int = MAX_PIXELS  # an upload's pixel count, read from its header
+    max_decode_bytes: int = 512 * MiB  # memory one decode may take, estimated from the header
+    decode_workers: int = 2  # uploads decoded at once
+    decode_queue: int = 16  # uploads held in memory, read and waiting to be decoded, before 503
+    # enforced by the server around the app (serve(); stated in /v1/models)
+    max_connections: int = 100  # open connections before uvicorn answers 503
+    header_timeout: float = 10.0  # seconds for a connection to send a complete request head
+    body_timeout: float = 30.0  # longest silence while a request body arrives
+    api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1/*
+    rate_limit: float | None = None  # requests per minute per client to /v1/*
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.headers = status, message, headers
-
-
-def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": message, "status": status}, status_code=status, headers=headers)
 
 
 @dataclass
@@ -149,72 +172,6 @@ class ModelWorker:
             j.loop.call_soon_threadsafe(_settle, j.future, r)
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
-class BodyLimit:
-    """ASGI middleware: refuse request bodies over the limit with a 413 JSON answer, whether
-    the client declares the length or streams it."""
-
-    def __init__(self, app, limit: int, drain_limit: int):
-        self.app, self.limit, self.drain_limit = app, limit, drain_limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        message = f"upload too large: the limit is {self.limit:,} bytes"
-        if declared is not None:
-            try:
-                n = int(declared)
-            except ValueError:
-                return await _error(400, "invalid Content-Length header")(scope, receive, send)
-            if n > self.limit:
-                await self._drain(receive, n)
-                return await _error(413, message)(scope, receive, send)
-        seen = 0
-        started = False
-        more = True  # is there more body to come after the last message read?
-
-        async def limited_receive():
-            nonlocal seen, more
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                more = bool(msg.get("more_body"))
-                if seen > self.limit:
-                    raise _BodyTooLarge()
-            return msg
-
-        async def tracking_send(msg):
-            nonlocal started
-            if msg["type"] == "http.response.start":
-                started = True
-            await send(msg)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
-            if started:
-                raise
-            if more:
-                await self._drain(receive, seen)
-            await _error(413, message)(scope, receive, send)
-
-    async def _drain(self, receive, already: int) -> None:
-        total = 0
-        if already > self.drain_limit:
-            return
-        while True:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return
-            total += len(msg.get("body", b""))
-            if not msg.get("more_body") or total > self.drain_limit:
-                return
-
-
 def model_name(path: str | Path | None) -> str:
     return Path(path).name if path else DEFAULT_MODEL.name
 
@@ -244,43 +201,120 @@ def _int_field(value, name: str, lo: int, hi: int, default: int) -> int:
     return n
 
 
+TRIM_AFTER_BYTES = 64 * MiB  # after a decode this large, freed memory goes back to the system
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def release_free_memory() -> None:
+    """Give the heap's free pages back to the system (glibc). The command line keeps freed
+    memory in the process for speed (cli.tune_allocator), so without this the memory of a huge
+    decode would stay resident after it, in each decode thread's arena."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+class Slots:
+    """A count of things in progress with a hard cap: take() refuses with a 503 instead of
+    waiting, so that a burst is answered at once rather than held in memory. Used from the
+    event loop only, so no lock."""
+
+    def __init__(self, n: int, busy: str):
+        self.n, self.busy, self.used = n, busy, 0
+
+    @contextlib.contextmanager
+    def take(self):
+        if self.used >= self.n:
+            raise ApiError(503, self.busy, {"Retry-After": "1"})
+        self.used += 1
+        try:
+            yield
+        finally:
+            self.used -= 1
+
+
+def resident_bytes(which: str = "VmHWM") -> int | None:
+    """This process's resident memory from /proc (VmHWM: its peak, VmRSS: now); None elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(which + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def memory_bounds(models: dict[str, Captioner], config: ServeConfig, baseline: int | None) -> dict:
+    """The server's worst-case resident memory: what it held before serving (measured) plus the
+    most each stage may add (from the limits)."""
+    tensor = max(3 * cap.encoder.preprocess.size ** 2 * 4 for cap in models.values())
+    parts = {
+        "baseline_bytes": baseline or 0,  # peak before serving: models loaded (and warmed up by serve())
+        "decoding_bytes": config.decode_workers * config.max_decode_bytes,
+        "uploads_held_bytes": config.decode_queue * (config.max_upload_bytes + SPOOL_BYTES),
+        "connections_bytes": config.max_connections * CONNECTION_BYTES,
+        "queued_bytes": len(models) * (config.queue_size + config.max_batch) * tensor,
+    }
+    return {**parts, "worst_case_bytes": sum(parts.values()), "baseline_measured": baseline is not None}
+
+
 def create_app(models: dict[str, Captioner], config: ServeConfig | None = None) -> FastAPI:
     config = config or ServeConfig()
     if not models:
         raise ValueError("no model to serve")
     default = next(iter(models))
+    memory = memory_bounds(models, config, resident_bytes("VmHWM"))
     workers = {name: ModelWorker(name, cap, config) for name, cap in models.items()}
+    decoders = ThreadPoolExecutor(config.decode_workers, thread_name_prefix="captionkit-decode")
+    held = Slots(config.decode_queue, f"server busy: {config.decode_queue} uploads are already waiting "
+                                      "to be decoded; retry shortly")
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         for w in workers.values():
             w.stop()
+        decoders.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="captionkit", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.workers = workers
     app.state.config = config
+    app.state.held = held
+    app.state.memory = memory
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
-        return _error(exc.status, exc.message, exc.headers)
+        return error_response(exc.status, exc.message, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):
         status = exc.status_code
-        return _error(status, str(exc.detail) if exc.detail else "error", getattr(exc, "headers", None))
+        return error_response(status, str(exc.detail) if exc.detail else "error", getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc: RequestValidationError):
-        return _error(400, "invalid request: " + "; ".join(str(e.get("msg")) for e in exc.errors())[:300])
+        return error_response(400, "invalid request: " + "; ".join(str(e.get("msg")) for e in exc.errors())[:300])
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request, exc: ClientDisconnect):  # the client left mid-request: nobody to tell
+        return error_response(400, "client disconnected")
 
     @app.exception_handler(Exception)
     async def _internal_error(request, exc: Exception):  # never a traceback to the client
-        return _error(500, f"internal error ({type(exc).__name__})")
+        return error_response(500, f"internal error ({type(exc).__name__})")
 
     @app.get("/healthz")
     async def healthz():
         return {"status": "ok", "models": list(workers),
-                "queued": sum(w.queue.qsize() for w in workers.values()),
+                "queued": sum(w.queue.qsize() for w in workers.values()), "decoding": held.used,
                 "served": sum(w.served for w in workers.values())}
 
     @app.get("/v1/models")
@@ -294,8 +328,32 @@ def create_app(models: dict[str, Captioner], config: ServeConfig | None = None) 
         return {"models": out, "default": default,
                 "limits": {"max_upload_bytes": config.max_upload_bytes, "accepted_types": sorted(ACCEPTED_TYPES),
                            "max_beam": config.max_beam, "default_beam": config.default_beam,
-                           "queue_size": config.queue_size},
+                           "queue_size": config.queue_size, "max_pixels": config.max_pixels,
+                           "max_decode_bytes": config.max_decode_bytes, "decode_workers": config.decode_workers,
+                           "decode_queue": config.decode_queue, "max_connections": config.max_connections,
+                           "header_timeout_s": config.header_timeout, "body_timeout_s": config.body_timeout,
+                           "api_key_required": config.api_key is not None,
+                           "rate_limit_per_minute": config.rate_limit},
+                "memory": memory,
                 "onnx_demo": "/app/index.html?model=/onnx-model/" if config.onnx_dir else None}
+
+    def decode(data: bytes, label: str, pre: Preprocess) -> torch.Tensor:  # on a decode thread
+        im, plan = decode_reduced(data, pre.size, label, PIL_FORMATS, config.max_pixels, config.max_decode_bytes)
+        x = to_tensor(im, pre)
+        if plan.bytes > TRIM_AFTER_BYTES:
+            release_free_memory()
+        return x
+
+    async def to_input(upload: UploadFile, label: str, pre: Preprocess) -> torch.Tensor:
+        """The upload's bytes, read into memory and decoded under the held-uploads cap."""
+        with held.take():
+            data = await upload.read()
+            if not data:
+                raise ApiError(400, f"{label}: empty file")
+            try:
+                return await asyncio.get_running_loop().run_in_executor(decoders, decode, data, label, pre)
+            except ImageError as e:
+                raise ApiError(400, str(e)) from None
 
     @app.post("/v1/caption")
     async def caption(request: Request):
@@ -304,7 +362,7 @@ def create_app(models: dict[str, Captioner], config: ServeConfig | None = None) 
         if not ctype.lower().startswith("multipart/form-data"):
             raise ApiError(415, "send a multipart/form-data body with the photo in the field 'image' "
                                 f"(got Content-Type {ctype[:60]!r})")
-        form = await request.form(max_files=1, max_fields=8)
+        form = await request.form(max_files=1, max_fields=8, max_part_size=FIELD_BYTES)
         try:
             upload = form.get("image")
             if upload is None:
@@ -319,22 +377,11 @@ def create_app(models: dict[str, Captioner], config: ServeConfig | None = None) 
             name = form.get("model") or default
             if not isinstance(name, str) or name not in workers:
                 raise ApiError(400, f"unknown model {str(name)[:60]!r}; known: {', '.join(workers)}")
-            data = await upload.read()
+            worker = workers[name]
+            label = (upload.filename or "image")[:100]
+            x = await to_input(upload, label, worker.captioner.encoder.preprocess)
         finally:
             await form.close()
-        if not data:
-            raise ApiError(400, f"{upload.filename or 'image'}: empty file")
-        worker = workers[name]
-        pre = worker.captioner.encoder.preprocess
-        label = (upload.filename or "image")[:100]
-
-        def prepare():
-            return to_tensor(decode_rgb(data, label, PIL_FORMATS), pre)
-
-        try:
-            x = await run_in_threadpool(prepare)
-        except ImageError as e:
-            raise ApiError(400, str(e)) from None
         res = await worker.submit(x, beam)
         return {"caption": res.text, "words": res.words,
                 "attention": [[round(float(v), 5) for v in row] for row in res.attention.tolist()],
@@ -355,16 +402,49 @@ def create_app(models: dict[str, Captioner], config: ServeConfig | None = None) 
     if config.onnx_dir:
         app.mount("/onnx-model", StaticFiles(directory=config.onnx_dir), name="onnx-model")
 
+    # the last added runs first: key, then rate, then size
     app.add_middleware(BodyLimit, limit=config.max_upload_bytes, drain_limit=config.drain_limit)
+    if config.rate_limit:
+        app.add_middleware(RateLimit, per_minute=config.rate_limit)
+    if config.api_key is not None:
+        app.add_middleware(ApiKey, key=config.api_key)
     return app
 
 
-def serve(model_paths: list[str] | None, host: str, port: int, config: ServeConfig,
-          threads: int | None = None) -> None:
+def warm_up(models: dict[str, Captioner], config: ServeConfig) -> None:
+    """Caption one full batch at the largest beam with each model, so that the memory measured
+    before serving includes the models' working memory."""
+    gen = torch.Generator().manual_seed(0)
+    for cap in models.values():
+        side = cap.encoder.preprocess.size
+        x = torch.randn(config.max_batch, 3, side, side, generator=gen).contiguous(memory_format=torch.channels_last)
+        with torch.inference_mode():
+            cap.decode_features(cap.encoder(x), config.max_beam)
+
+
+def make_server(app: FastAPI, config: ServeConfig, **uvicorn_options):
+    """The uvicorn server for ``app``: the guarded protocol (header and body deadlines) and the
+    connection limit. Run it with ``.run(sockets=[bind(host, port)])``."""
     import uvicorn
+
+    from .protocol import GuardedH11Protocol
+    protocol = functools.partial(GuardedH11Protocol, header_timeout=config.header_timeout,
+                                 body_timeout=config.body_timeout)
+    options = {"log_level": "warning", "timeout_graceful_shutdown": 5, **uvicorn_options}
+    return uvicorn.Server(uvicorn.Config(app, http=protocol, limit_concurrency=config.max_connections, **options))
+
+
+def serve(model_paths: list[str] | None, sock: socket.socket, config: ServeConfig,
+          threads: int | None = None) -> None:
+    """Load the models, warm them up and serve on ``sock`` (from serve.net.bind) until interrupted."""
     if threads:
         torch.set_num_threads(threads)
     models = load_models(model_paths)
+    warm_up(models, config)
     app = create_app(models, config)
-    print(f"captionkit serve: {', '.join(models)} on http://{host}:{port}/", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+    worst = app.state.memory["worst_case_bytes"] / 2 ** 30
+    sock.listen(2048)  # from now on connections wait for uvicorn instead of being refused
+    print(f"captionkit serve: {', '.join(models)} on {url} (worst-case memory {worst:.2f} GiB)", flush=True)
+    make_server(app, config).run(sockets=[sock])

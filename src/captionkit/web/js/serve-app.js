@@ -3,9 +3,24 @@ import { fileInput, showResult } from "./attention.js";
 const $ = (id) => document.getElementById(id);
 const status = $("status");
 let lastFile = null;
+const KEY_ITEM = "captionkit-api-key";
+
+// A server started with an API key answers 401 on /v1/: ask for the key once, keep it for the tab.
+async function api(url, options = {}) {
+  for (;;) {
+    const key = sessionStorage.getItem(KEY_ITEM);
+    const res = await fetch(url, key ? { ...options, headers: { Authorization: `Bearer ${key}` } } : options);
+    if (res.status !== 401) return res;
+    const given = window.prompt("This server needs an API key:");
+    if (!given || !given.trim()) return res;
+    sessionStorage.setItem(KEY_ITEM, given.trim());
+  }
+}
 
 async function init() {
-  const info = await (await fetch("/v1/models")).json();
+  const res = await api("/v1/models");
+  const info = await res.json();
+  if (!res.ok) throw new Error(info.error || `error ${res.status}`);
   for (const m of info.models) {
     const o = new Option(`${m.name} (${m.family}, ${m.encoder})`, m.name, m.default, m.default);
     $("model").add(o);
@@ -25,7 +40,7 @@ async function captionFile(file) {
   form.append("model", $("model").value);
   status.className = "status";
   status.textContent = "captioning…";
-  const res = await fetch("/v1/caption", { method: "POST", body: form });
+  const res = await api("/v1/caption", { method: "POST", body: form });
   const body = await res.json();
   if (!res.ok) {
     status.className = "status error";

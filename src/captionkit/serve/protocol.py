@@ -1,0 +1,93 @@
+"""uvicorn's HTTP/1.1 protocol (h11) with the request deadlines it lacks.
+
+uvicorn closes a kept-alive connection that stays idle after a response (``timeout_keep_alive``)
+and limits the size of a request head (``h11_max_incomplete_event_size``), but has no deadline
+while a request arrives: a connection that sends nothing, or a head or body one byte at a time
+(slowloris), is kept open forever, and an ASGI middleware cannot help since it runs only once
+the head is complete. This protocol adds two:
+
+- ``header_timeout``: a connection must send a complete request head within this many seconds
+  of opening, or of the end of its previous response. Not restarted by partial data.
+- ``body_timeout``: while a request body arrives, the longest silence allowed between two
+  pieces of it.
+
+On expiry the connection is closed, after a 408 JSON answer if the client had begun a request
+and no answer was started; a request the app was reading then ends as a client disconnect.
+"""
+
+from __future__ import annotations
+
+import json
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+def _timeout_answer(message: str) -> bytes:
+    body = json.dumps({"error": message, "status": 408}).encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+
+class GuardedH11Protocol(H11Protocol):
+    def __init__(self, *args, header_timeout: float, body_timeout: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.header_timeout, self.body_timeout = header_timeout, body_timeout
+        self._deadline = None  # asyncio.TimerHandle of the armed deadline
+        self._phase = None  # "head" or "body": what the armed deadline waits for
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._update()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._update(received=True)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._update()
+
+    def _update(self, received: bool = False) -> None:
+        """Arm the deadline that fits what the connection waits for from the client now."""
+        if self.transport.is_closing():
+            return self._disarm()
+        state = self.conn.their_state
+        phase = "head" if state is h11.IDLE else "body" if state is h11.SEND_BODY else None
+        if phase is None:  # the request is complete: the app works or answers, no client deadline
+            return self._disarm()
+        if phase == self._phase and (phase == "head" or not received):
+            return  # a head's deadline runs from its start; a body's restarts with each piece
+        self._disarm()
+        self._phase = phase
+        timeout = self.header_timeout if phase == "head" else self.body_timeout
+        self._deadline = self.loop.call_later(timeout, self._expire)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline, self._phase = None, None
+
+    def _expire(self) -> None:
+        phase, self._deadline, self._phase = self._phase, None, None
+        if self.transport.is_closing():
+            return
+        if phase == "body" and self.flow.read_paused:  # the app is behind, not the client: wait on
+            return self._update()
+        if phase == "head":
+            begun = bool(self.conn.trailing_data[0])  # part of a head is buffered
+            message = f"no complete request head within {self.header_timeout:g} s"
+        else:
+            begun = self.cycle is not None and not self.cycle.response_started
+            message = f"request body stalled for {self.body_timeout:g} s"
+        if self.cycle is not None and not self.cycle.response_complete:
+            # as connection_lost will: the app's next receive() is a disconnect, its answer is dropped
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        if begun:
+            self.transport.write(_timeout_answer(message))
+        self.transport.close()
