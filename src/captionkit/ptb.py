@@ -87,9 +87,12 @@ FILENAME = (f"{AN}+(?:\\.{AN}+)*\\.(?i:bat|bmp|class|cpp|c|docx|doc|exe|gif|gz|h
             "|mp3|pdf|php|pl|png|ppt|ps|py|sql|tar|txt|wav|xml|zip|dll|x)")
 # (",-_" in the domain class is a range, from "," to "_", as in the jar's grammar: no capitals,
 # digits, ":", "/" or "@" there)
-LIKELYURL = ("(?:(?:www\\.(?:[^ \\t\\n\\f\\r\"<>|.!?(){},]+\\.)+[a-zA-Z]{2,4})"
-             "|(?:(?:[^ \\t\\n\\f\\r\"`'<>|.!?(){},-_$]+\\.)+(?i:com|net|org|edu)))"
-             "(?:\\/[^ \\t\\n\\f\\r\"<>|()]+[^ \\t\\n\\f\\r\"<>|.!?(){},-])?")
+_URLPATH = "(?:\\/[^ \\t\\n\\f\\r\"<>|()]+[^ \\t\\n\\f\\r\"<>|.!?(){},-])?"
+_WWW = "www\\.(?:[^ \\t\\n\\f\\r\"<>|.!?(){},SLASH]+\\.)+[a-zA-Z]{2,4}"
+# (the second form is the first with no "/" in the host, for the longest match that the jar
+# finds where Python's regular expressions stop at the first)
+LIKELYURL = [_WWW.replace("SLASH", "") + _URLPATH, _WWW.replace("SLASH", "/") + _URLPATH,
+             "(?:[^ \\t\\n\\f\\r\"`'<>|.!?(){},-_$]+\\.)+(?i:com|net|org|edu)" + _URLPATH]
 EMAIL = ("(?:&(?i:lt);|<)?[a-zA-Z0-9][^ \\t\\n\\f\\r\"<>|()\\u00a0{}]*@(?:[^ \\t\\n\\f\\r\"<>|(){}.\\u00a0]+\\.)*"
          "[^ \\t\\n\\f\\r\"<>|(){}.\\u00a0]+(?:&(?i:gt);|>)?")
 PHONE = ("(?:\\([0-9]{2,3}\\)[ \\u00a0]?|(?:\\+\\+?)?(?:[0-9]{2,4}[\\- \\u00a0])?[0-9]{2,4}[\\- \\u00a0/])"
@@ -148,7 +151,9 @@ class Rule:
 
     def __post_init__(self) -> None:
         alternatives = self.pattern if isinstance(self.pattern, list) else [self.pattern]
-        self.mains = [re.compile(f"(?:{p})") for p in alternatives]
+        # the trailing context as a look-ahead too, so that the pattern backtracks to a match it allows
+        ahead = f"(?={self.trail})" if self.trail is not None else ""
+        self.mains = [re.compile(f"(?:{p}){ahead}") for p in alternatives]
         self.after = re.compile(f"(?:{self.trail})") if self.trail is not None else None
         self.starts = re.compile(self.first)
 
