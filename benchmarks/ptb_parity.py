@@ -30,12 +30,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 from ptb_fuzz import random_lines  # noqa: E402
 
 from captionkit.ptb import tokenize_lines  # noqa: E402
-from captionkit.tokenize import LINE_BREAKS, _jar_command, one_line  # noqa: E402
+from captionkit.tokenize import LINE_BREAKS, jar_command, one_line  # noqa: E402
 
 
 def jar_lines(lines: list[str]) -> tuple[list[str], float]:
     t = time.perf_counter()
-    out = subprocess.run(_jar_command(), input="\n".join(lines).encode(), capture_output=True, check=True).stdout
+    out = subprocess.run(jar_command(), input="\n".join(lines).encode(), capture_output=True, check=True).stdout
     got = out.decode().split("\n")
     assert len(got) == len(lines), (len(got), len(lines))
     return got, time.perf_counter() - t

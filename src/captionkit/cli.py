@@ -17,6 +17,12 @@ class UsageError(ValueError):
     pass
 
 
+def _write_json(path: str | Path, obj) -> None:
+    from .outputs import atomic_write_text
+
+    atomic_write_text(path, json.dumps(obj, indent=1, ensure_ascii=False))
+
+
 def cmd_caption(paths: list[str], model: str | None, beam: int, json_out: str | None,
                 attention: str | None, batch_size: int, length_penalty: float | None,
                 jsonl: str | None = None, csv_out: str | None = None, workers: int = 2,
@@ -160,20 +166,14 @@ def _check_targets(*paths: str | None, overwrite: bool) -> None:
         raise UsageError(f"{given[0]}: given for two outputs; choose a file for each")
 
 
-def _write_json(path: str | Path, obj) -> None:
-    from .outputs import atomic_write_text
-
-    atomic_write_text(path, json.dumps(obj, indent=1, ensure_ascii=False))
-
-
 def cmd_evaluate(model: str | None, dataset: str, images: str | None, split: str, beam: int,
                  out: str | None, batch_size: int, length_penalty: float | None,
                  tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str,
                  image_column: str, title_column: str, image_suffix: str, overwrite: bool = False) -> int:
+    _check_targets(out, overwrite=overwrite)  # before torch, the dataset and the model load
     from .captioner import Captioner
     from .evaluation import score_captions
 
-    _check_targets(out, overwrite=overwrite)
     items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
     cap = Captioner.load(model)
     captions, failed = {}, []

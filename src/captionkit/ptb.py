@@ -41,6 +41,7 @@ SPACENL = "[ \\t\\u00a0\\u2000-\\u200a\\u3000\\n]"
 SPLET = "&[aeiouAEIOU](?i:acute|grave|uml);"  # an accented letter as an entity, kept as it is
 L = f"(?:[{LETTER}\\u00ad]|{SPLET})"  # a letter of a word (soft hyphens are removed from words)
 AN = f"[{ALNUM}]"  # a letter or digit of a hyphenated thing (no combining marks)
+AN_SHY = f"[{ALNUM}\\u00ad]"  # the same or a soft hyphen (which file names keep)
 HYPHEN = "[_\\-\\u058a\\u2010\\u2011]"
 D = f"[{DIGIT}]"
 UP = f"[{UPPER}]"
@@ -77,13 +78,13 @@ QUOTES = [APOS, "''", ("[`\\u0091-\\u0094\\u2018\\u2019\\u201a-\\u201e\\u2039\\u
 THING = f"(?:(?:[dDoOlL]{APOSETC}{AN})?{AN}+(?:{HYPHEN}(?:[dDoOlL]{APOSETC}{AN})?{AN}+)*)"  # d'/o'/l' may open a part
 HTHING = f"(?:{AZ09}[A-Za-z0-9.,\\u00ad]*(?:-(?:{ACRO}\\.|[A-Za-z0-9\\u00ad]+))+)"
 THING3 = "(?:[A-Za-z0-9]+(?:-[A-Za-z]+){0,2}(?:\\\\?\\/[A-Za-z0-9]+(?:-[A-Za-z]+){0,2}){1,2})"
-LP = f"[{LETTER}]"  # a letter, no soft hyphen or entity
+LP = f"(?:(?![{DIGIT}])[{ALNUM}])"  # a letter proper: no digit, combining mark, soft hyphen or entity
 APOWORD = [f"{APOS}(?i:n){APOS}?", f"[lLdDjJ]{APOS}", f"(?i:Dunkin|somethin|ol){APOS}", f"{APOS}(?i:em)",
            f"[A-HJ-XZn]{APOSETC}{LP}{{2}}{LP}*", f"{APOS}[2-9]0(?i:s)", f"{APOS}(?i:till?)",
            f"{LP}+[aeiouyAEIOUY]{APOSETC}[aeiouA-Z]{LP}*", f"{APOS}(?i:cause)",
            "(?i:nor'easter|c'mon|e'er|s'mores|ev'ry|li'l|nat'l)", f"(?i:O{APOSETC}o)"]
 FULLURL = "(?i:https?|ftp):\\/\\/[^ \\t\\n\\f\\r\"<>|(){}]+[^ \\t\\n\\f\\r\"<>|.!?(){},-]"
-FILENAME = (f"{AN}+(?:\\.{AN}+)*\\.(?i:bat|bmp|class|cpp|c|docx|doc|exe|gif|gz|html|htm|h|jar|java|jpeg|jpg|mov"
+FILENAME = (f"{AN_SHY}+(?:\\.{AN_SHY}+)*\\.(?i:bat|bmp|class|cpp|c|docx|doc|exe|gif|gz|html|htm|h|jar|java|jpeg|jpg|mov"
             "|mp3|pdf|php|pl|png|ppt|ps|py|sql|tar|txt|wav|xml|zip|dll|x)")
 # (",-_" in the domain class is a range, from "," to "_", as in the jar's grammar: no capitals,
 # digits, ":", "/" or "@" there)
@@ -95,7 +96,7 @@ LIKELYURL = [_WWW.replace("SLASH", "") + _URLPATH, _WWW.replace("SLASH", "/") + 
              "(?:[^ \\t\\n\\f\\r\"`'<>|.!?(){},-_$]+\\.)+(?i:com|net|org|edu)" + _URLPATH]
 EMAIL = ("(?:&(?i:lt);|<)?[a-zA-Z0-9][^ \\t\\n\\f\\r\"<>|()\\u00a0{}]*@(?:[^ \\t\\n\\f\\r\"<>|(){}.\\u00a0]+\\.)*"
          "[^ \\t\\n\\f\\r\"<>|(){}.\\u00a0]+(?:&(?i:gt);|>)?")
-PHONE = ("(?:\\([0-9]{2,3}\\)[ \\u00a0]?|(?:\\+\\+?)?(?:[0-9]{2,4}[\\- \\u00a0])?[0-9]{2,4}[\\- \\u00a0/])"
+PHONE = ("(?:\\([0-9]{2,3}\\)[ \\u00a0]?|(?:\\+\\+?)?(?:[0-9]{2,4}[\\- \\u00a0])?[0-9]{2,4}[\\- \\u00a0])"
          "[0-9]{3,4}[\\- \\u00a0]?[0-9]{3,5}")
 SMILEY = "[<>]?[:;=][\\-o\\*']?[\\(\\)DPdpO\\\\{@\\|\\[\\]]"
 ASIANSMILEY = ("(?:[\\-\\^x=~<>']_[\\-\\^x=~<>']|\\([\\-\\^x=~<>'][_.]?[\\-\\^x=~<>']\\)"
@@ -232,7 +233,7 @@ RULES: list[Rule] = [
     Rule("word", WORD, word, first=_LETTER1),
     Rule("proglang", "(?i:c\\+\\+|[cf]#)", keep, first="[cCfF]"),
     Rule("apoword", APOWORD, keep, first=f"(?:{_LETTER1}|{_APOS1})"),
-    Rule("yapos", f"[yY]{APOS}", keep, trail=L, first="[yY]"),
+    Rule("yapos", f"[yY]{APOS}", keep, trail=LP, first="[yY]"),
     Rule("fullurl", FULLURL, keep, first="[hHfF]"),
     Rule("likelyurl", LIKELYURL, keep, first="[^ \\t\\n\\f\\r\"<>|.!?(){},]"),
     Rule("email", EMAIL, keep, first="[a-zA-Z0-9<&]"),
@@ -260,7 +261,7 @@ RULES: list[Rule] = [
     Rule("abbrev2", ABBREV2, keep, first="[A-Za-z]"),
     Rule("acro-space", ACRO, keep, trail=SPACENL, first="[A-Za-z]"),
     Rule("tbspec2", f"{APOS}[0-9][0-9]", keep, trail=SPACENL, first=_APOS1),
-    Rule("filename", FILENAME, keep, trail=f"{SPACENL}|[.?!,]", first=AN),
+    Rule("filename", FILENAME, keep, trail=f"{SPACENL}|[.?!,]", first=AN_SHY),
     Rule("word-period", [WORD + "\\.", THING + "\\.", HTHING + "\\."], word, trail="[,;:]",
          first=f"(?:{_LETTER1}|{D})"),
     Rule("phone", PHONE, lambda t: _spaces(_parens(t)), first="[(+0-9]"),

@@ -66,7 +66,8 @@ def java_available() -> bool:
     return shutil.which("java") is not None
 
 
-def _jar_command() -> list[str]:
+def jar_command() -> list[str]:
+    """How coco-caption runs the PTBTokenizer jar (it reads the text on standard input)."""
     from pycocoevalcap.tokenizer import ptbtokenizer as ptb
 
     jar = Path(ptb.__file__).with_name(ptb.STANFORD_CORENLP_3_4_1_JAR)
@@ -79,7 +80,7 @@ class _JarRun:
     def __init__(self, captions: Captions):
         self.captions = captions
         self.lines = _lines(captions)
-        self.proc = subprocess.Popen(_jar_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(jar_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE) if self.lines else None
 
     def result(self) -> Captions:
