@@ -150,13 +150,22 @@ class Rule:
     trail: str | None = None
     first: str = "[\\s\\S]"  # the characters a match can start with (a regular-expression class)
 
-    def __post_init__(self) -> None:
+    # compiled on first use: a set of plain captions never needs most rules, and compiling them
+    # all (large Unicode classes) would cost a fifth of a second at every start
+    @functools.cached_property
+    def mains(self) -> list[re.Pattern]:
         alternatives = self.pattern if isinstance(self.pattern, list) else [self.pattern]
         # the trailing context as a look-ahead too, so that the pattern backtracks to a match it allows
         ahead = f"(?={self.trail})" if self.trail is not None else ""
-        self.mains = [re.compile(f"(?:{p}){ahead}") for p in alternatives]
-        self.after = re.compile(f"(?:{self.trail})") if self.trail is not None else None
-        self.starts = re.compile(self.first)
+        return [re.compile(f"(?:{p}){ahead}") for p in alternatives]
+
+    @functools.cached_property
+    def starts(self) -> re.Pattern:
+        return re.compile(self.first)
+
+    @functools.cached_property
+    def after(self) -> re.Pattern | None:
+        return re.compile(f"(?:{self.trail})") if self.trail is not None else None
 
     def match(self, text: str, pos: int) -> tuple[int, int]:
         """(length with trailing context, length without) of the longest match at ``pos``,
@@ -332,17 +341,17 @@ def _longest(text: str, pos: int, rules: tuple[Rule, ...] | list[Rule]) -> tuple
 # Shortcuts for the common case, which give what the rules give: a plain word followed by a space,
 # a line end or a sentence-final period (unless the tokenizer splits it, or it could be an
 # abbreviation), and a period or comma followed by a space that does not start ". . .".
-_PLAIN = re.compile("([A-Za-z]+)(?:(?=[ \\n])|(?=\\.[ \\n]))|([.,])(?= [^.]|\\n)")
+_PLAIN = re.compile("([A-Za-z]+)(?:(?=[ \\n]|$)|(?=\\.(?:[ \\n]|$)))|([.,])(?= [^.]|\\n|$)")
+_SPACES = re.compile(f"{SPACE}+")
 _SPLIT_WORDS = {"cannot", "gonna", "gotta", "lemme", "gimme", "wanna"}
 _HAS_SPLIT_WORD = re.compile("(?i)" + "|".join(_SPLIT_WORDS))
 _RUN = re.compile(f"(?:[A-Za-z]+ +)+(?![{SPACE_CHARS}])")  # plain words, each followed by spaces
-_ABBREVIATION = re.compile(f"{ABBREV1}|{ABBREV2}|{ABBREV3}")
-_SIMPLE_LINE = re.compile(" *([A-Za-z]+(?: +[A-Za-z]+)*) *(\\.?) *\\n")  # words, maybe a final period
+_SIMPLE_LINE = re.compile(" *([A-Za-z]+(?: +[A-Za-z]+)*) *(\\.?) *(\\n|$)")  # words, maybe a final period
 
 
-def _simple_line(text: str, pos: int) -> tuple[list[str], int] | None:
-    """The tokens of a line of plain words (maybe ending in a period) starting at ``pos``, and
-    where the next line starts; None for any other line."""
+def _simple_line(text: str, pos: int) -> tuple[list[str], int, bool] | None:
+    """The tokens of a line of plain words (maybe ending in a period) starting at ``pos``, where
+    the next line starts, and whether there is one; None for any other line."""
     m = _SIMPLE_LINE.match(text, pos)
     if m is None:
         return None
@@ -353,12 +362,17 @@ def _simple_line(text: str, pos: int) -> tuple[list[str], int] | None:
         if _is_abbreviation(words[-1]):
             return None
         words.append(".")
-    return words, m.end()
+    return words, m.end(), bool(m.group(3))
 
 
 @functools.lru_cache(maxsize=4096)
 def _is_abbreviation(word: str) -> bool:
-    return _ABBREVIATION.fullmatch(word + ".") is not None
+    return _abbreviation().fullmatch(word + ".") is not None
+
+
+@functools.cache
+def _abbreviation() -> re.Pattern:
+    return re.compile(f"{ABBREV1}|{ABBREV2}|{ABBREV3}")
 
 
 def _plain_token(text: str, pos: int) -> str | None:
@@ -370,7 +384,7 @@ def _plain_token(text: str, pos: int) -> str | None:
         return m.group(2)
     if w.lower() in _SPLIT_WORDS:
         return None
-    if text[m.end()] == "." and _is_abbreviation(w):
+    if text.startswith(".", m.end()) and _is_abbreviation(w):
         return None
     return w
 
@@ -394,12 +408,16 @@ def tokenize_lines(lines: list[str], dispatch: bool = True) -> list[list[str]]:
             out.append([])
             pos += 1
             continue
+        if dispatch and c in " \t":  # spaces: no rule but the space rule starts with one
+            pos = _SPACES.match(text, pos).end()
+            continue
         if dispatch and (pos == 0 or text[pos - 1] == "\n"):
-            got = _simple_line(text, pos)
-            if got is not None:
-                out[-1].extend(got[0])
-                out.append([])
-                pos = got[1]
+            line = _simple_line(text, pos)
+            if line is not None:
+                out[-1].extend(line[0])
+                if line[2]:
+                    out.append([])
+                pos = line[1]
                 continue
         if dispatch:
             m = _RUN.match(text, pos)
