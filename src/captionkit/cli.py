@@ -19,20 +19,9 @@ class UsageError(ValueError):
 
 
 def _write_json(path: str | Path, obj) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False))
-    os.replace(tmp, path)
+    from .outputs import atomic_write_text
 
-
-def _read_json(path: str | Path, what: str):
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such {what} file") from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    atomic_write_text(path, json.dumps(obj, indent=1, ensure_ascii=False))
 
 
 def _caption_writer(command: str, paths: list[str], settings: dict, **outputs):
@@ -170,10 +159,23 @@ def _load_dataset(dataset: str, images: str | None, image_column: str, title_col
     return load_dataset(dataset, images, image_column, title_column, image_suffix)
 
 
+def _check_targets(*paths: str | None, overwrite: bool) -> None:
+    """The files a scoring command will write: refused now, before any work, if they exist
+    (without --overwrite) or cannot be written (see captionkit.outputs)."""
+    from .outputs import check_file_target
+
+    given = [p for p in paths if p]
+    for p in given:
+        check_file_target(p, overwrite=overwrite)
+    if len({Path(p).resolve() for p in given}) < len(given):
+        raise UsageError(f"{given[0]}: given for two outputs; choose a file for each")
+
+
 def cmd_evaluate(model: str | None, dataset: str, images: str | None, split: str, beam: int,
                  out: str | None, batch_size: int, length_penalty: float | None,
                  tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str,
-                 image_column: str, title_column: str, image_suffix: str) -> int:
+                 image_column: str, title_column: str, image_suffix: str, overwrite: bool = False) -> int:
+    _check_targets(out, overwrite=overwrite)  # before torch, the dataset and the model load
     from .captioner import Captioner
     from .evaluation import score_captions
 
@@ -188,7 +190,8 @@ def cmd_evaluate(model: str | None, dataset: str, images: str | None, split: str
             captions[path.name] = res.text
     if failed:
         raise UsageError(f"{len(failed)} {split} images could not be read, e.g. {failed[0]}")
-    rep = score_captions(captions, {it.name: it.raw for it in items},
+    rep = score_captions(captions, {it.name: it.raw for it in items}, source="the model's captions",
+                         refs_source=f"{dataset} ({split} split)",
                          **_score_opts(tokenizer, meteor, no_brevity_penalty, metrics))
     lp = cap.length_penalty_or(length_penalty)
     print(f"{split} split, {len(items)} images, beam {beam}, length penalty {lp:g}")
@@ -198,7 +201,7 @@ def cmd_evaluate(model: str | None, dataset: str, images: str | None, split: str
                           "beam": beam, "length_penalty": lp, "scale": "x100",
                           "scores": {k: round(100 * v, 4) for k, v in rep.scores.items()},
                           "implementation": rep.implementation, "tokenizer": rep.tokenizer,
-                          "captions": captions})
+                          "empty_captions": len(rep.empty), "notes": rep.notes, "captions": captions})
     return 0
 
 
@@ -207,6 +210,8 @@ def _print_report(rep, ci: dict | None = None) -> None:
     for k, v in rep.scores.items():
         interval = f"  [{100 * ci[k][0]:.2f}, {100 * ci[k][1]:.2f}] 95% CI" if ci and k in ci else ""
         print(f"  {k:8s} {100 * v:6.2f}{interval}   {rep.implementation[k]}")
+    for note in rep.notes:
+        print(f"note: {note}")
 
 
 def _score_opts(tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str) -> dict:
@@ -217,24 +222,34 @@ def _score_opts(tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: 
 def cmd_score(captions: str | None, refs: str | None, dataset: str | None, images: str | None, split: str,
               out: str | None, per_image: str | None, bootstrap: int, compare: list[str] | None,
               tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str, seed: int,
-              image_column: str, title_column: str, image_suffix: str) -> int:
+              image_column: str, title_column: str, image_suffix: str, overwrite: bool = False) -> int:
     from .evaluation import bootstrap as run_bootstrap
     from .evaluation import paired_bootstrap, score_captions
+    from .score_inputs import read_captions, read_references
 
-    if refs:
-        ref = _read_json(refs, "references")
-    elif dataset:
-        items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
-        ref = {it.name: it.raw for it in items}
-    else:
+    # what the user gave, checked before anything is read or scored
+    if compare and captions:
+        raise UsageError("give either --captions or --compare A.json B.json")
+    if not compare and not captions:
+        raise UsageError("give --captions C.json (or --compare A.json B.json)")
+    if compare and per_image:
+        raise UsageError("--per-image writes one system's scores: use it with --captions, not --compare")
+    if refs and dataset:
+        raise UsageError("give the references once: --refs R.json or --dataset D --split S")
+    if not refs and not dataset:
         raise UsageError("give the references: --refs R.json or --dataset D --split S")
-    opts = _score_opts(tokenizer, meteor, no_brevity_penalty, metrics)
+    if bootstrap < 0:
+        raise UsageError(f"--bootstrap must be 0 (no intervals) or a number of resamples, got {bootstrap}")
+    _check_targets(out, per_image, overwrite=overwrite)
+    if refs:
+        ref, refs_source = read_references(refs), refs
+    else:
+        items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
+        ref, refs_source = {it.name: it.raw for it in items}, f"{dataset} ({split} split)"
+    opts = {**_score_opts(tokenizer, meteor, no_brevity_penalty, metrics), "refs_source": refs_source}
     if compare:
-        if captions:
-            raise UsageError("give either --captions or --compare A.json B.json")
-        reps = []
-        for path in compare:
-            reps.append(score_captions(_read_json(path, "captions"), ref, source=path, **opts))
+        systems = [read_captions(path) for path in compare]  # both files checked before scoring either
+        reps = [score_captions(c, ref, source=path, **opts) for c, path in zip(systems, compare)]
         rounds = bootstrap or 1000
         result = paired_bootstrap(reps[0], reps[1], rounds=rounds, seed=seed)
         print(f"A = {compare[0]}, B = {compare[1]}: {len(ref)} images, paired bootstrap, {rounds} resamples; x100")
@@ -244,14 +259,15 @@ def cmd_score(captions: str | None, refs: str | None, dataset: str | None, image
             p = min(r["p_A_not_better"], r["p_B_not_better"])
             print(f"  {k:8s} A {100 * r['A']:6.2f}  B {100 * r['B']:6.2f}  delta {100 * r['delta']:+6.2f}  "
                   f"p = {p:.4f}  {verdict}")
+        for name, rep in zip("AB", reps):
+            for note in rep.notes:
+                print(f"note: {name}: {note}")
         if out:
             _write_json(out, {k: {**{x: round(100 * r[x], 4) for x in ("A", "B", "delta")},
                                   "p_A_not_better": r["p_A_not_better"], "p_B_not_better": r["p_B_not_better"]}
                               for k, r in result.items()})
         return 0
-    if not captions:
-        raise UsageError("give --captions C.json (or --compare A.json B.json)")
-    cand = _read_json(captions, "captions")
+    cand = read_captions(captions)
     rep = score_captions(cand, ref, source=captions, **opts)
     ci = run_bootstrap(rep, rounds=bootstrap, seed=seed) if bootstrap else None
     print(f"{len(cand)} images" + (f", bootstrap {bootstrap} resamples" if bootstrap else ""))
@@ -262,6 +278,8 @@ def cmd_score(captions: str | None, refs: str | None, dataset: str | None, image
             doc["ci95"] = {k: [round(100 * lo, 4), round(100 * hi, 4)] for k, (lo, hi) in ci.items()}
         doc["implementation"] = rep.implementation
         doc["tokenizer"] = rep.tokenizer
+        doc["empty_captions"] = len(rep.empty)
+        doc["notes"] = rep.notes
         _write_json(out, doc)
     if per_image:
         _write_per_image(per_image, rep, cand)
@@ -273,6 +291,7 @@ def _write_per_image(path: str, rep, cand: dict) -> None:
     import io
 
     from .metrics import bleu_from_sums
+    from .outputs import atomic_write_text
     cols = {}
     if rep.bleu is not None:
         b = bleu_from_sums(rep.bleu.testlen, rep.bleu.reflen, rep.bleu.correct, rep.bleu.guess,
@@ -284,9 +303,7 @@ def _write_per_image(path: str, rep, cand: dict) -> None:
     w.writerow(["image", "caption", *cols])
     for i, img in enumerate(rep.images):
         w.writerow([img, cand[img], *(f"{100 * cols[c][i]:.4f}" for c in cols)])
-    tmp = Path(path).with_name(f".{Path(path).name}.{os.getpid()}.tmp")
-    tmp.write_text(buf.getvalue())
-    os.replace(tmp, path)
+    atomic_write_text(path, buf.getvalue())
 
 
 def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool, init: str | None,
@@ -486,11 +503,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", help="write scores and every caption to this JSON")
     e.add_argument("--batch-size", type=int, default=16)
     e.add_argument("--length-penalty", type=float, default=None)
+    e.add_argument("--overwrite", action="store_true", help="replace the --out file if it exists")
     _add_score_opts(e)
     _add_csv_opts(e)
 
     s = sub.add_parser("score", help="score a {image: caption} JSON against references")
-    s.add_argument("--captions", help="{image: caption} JSON")
+    s.add_argument("--captions", help="{image: caption} JSON (or coco-caption's [{\"image_id\": ..., \"caption\": ...}] list)")
     s.add_argument("--refs", help="{image: [reference, ...]} JSON")
     s.add_argument("--dataset", help="take the references from this dataset instead")
     s.add_argument("--images")
@@ -501,6 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
                    help="paired bootstrap test: does system A beat system B?")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--overwrite", action="store_true", help="replace the --json and --per-image files if they exist")
     _add_score_opts(s)
     _add_csv_opts(s)
 

@@ -22,10 +22,15 @@ from typing import Iterable
 import numpy as np
 
 from . import metrics as M
-from .tokenize import java_available, tokenize
+from .score_inputs import check_captions, check_references
+from .tokenize import java_available, tokenize_sets
 
 METRICS = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr", "SPICE")
 DEFAULT_METRICS = ("bleu", "meteor", "rouge", "cider")
+# The METEOR 1.5 jar fails on very long segments (here a 50,000-word caption: "could not convert
+# string to float"; 20,000 words still worked): it sees at most this many words of each caption
+# and reference, and a note says when any was cut. The other metrics use every word.
+METEOR_MAX_WORDS = 1000
 
 
 @dataclass
@@ -40,6 +45,8 @@ class Report:
     bleu: M.BleuStats | None = None
     bleu_brevity_penalty: bool = True
     meteor_stats: list[str] | None = None  # the METEOR jar's per-image statistics
+    empty: list[str] = field(default_factory=list)  # images whose caption has no words after tokenisation
+    notes: list[str] = field(default_factory=list)  # what the user should know about these scores
 
     def resampled(self, weights: np.ndarray) -> dict[str, np.ndarray]:
         """Corpus scores under image weights (R, N) -> {metric: (R,)}."""
@@ -115,8 +122,16 @@ def _meteor_eval(meteor, stats: list[str]) -> tuple[float, list[float]]:
     with meteor.lock:
         meteor.meteor_p.stdin.write(("EVAL ||| " + " ||| ".join(stats) + "\n").encode())
         meteor.meteor_p.stdin.flush()
-        per = [float(meteor.meteor_p.stdout.readline().strip()) for _ in stats]
-        return float(meteor.meteor_p.stdout.readline().strip()), per
+        per = [_meteor_number(meteor) for _ in stats]
+        return _meteor_number(meteor), per
+
+
+def _meteor_number(meteor) -> float:
+    line = meteor.meteor_p.stdout.readline().strip()
+    try:
+        return float(line)
+    except ValueError:
+        raise RuntimeError(f"the METEOR jar answered {line[:200]!r} instead of a score") from None
 
 
 def meteor_jar(res: dict[str, str], gts: dict[str, list[str]]) -> tuple[float, np.ndarray, list[str]]:
@@ -127,6 +142,8 @@ def meteor_jar(res: dict[str, str], gts: dict[str, list[str]]) -> tuple[float, n
     meteor = Meteor()  # a Java subprocess, stopped when the object is collected
     with meteor.lock:
         stats = [meteor._stat(res[k], gts[k]) for k in gts]
+    if any(not st for st in stats):
+        raise RuntimeError("the METEOR jar stopped answering (it gave no statistics for a caption)")
     score, per = _meteor_eval(meteor, stats)
     del meteor
     return score, np.asarray(per, dtype=np.float64), stats
@@ -158,29 +175,37 @@ def _spice(res, gts, quiet: bool) -> tuple[float, np.ndarray] | None:
 
 def score_captions(captions: dict[str, str], refs: dict[str, list[str]],
                    metrics: Iterable[str] = DEFAULT_METRICS, tokenizer: str = "auto", meteor: str = "auto",
-                   brevity_penalty: bool = True, quiet: bool = False, source: str = "the captions") -> Report:
+                   brevity_penalty: bool = True, quiet: bool = False, source: str = "the captions",
+                   refs_source: str = "the references") -> Report:
     """Corpus scores of ``captions`` ({image: caption}) against ``refs`` ({image: [refs]}).
 
     metrics: any of bleu, meteor, rouge, cider, spice. tokenizer: java, python or auto.
     meteor: jar (METEOR 1.5, Java), nltk (approximation), or auto (the jar when Java is there).
     brevity_penalty: False gives BLEU without it, as the Show, Attend and Tell paper reports.
-    source: what to call the captions in errors (e.g. their file).
+    source, refs_source: what to call the captions and the references in errors (e.g. their files).
+    Captions and references of a wrong shape are refused (see :mod:`captionkit.score_inputs`).
     """
+    captions = check_captions(captions, source)
+    refs = check_references(refs, refs_source)
     only_c, only_r = sorted(set(captions) - set(refs)), sorted(set(refs) - set(captions))
     if only_c or only_r:
         raise ValueError(f"captions and references cover different images: {len(only_c)} only in "
-                         f"{source} (e.g. {only_c[:3]}), {len(only_r)} only in the references (e.g. {only_r[:3]})")
+                         f"{source} (e.g. {only_c[:3]}), {len(only_r)} only in {refs_source} (e.g. {only_r[:3]})")
     wanted = set(metrics)
     unknown = wanted - {"bleu", "meteor", "rouge", "cider", "spice"}
     if unknown:
         raise ValueError(f"unknown metric(s): {', '.join(sorted(unknown))}")
     keys = list(refs)
-    both = {**{("r", k): refs[k] for k in keys}, **{("c", k): [captions[k]] for k in keys}}
-    toks, tok_name = tokenize(both, tokenizer)
-    gts = {k: toks[("r", k)] for k in keys}
-    res = {k: toks[("c", k)][0] for k in keys}
+    # as coco-caption: the references and the captions are tokenised as two texts, in image order
+    (gts, res_lists), tok_name = tokenize_sets([{k: refs[k] for k in keys}, {k: [captions[k]] for k in keys}],
+                                               tokenizer)
+    res = {k: res_lists[k][0] for k in keys}
     tok_label = "PTB tokenizer (Java jar)" if tok_name == "java" else "PTB tokenizer (Python re-implementation)"
     rep = Report({}, {}, tok_label, keys, bleu_brevity_penalty=brevity_penalty)
+    rep.empty = [k for k in keys if not res[k].strip()]
+    if rep.empty:
+        rep.notes.append(f"{len(rep.empty)} of {len(keys)} captions have no words after tokenisation and "
+                         f"score 0 (e.g. {', '.join(rep.empty[:3])})")
     corpus = M.Corpus.build(res, gts) if wanted & {"bleu", "cider"} else None
     if "bleu" in wanted:
         rep.bleu = M.bleu_stats(corpus)
@@ -196,7 +221,11 @@ def score_captions(captions: dict[str, str], refs: dict[str, list[str]],
             raise ValueError(f"unknown METEOR implementation {meteor!r} (jar, nltk, none or auto)")
         got = None
         if kind == "jar":
-            score, per, rep.meteor_stats = meteor_jar(res, gts)
+            res_m, gts_m, cut = _cut_for_meteor(res, gts)
+            if cut:
+                rep.notes.append(f"METEOR: {cut} captions or references longer than {METEOR_MAX_WORDS} words "
+                                 f"were cut to their first {METEOR_MAX_WORDS} words for the METEOR jar")
+            score, per, rep.meteor_stats = meteor_jar(res_m, gts_m)
             got = score, per
         elif kind == "nltk":
             try:
@@ -225,6 +254,23 @@ def score_captions(captions: dict[str, str], refs: dict[str, list[str]],
             rep.implementation["SPICE"] = "SPICE 1.0 jar (coco-caption)"
     rep.scores = {k: rep.scores[k] for k in METRICS if k in rep.scores}
     return rep
+
+
+def _cut_for_meteor(res: dict[str, str], gts: dict[str, list[str]]) -> tuple[dict, dict, int]:
+    """Captions and references with at most METEOR_MAX_WORDS words, and how many were cut."""
+    cut = 0
+
+    def first_words(text: str) -> str:
+        nonlocal cut
+        words = text.split(" ")
+        if len(words) <= METEOR_MAX_WORDS:
+            return text
+        cut += 1
+        return " ".join(words[:METEOR_MAX_WORDS])
+
+    res_m = {k: first_words(v) for k, v in res.items()}
+    gts_m = {k: [first_words(r) for r in v] for k, v in gts.items()}
+    return res_m, gts_m, cut
 
 
 def coco_scores(captions: dict[str, str], refs: dict[str, list[str]],
