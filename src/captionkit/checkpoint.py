@@ -3,15 +3,21 @@ needed to rebuild the model: family and sizes, encoder, vocabulary, training sta
 resumable training checkpoints, ``optimizer.safetensors``. Nothing is ever unpickled.
 
 Writes are atomic: the folder is written under a temporary name and renamed into place, so a
-killed run leaves the previous checkpoint intact.
+killed run leaves the previous checkpoint intact. ``config.json`` records the sha256 of each
+tensor file (under ``sha256``), checked on load, so a truncated or bit-flipped file is one
+clear error; checkpoints written before there were digests load unchecked.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import signal
+import sys
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +29,31 @@ from .errors import CheckpointError
 
 FORMAT, VERSION = "captionkit-checkpoint", 1
 ENCODER_PREFIX = "encoder."  # fine-tuned encoder tensors, stored beside the decoder's
+DIGESTS = "sha256"  # config.json's {tensor file name: sha256 hex digest}
+KILL_ENV = "CAPTIONKIT_TEST_KILL"  # test-only, see kill_point
+_reached: Counter[str] = Counter()
+
+
+def kill_point(point: str, where: object = "") -> None:
+    """Test-only hook for the kill-anywhere tests (tests/killharness.py): with the environment
+    variable CAPTIONKIT_TEST_KILL=POINT[:N], the process kills itself with SIGKILL the N-th
+    time (default the first) it reaches POINT, after one line on stderr. Points:
+    ``save:model`` (model.safetensors written, the rest not), ``save:files`` (every file
+    written and fsynced, nothing renamed), ``save:swap`` (the old folder renamed aside, the new
+    one not yet in place), ``save:done`` (the new folder in place, the old one not removed) and
+    ``validate`` (dev captions decoded, not yet scored). Unset, it does nothing."""
+    spec = os.environ.get(KILL_ENV)
+    if not spec or spec.partition(":")[0] != point:
+        return
+    _reached[point] += 1
+    if _reached[point] == int(spec.partition(":")[2] or 1):
+        print(f"{KILL_ENV}: killed at {point} {where}".rstrip(), file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def file_sha256(path: str | Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def split_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -65,16 +96,21 @@ def atomic_folder(folder: str | Path) -> Iterator[Path]:
 
 def save_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], config: dict,
                     optimizer: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write a checkpoint folder atomically (an existing folder of that name is replaced)."""
+    """Write a checkpoint folder atomically (an existing folder of that name is replaced),
+    with the sha256 of each tensor file in its config.json."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, tmp / "model.safetensors")
+        kill_point("save:model", folder)
         if optimizer:
             save_file({k: v.contiguous().cpu() for k, v in optimizer.items()}, tmp / "optimizer.safetensors")
-        body = {k: v for k, v in config.items() if k not in ("format", "version")}  # ours, never a copy's
-        (tmp / "config.json").write_text(json.dumps({"format": FORMAT, "version": VERSION, **body}, indent=1))
+        digests = {f.name: file_sha256(f) for f in sorted(tmp.glob("*.safetensors"))}  # as written on disk
+        # format, version and digests are ours, never a copy's (a re-saved config carries old ones)
+        body = {k: v for k, v in config.items() if k not in ("format", "version", DIGESTS)}
+        (tmp / "config.json").write_text(json.dumps({"format": FORMAT, "version": VERSION, **body,
+                                                     DIGESTS: digests}, indent=1))
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a checkpoint is an ordinary folder
@@ -82,11 +118,14 @@ def save_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], config
             os.chmod(f, 0o666 & ~umask)
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+        kill_point("save:files", folder)
         if folder.exists() and not folder.is_symlink():
             old = folder.with_name(f".{folder.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(folder, old)
+            kill_point("save:swap", folder)
             os.replace(tmp, folder)
+            kill_point("save:done", folder)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, folder)
@@ -142,10 +181,23 @@ def read_config(folder: str | Path) -> dict:
     return cfg
 
 
+def verify(folder: str | Path, name: str) -> None:
+    """Check a tensor file against the digest its config.json records (none recorded: a
+    checkpoint from before digests, accepted as it is). The error names the file."""
+    folder = resolve(folder)
+    want = read_config(folder).get(DIGESTS, {}).get(name)
+    if want is not None and file_sha256(folder / name) != want:
+        size = (folder / name).stat().st_size
+        raise CheckpointError(f"{folder / name}: corrupted or truncated ({size:,} bytes; its sha256 differs "
+                              f"from the one {folder / 'config.json'} records)")
+
+
 def read_weights(folder: str | Path, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
+    """A checkpoint's tensor file, verified against its recorded digest."""
     path = resolve(folder) / name
     if not path.is_file():
         raise CheckpointError(f"{path}: missing")
+    verify(folder, name)
     try:
         return load_file(path)
     except Exception as e:  # safetensors raises its own error types for corrupt headers
