@@ -10,6 +10,7 @@ clear error; checkpoints written before there were digests load unchecked.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -36,17 +37,17 @@ _reached: Counter[str] = Counter()
 
 def kill_point(point: str, where: object = "") -> None:
     """Test-only hook for the kill-anywhere tests (tests/killharness.py): with the environment
-    variable CAPTIONKIT_TEST_KILL=POINT[:N], the process kills itself with SIGKILL the N-th
+    variable CAPTIONKIT_TEST_KILL=POINT[@N], the process kills itself with SIGKILL the N-th
     time (default the first) it reaches POINT, after one line on stderr. Points:
     ``save:model`` (model.safetensors written, the rest not), ``save:files`` (every file
     written and fsynced, nothing renamed), ``save:swap`` (the old folder renamed aside, the new
     one not yet in place), ``save:done`` (the new folder in place, the old one not removed) and
     ``validate`` (dev captions decoded, not yet scored). Unset, it does nothing."""
     spec = os.environ.get(KILL_ENV)
-    if not spec or spec.partition(":")[0] != point:
+    if not spec or spec.partition("@")[0] != point:
         return
     _reached[point] += 1
-    if _reached[point] == int(spec.partition(":")[2] or 1):
+    if _reached[point] == int(spec.partition("@")[2] or 1):
         print(f"{KILL_ENV}: killed at {point} {where}".rstrip(), file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -119,21 +120,29 @@ def save_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], config
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         kill_point("save:files", folder)
+        old = folder.with_name(f".{folder.name}.old")
         if folder.exists() and not folder.is_symlink():
-            old = folder.with_name(f".{folder.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(folder, old)
             kill_point("save:swap", folder)
-            os.replace(tmp, folder)
-            kill_point("save:done", folder)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, folder)
+        os.replace(tmp, folder)
+        kill_point("save:done", folder)
+        shutil.rmtree(old, ignore_errors=True)  # also one a save killed between the renames left
         _fsync_dir(folder.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def remove_temporaries(folder: str | Path) -> None:
+    """Remove the temporary folders that saves of ``folder`` killed before their rename left
+    beside it (.NAME.XXXXXXXX: mkdtemp's eight characters; never .NAME.old, which resolve may
+    need). Only for a folder that one process writes at a time: a run's last and best."""
+    folder = Path(folder)
+    for tmp in folder.parent.glob(f".{glob.escape(folder.name)}.????????"):
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve(folder: str | Path) -> Path:
