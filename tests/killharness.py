@@ -6,7 +6,8 @@ Two kinds of kill (a plan per launch):
 
 - ``timer``: the harness SIGKILLs the process at a random moment of its training, between 0 and
   ``timer_s`` seconds after it is set up (where it was is told by its last progress output:
-  inside an epoch's steps, validating, or saving/tuning after the dev scores);
+  inside an epoch's steps, validating, saving/tuning after the dev scores, or before its first
+  report);
 - a named point (``save:model``, ``save:files``, ``save:swap``, ``save:done``, ``validate``): the
   process kills itself the N-th time it gets there (``CAPTIONKIT_TEST_KILL``, see
   ``captionkit.checkpoint.kill_point``), the only way to land inside a checkpoint write every time.
@@ -70,10 +71,10 @@ class Report:
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    """One thread, this checkout's captionkit, and no kill hook but the one asked for."""
+    env = {k: v for k, v in os.environ.items() if k != KILL_ENV}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
-    env.pop(KILL_ENV, None)
-    env.update(extra)
     return env
 
 
@@ -118,7 +119,7 @@ def where_it_was(err: str) -> str:
         return "timer: validating"  # an epoch's last progress line ended, its dev scores not yet out
     if re.match(r"epoch \d+: ", before):
         return "timer: saving or tuning"
-    return "timer: inside an epoch"  # set up, first step not yet reported
+    return "timer: before its first report"  # set up (or resumed), no step reported yet
 
 
 def checkpoint_on_disk(out: Path) -> tuple[Path, int] | None:

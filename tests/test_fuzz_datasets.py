@@ -105,10 +105,17 @@ karpathy_images = st.lists(st.fixed_dictionaries({
 }, optional={"filepath": anything(st.sampled_from(["", "sub", "..", "/"]))}) | json_values, max_size=5)
 
 
-def _json_file(root: Path, doc) -> Path:
-    path = root / "dataset.json"
-    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
-    return path
+def check_json(doc, reader=None) -> None:
+    """``doc`` as a JSON dataset file beside an image folder, read by load_dataset and, when
+    given, by ``reader`` itself (as its other callers may)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        images = _folder_with_images(root, "images")
+        path = root / "dataset.json"
+        path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+        check(lambda: load_dataset(path, images), path)
+        if reader is not None:
+            check(lambda: reader(path, images), path)
 
 
 @FUZZ
@@ -116,13 +123,7 @@ def _json_file(root: Path, doc) -> Path:
                                            optional={"dataset": anything(st.text(max_size=8))}),
                      json_values, st.just("[" * 100_000 + "]" * 100_000), st.text(max_size=30)))
 def test_karpathy_json(doc):
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        images = _folder_with_images(root, "images")
-        path = _json_file(root, doc)
-        check(lambda: load_dataset(path, images), path)
-        if isinstance(doc, dict):  # the reader called directly, as read_karpathy's callers may
-            check(lambda: read_karpathy(path, images), path)
+    check_json(doc, read_karpathy if isinstance(doc, dict) else None)
 
 
 coco_docs = st.fixed_dictionaries({
@@ -136,12 +137,7 @@ coco_docs = st.fixed_dictionaries({
 @FUZZ
 @given(doc=st.one_of(coco_docs, st.fixed_dictionaries({"annotations": json_values})))
 def test_coco_json(doc):
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        images = _folder_with_images(root, "images")
-        path = _json_file(root, doc)
-        check(lambda: load_dataset(path, images), path)
-        check(lambda: read_coco(path, images), path)
+    check_json(doc, read_coco)
 
 
 title_rows = st.one_of(st.tuples(st.text(max_size=20), names.map(lambda n: n.removesuffix(".jpg")))
