@@ -31,13 +31,17 @@ def main() -> int:
                OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
     files = [FILES[args.only]] if args.only else list(FILES.values())
-    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "--hypothesis-show-statistics",
-           "--durations=0", *([f"--hypothesis-seed={args.seed}"] if args.seed is not None else [])]
+    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-p", "no:warnings",
+           "--hypothesis-show-statistics", *([f"--hypothesis-seed={args.seed}"] if args.seed is not None else [])]
     print(f"{args.examples} examples per test: {' '.join(cmd[1:])}", flush=True)
     run = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    # the readers' own notes on stderr (malformed lines skipped, ...) are left out
-    keep = ("tests/", "  - ", "passed", "failed", "Falsifying", "Error", "error")
-    print("\n".join(line for line in run.stdout.splitlines() if line.strip().startswith(keep) or "s call" in line))
+    # Hypothesis' statistics per test, what failed, and pytest's summary (not the readers' notes
+    # on stderr about malformed lines, nor Pillow's warnings about the damaged files)
+    keep = ("during generate", "passing examples", "Stopped because", "Falsifying", "FAILED", "Error")
+    for line in run.stdout.splitlines():
+        if (line.startswith("tests/") and line.endswith(":")) or any(k in line for k in keep) or \
+                line.lstrip("= ").split(" ")[0].isdigit():
+            print(line)
     return run.returncode
 
 

@@ -14,8 +14,9 @@ Two kinds of kill (a plan per launch):
 
 Before every resume the harness reads the checkpoint on disk (``last``, or ``.last.old`` when a
 save was killed between its renames): both tensor files must pass their digests, its step must
-never be below the one before the kill (no complete checkpoint is ever lost), and the resumed
-process must say it resumes from that folder and step. A kill before the first checkpoint starts
+never be below the one before the kill (no complete checkpoint is ever lost; after a kill just
+past a save of ``last``, it is that save's), and the resumed process must say it resumes from
+that folder and step. A kill before the first checkpoint starts
 the run afresh. Used by tests/test_kill_resume.py and benchmarks/kill_resume.py.
 """
 
@@ -180,6 +181,8 @@ def kill_and_resume(config: Path, out: Path, plans: list[tuple[str, int | float]
             report.kills[where] += 1
             if where == "hook: save:swap (last)":  # last renamed aside, the new one not in place
                 assert not (out / "last").exists() and resolve(out / "last").name == ".last.old"
+            if where == "hook: save:done (last)":  # the save just completed is the one to resume from
+                assert read_config(out / "last")["state"]["step"] > (step if found else -1)
         elif rc == 0:  # done (if plans are left, the run ended before this plan's kill came)
             report.seconds = time.monotonic() - t0
             return report
