@@ -37,7 +37,7 @@ def main() -> int:
     run = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     # Hypothesis' statistics per test, what failed, and pytest's summary (not the readers' notes
     # on stderr about malformed lines, nor Pillow's warnings about the damaged files)
-    keep = ("during generate", "passing examples", "Stopped because", "Falsifying", "FAILED", "Error")
+    keep = ("during generate", " passing, ", "Stopped because", "Falsifying", "FAILED", "Error")
     for line in run.stdout.splitlines():
         if (line.startswith("tests/") and line.endswith(":")) or any(k in line for k in keep) or \
                 line.lstrip("= ").split(" ")[0].isdigit():
