@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,8 +110,10 @@ class Launch:
         return rc
 
 
-def where_it_was(err: str) -> str:
-    """Where a timer kill landed, from the last thing the run printed."""
+def where_it_was(err: str, epochs: int) -> str:
+    """Where a timer kill landed, from the last thing the run printed (a run of ``epochs``)."""
+    if re.search(rf"resuming from .* \(epoch {epochs}, ", err):
+        return "timer: saving or tuning"  # resumed after its last epoch: only the tuning is left
     tail = err.replace("\r", "\n").rstrip(" ").split("\n")
     last = tail[-1] if tail[-1] else "\n"
     if re.match(r"epoch \d+/\d+ ", last):
@@ -145,6 +148,7 @@ def kill_and_resume(config: Path, out: Path, plans: list[tuple[str, int | float]
     """Launch, kill by each plan in turn ((hook point, N) or ("timer", seconds after set-up)),
     resume, and after the plans run to the end. Raises AssertionError on any broken promise."""
     report, t0 = Report(), time.monotonic()
+    epochs = tomllib.loads(config.read_text())["train"]["epochs"]
     plans = list(plans)
     floor = -1  # the step of the newest checkpoint seen on disk
     for _ in range(max_launches):
@@ -170,7 +174,7 @@ def kill_and_resume(config: Path, out: Path, plans: list[tuple[str, int | float]
         if plan and plan[0] == "timer":
             if launch.wait_for("trained parameters"):
                 time.sleep(plan[1])
-                where = where_it_was(launch.err)
+                where = where_it_was(launch.err, epochs)
                 launch.proc.send_signal(signal.SIGKILL)
         rc = launch.finish()
         if rc == -signal.SIGKILL:
