@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from captionkit.captioner import SHIPPED, Captioner
 from captionkit.checkpoint import (DIGESTS, CheckpointError, file_sha256, read_config, read_weights,
-                                   save_checkpoint, verify)
+                                   remove_leftovers, resolve, save_checkpoint, verify)
 from captionkit.cli import main
 
 TENSOR_FILES = ("model.safetensors", "optimizer.safetensors")
@@ -78,3 +78,13 @@ def test_the_shipped_models_carry_digests_that_match(name):
     folder = SHIPPED / name
     assert set(read_config(folder)[DIGESTS]) == {"model.safetensors"}
     verify(folder, "model.safetensors")
+
+
+def test_leftovers_of_killed_saves_go_and_the_fallback_stays_while_needed(tmp_path):
+    for name in ("last", ".last.old", ".last.k3x_9abc", ".best.zzzzzzzz", "other"):
+        (tmp_path / name).mkdir()
+    remove_leftovers(tmp_path / "last")  # last in place: its .old and temporaries are stale
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".best.zzzzzzzz", "last", "other"]
+    (tmp_path / "last").rename(tmp_path / ".last.old")  # killed between the renames
+    remove_leftovers(tmp_path / "last")
+    assert resolve(tmp_path / "last") == tmp_path / ".last.old"

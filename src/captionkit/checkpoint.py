@@ -135,14 +135,19 @@ def save_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], config
     return folder
 
 
-def remove_temporaries(folder: str | Path) -> None:
-    """Remove the temporary folders that saves of ``folder`` killed before their rename left
-    beside it (.NAME.XXXXXXXX: mkdtemp's eight characters; never .NAME.old, which resolve may
-    need). Only for a folder that one process writes at a time: a run's last and best."""
+def remove_leftovers(folder: str | Path) -> None:
+    """Remove what killed saves of ``folder`` left beside it: temporary folders of saves killed
+    before their rename (.NAME.XXXXXXXX, mkdtemp's eight characters), and .NAME.old once NAME
+    is in place (a save killed just after its rename, with no save of NAME since; resolve needs
+    .NAME.old only while NAME is missing). Only for a folder that one process writes at a time:
+    a run's last and best."""
     folder = Path(folder)
-    for tmp in folder.parent.glob(f".{glob.escape(folder.name)}.????????"):
-        if tmp.is_dir() and not tmp.is_symlink():
-            shutil.rmtree(tmp, ignore_errors=True)
+    leftovers = list(folder.parent.glob(f".{glob.escape(folder.name)}.????????"))
+    if folder.is_dir():
+        leftovers.append(folder.with_name(f".{folder.name}.old"))
+    for path in leftovers:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def resolve(folder: str | Path) -> Path:

@@ -31,7 +31,7 @@ import torch
 
 from .captioner import Captioner
 from .checkpoint import (ENCODER_PREFIX, CheckpointError, kill_point, load_into, optimizer_tensors,
-                         read_config, read_weights, remove_temporaries, resolve, restore_optimizer,
+                         read_config, read_weights, remove_leftovers, resolve, restore_optimizer,
                          save_checkpoint)
 from .data import WORD_STYLES, ImageItem, load_dataset
 from .encoders import create_encoder, load_finetuned
@@ -533,8 +533,8 @@ class Trainer:
         # its next save) are run again, so their lines go rather than appear twice
         atomic_write_text(self.out / "history.jsonl", "".join(json.dumps(h) + "\n" for h in self.state["history"]))
         print(f"resuming from {folder} (epoch {self.state['epoch']}, step {self.state['step']})", file=sys.stderr)
-        for name in ("last", "best"):  # what saves killed before their rename left
-            remove_temporaries(self.out / name)
+        for name in ("last", "best"):  # what killed saves left
+            remove_leftovers(self.out / name)
 
     @torch.no_grad()
     def validate(self, length_penalty: float | None = None) -> dict[str, float]:
