@@ -7,7 +7,8 @@ import pytest
 from conftest import TINY_CONFIG
 from killharness import HOOKS, Launch, compare_runs, kill_and_resume, kill_config
 
-# one kill of each kind; the timer first, so that it lands in the first epoch's steps
+# one kill of each kind; the timer first, early in the first epoch (before its first checkpoint
+# on a loaded machine: then the run starts afresh)
 PLANS = [("timer", 0.3), ("save:files", 2), ("save:swap", 1), ("save:done", 1), ("save:model", 3), ("validate", 1)]
 
 
