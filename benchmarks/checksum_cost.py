@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,9 +41,9 @@ def main() -> None:
     for folder in sorted(p for p in SHIPPED.iterdir() if p.is_dir()):
         mb = (folder / "model.safetensors").stat().st_size / 1e6
         read_weights(folder)  # warm the page cache
-        hashing = best_of(lambda: verify(folder, "model.safetensors"), args.repeat)
-        loading = best_of(lambda: read_weights(folder), args.repeat)
-        whole = best_of(lambda: Captioner.load(folder), 1)
+        hashing = best_of(partial(verify, folder, "model.safetensors"), args.repeat)
+        loading = best_of(partial(read_weights, folder), args.repeat)
+        whole = best_of(partial(Captioner.load, folder), 1)
         print(f"{folder.name:32s} {mb:6.1f} {1e3 * hashing:10.1f} {mb / hashing:6.0f} {1e3 * loading:16.1f} "
               f"{1e3 * whole:18.0f}")
 

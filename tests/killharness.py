@@ -171,11 +171,10 @@ def kill_and_resume(config: Path, out: Path, plans: list[tuple[str, int | float]
             report.resumes += 1
             report.resumed_steps.append(step)
             report.via_old += folder.name == ".last.old"
-        if plan and plan[0] == "timer":
-            if launch.wait_for("trained parameters"):
-                time.sleep(plan[1])
-                where = where_it_was(launch.err, epochs)
-                launch.proc.send_signal(signal.SIGKILL)
+        if plan and plan[0] == "timer" and launch.wait_for("trained parameters"):
+            time.sleep(plan[1])
+            where = where_it_was(launch.err, epochs)
+            launch.proc.send_signal(signal.SIGKILL)
         rc = launch.finish()
         if rc == -signal.SIGKILL:
             if hook:
