@@ -76,3 +76,11 @@ def test_the_chosen_metric_is_scored_in_validation(tmp_path, flickr_dir):
         TrainConfig(val_metric="SPICE")
     with pytest.raises(ValueError, match="train.min_delta must be >= 0"):
         TrainConfig(min_delta=-0.1)
+
+
+def test_resuming_a_run_that_stopped_early_trains_no_further(tmp_path, flickr_dir):
+    cfg = _config(tmp_path, flickr_dir, 0.001, "stopped")
+    whole = scripted_run(cfg, tmp_path / "stopped").state
+    assert whole["epoch"] == 5 and whole["bad_epochs"] == 2  # stopped early, 3 epochs short of 8
+    again = scripted_run(cfg, tmp_path / "stopped", resume=True).state
+    assert (again["epoch"], again["step"]) == (whole["epoch"], whole["step"])

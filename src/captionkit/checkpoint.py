@@ -3,15 +3,22 @@ needed to rebuild the model: family and sizes, encoder, vocabulary, training sta
 resumable training checkpoints, ``optimizer.safetensors``. Nothing is ever unpickled.
 
 Writes are atomic: the folder is written under a temporary name and renamed into place, so a
-killed run leaves the previous checkpoint intact.
+killed run leaves the previous checkpoint intact. ``config.json`` records the sha256 of each
+tensor file (under ``sha256``), checked on load, so a truncated or bit-flipped file is one
+clear error; checkpoints written before there were digests load unchecked.
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 import os
 import shutil
+import signal
+import sys
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +31,31 @@ from .outputs import CHECKPOINT_FORMAT, write_marker
 
 FORMAT, VERSION = CHECKPOINT_FORMAT, 1
 ENCODER_PREFIX = "encoder."  # fine-tuned encoder tensors, stored beside the decoder's
+DIGESTS = "sha256"  # config.json's {tensor file name: sha256 hex digest}
+KILL_ENV = "CAPTIONKIT_TEST_KILL"  # test-only, see kill_point
+_reached: Counter[str] = Counter()
+
+
+def kill_point(point: str, where: object = "") -> None:
+    """Test-only hook for the kill-anywhere tests (tests/killharness.py): with the environment
+    variable CAPTIONKIT_TEST_KILL=POINT[@N], the process kills itself with SIGKILL the N-th
+    time (default the first) it reaches POINT, after one line on stderr. Points:
+    ``save:model`` (model.safetensors written, the rest not), ``save:files`` (every file
+    written and fsynced, nothing renamed), ``save:swap`` (the old folder renamed aside, the new
+    one not yet in place), ``save:done`` (the new folder in place, the old one not removed) and
+    ``validate`` (dev captions decoded, not yet scored). Unset, it does nothing."""
+    spec = os.environ.get(KILL_ENV)
+    if not spec or spec.partition("@")[0] != point:
+        return
+    _reached[point] += 1
+    if _reached[point] == int(spec.partition("@")[2] or 1):
+        print(f"{KILL_ENV}: killed at {point} {where}".rstrip(), file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def file_sha256(path: str | Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def split_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -46,14 +78,16 @@ def _publish(tmp: Path, folder: Path, replace: bool) -> None:
     one, or any with ``replace``: the caller has checked that it may go, see
     captionkit.outputs) is first renamed to ``.<name>.old`` and removed after the swap, so a
     crash between the two renames leaves the old folder, which :func:`resolve` finds."""
+    old = folder.with_name(f".{folder.name}.old")
     if folder.is_dir() and not folder.is_symlink() and (replace or not any(folder.iterdir())):
-        old = folder.with_name(f".{folder.name}.old")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(folder, old)
+        kill_point("save:swap", folder)
         os.replace(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, folder)  # a full folder without ``replace``: the OS refuses (ENOTEMPTY)
+    kill_point("save:done", folder)
+    shutil.rmtree(old, ignore_errors=True)  # also one that a save killed between the renames left
     _fsync_dir(folder.parent)
 
 
@@ -88,27 +122,48 @@ def atomic_folder(folder: str | Path, kind: str | None = None, replace: bool = F
 
 def save_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], config: dict,
                     optimizer: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write a checkpoint folder atomically and fsynced (an existing folder of that name is
-    replaced: callers check the target first, see captionkit.outputs)."""
+    """Write a checkpoint folder atomically and fsynced, with the sha256 of each tensor file in
+    its config.json (an existing folder of that name is replaced: callers check the target
+    first, see captionkit.outputs)."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, tmp / "model.safetensors")
+        kill_point("save:model", folder)
         if optimizer:
             save_file({k: v.contiguous().cpu() for k, v in optimizer.items()}, tmp / "optimizer.safetensors")
-        body = {k: v for k, v in config.items() if k not in ("format", "version")}  # ours, never a copy's
-        (tmp / "config.json").write_text(json.dumps({"format": FORMAT, "version": VERSION, **body}, indent=1))
+        digests = {f.name: file_sha256(f) for f in sorted(tmp.glob("*.safetensors"))}  # as written on disk
+        # format, version and digests are ours, never a copy's (a re-saved config carries old ones)
+        body = {k: v for k, v in config.items() if k not in ("format", "version", DIGESTS)}
+        (tmp / "config.json").write_text(json.dumps({"format": FORMAT, "version": VERSION, **body,
+                                                     DIGESTS: digests}, indent=1))
         write_marker(tmp, "checkpoint")
         _ordinary_permissions(tmp)
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+        kill_point("save:files", folder)
         _publish(tmp, folder, replace=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def remove_leftovers(folder: str | Path) -> None:
+    """Remove what killed saves of ``folder`` left beside it: temporary folders of saves killed
+    before their rename (.NAME.XXXXXXXX, mkdtemp's eight characters), and .NAME.old once NAME
+    is in place (a save killed just after its rename, with no save of NAME since; resolve needs
+    .NAME.old only while NAME is missing). Only for a folder that one process writes at a time:
+    a run's last and best."""
+    folder = Path(folder)
+    leftovers = list(folder.parent.glob(f".{glob.escape(folder.name)}.????????"))
+    if folder.is_dir():
+        leftovers.append(folder.with_name(f".{folder.name}.old"))
+    for path in leftovers:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def resolve(folder: str | Path) -> Path:
@@ -156,10 +211,23 @@ def read_config(folder: str | Path) -> dict:
     return cfg
 
 
+def verify(folder: str | Path, name: str) -> None:
+    """Check a tensor file against the digest its config.json records (none recorded: a
+    checkpoint from before digests, accepted as it is). The error names the file."""
+    folder = resolve(folder)
+    want = read_config(folder).get(DIGESTS, {}).get(name)
+    if want is not None and file_sha256(folder / name) != want:
+        size = (folder / name).stat().st_size
+        raise CheckpointError(f"{folder / name}: corrupted or truncated ({size:,} bytes; its sha256 differs "
+                              f"from the one {folder / 'config.json'} records)")
+
+
 def read_weights(folder: str | Path, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
+    """A checkpoint's tensor file, verified against its recorded digest."""
     path = resolve(folder) / name
     if not path.is_file():
         raise CheckpointError(f"{path}: missing")
+    verify(folder, name)
     try:
         return load_file(path)
     except Exception as e:  # safetensors raises its own error types for corrupt headers

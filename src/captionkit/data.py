@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import os
 import random
@@ -102,13 +103,33 @@ class _Malformed:
             _warn(f"... {self.count - self.shown} more malformed lines skipped")
 
 
+def _read_text(path: Path) -> str:
+    """A dataset's text file; one DatasetError naming it when it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot read ({e.strerror})") from None
+
+
+def _is_file(path: Path) -> bool:
+    """Whether an image file is there. A name too long for the file system names no file
+    (Path.is_file raises for it, where it answers False for a NUL byte): such images count as
+    missing, like absent ones."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def _drop_missing(name: str, captions: dict[str, list[str]], folder: Path,
                   paths: dict[str, Path] | None = None) -> dict[str, ImageItem]:
     """Items whose image file exists (at ``paths[img]``, else ``folder / img``)."""
     items, n_caps, n_imgs = {}, 0, 0
     for img, caps in captions.items():
         path = paths[img] if paths else folder / img
-        if path.is_file():
+        if _is_file(path):
             items[img] = ImageItem(img, path, caps)
         else:
             n_caps += len(caps)
@@ -148,7 +169,7 @@ def read_flickr8k(root: str | Path) -> CaptionDataset:
     folder = _find_image_folder(root, ("Flicker8k_Dataset", "Flickr8k_Dataset", "Images", "images"))
     bad = _Malformed()
     captions: dict[str, list[str]] = defaultdict(list)
-    for lineno, line in enumerate(token_file.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(_read_text(token_file).splitlines(), 1):
         if not line.strip():
             continue
         key, tab, caption = line.partition("\t")
@@ -168,7 +189,7 @@ def _flickr8k_splits(root: Path, items: dict[str, ImageItem]) -> CaptionDataset:
     for split in ("train", "dev", "test"):
         f = root / f"Flickr_8k.{split}Images.txt"
         if f.is_file():
-            lists[split] = [ln.strip() for ln in f.read_text().splitlines() if ln.strip()]
+            lists[split] = [ln.strip() for ln in _read_text(f).splitlines() if ln.strip()]
     return CaptionDataset("flickr8k", _assign_splits(items, lists or _deterministic_splits(list(items))))
 
 
@@ -180,8 +201,8 @@ def read_kaggle_flickr(root: str | Path) -> CaptionDataset:
     folder = _find_image_folder(root, ("Images", "images"))
     bad = _Malformed()
     captions: dict[str, list[str]] = defaultdict(list)
-    with cap_file.open(newline="", encoding="utf-8") as fh:
-        reader = csv.reader(fh)
+    reader = csv.reader(io.StringIO(_read_text(cap_file), newline=""))
+    try:
         header = next(reader, None)
         if header is None or [h.strip().lower() for h in header[:2]] != ["image", "caption"]:
             raise DatasetError(f"{cap_file}:1: expected the header 'image,caption'")
@@ -193,15 +214,20 @@ def read_kaggle_flickr(root: str | Path) -> CaptionDataset:
                 bad(cap_file, lineno, "expected image,caption")
                 continue
             captions[row[0].strip()].append(",".join(row[1:]).strip())
+    except csv.Error as e:  # e.g. a field over csv's size limit (an unclosed quote)
+        raise DatasetError(f"{cap_file}:{reader.line_num}: not a readable CSV row ({e})") from None
     bad.summary()
     return _flickr8k_splits(root, _drop_missing("flickr8k (kaggle)", captions, folder))
 
 
 def _load_json(path: Path) -> dict:
+    text = _read_text(path)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise DatasetError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    except RecursionError:
+        raise DatasetError(f"{path}: JSON nested too deeply to read") from None
 
 
 def read_karpathy(json_path: str | Path, images: str | Path, doc: dict | None = None) -> CaptionDataset:
@@ -213,18 +239,21 @@ def read_karpathy(json_path: str | Path, images: str | Path, doc: dict | None = 
         raise DatasetError(f"{json_path}: no 'images' list (not a Karpathy split file)")
     captions, split_of, paths = {}, {}, {}
     for i, im in enumerate(doc["images"]):
-        try:
-            name = im["filename"]  # unique in all three corpora; the image's id
-            paths[name] = images / im.get("filepath", "") / name
-            split_of[name] = {"restval": "train", "val": "dev"}.get(im["split"], im["split"])
-            captions[name] = [s["raw"] for s in im["sentences"]]
-        except (KeyError, TypeError) as e:
-            raise DatasetError(f"{json_path}: images[{i}] lacks field {e}") from None
-    items = _drop_missing(doc.get("dataset", json_path.stem), captions, images, paths)
+        im = im if isinstance(im, dict) else {}
+        name, folder, split, sentences = im.get("filename"), im.get("filepath", ""), im.get("split"), im.get("sentences")
+        if not all(isinstance(v, str) for v in (name, folder, split)) or not isinstance(sentences, list) or \
+                not all(isinstance(x, dict) and isinstance(x.get("raw"), str) for x in sentences):
+            raise DatasetError(f"{json_path}: images[{i}] needs a 'filename', a 'split' and 'sentences' "
+                               f"with a 'raw' caption each (text)")
+        paths[name] = images / folder / name  # the file name is unique in all three corpora: the image's id
+        split_of[name] = {"restval": "train", "val": "dev"}.get(split, split)
+        captions[name] = [x["raw"] for x in sentences]
+    corpus = doc["dataset"] if isinstance(doc.get("dataset"), str) else json_path.stem
+    items = _drop_missing(corpus, captions, images, paths)
     splits: dict[str, list[ImageItem]] = defaultdict(list)
     for name, item in items.items():
         splits[split_of[name]].append(item)
-    return CaptionDataset(doc.get("dataset", json_path.stem), dict(splits))
+    return CaptionDataset(corpus, dict(splits))
 
 
 def read_coco(json_path: str | Path, images: str | Path, split: str | None = None,
@@ -235,13 +264,15 @@ def read_coco(json_path: str | Path, images: str | Path, split: str | None = Non
     doc = doc if doc is not None else _load_json(json_path)
     if not isinstance(doc.get("annotations"), list) or not isinstance(doc.get("images"), list):
         raise DatasetError(f"{json_path}: needs 'images' and 'annotations' lists (COCO captions format)")
-    try:
-        files = {im["id"]: im["file_name"] for im in doc["images"]}
-    except (KeyError, TypeError) as e:
-        raise DatasetError(f"{json_path}: an image entry lacks field {e}") from None
+    files = {}
+    for i, im in enumerate(doc["images"]):
+        if not isinstance(im, dict) or not isinstance(im.get("id"), (int, str)) or not isinstance(im.get("file_name"), str):
+            raise DatasetError(f"{json_path}: images[{i}] needs an 'id' (a number or text) and a 'file_name'")
+        files[im["id"]] = im["file_name"]
     captions: dict[str, list[str]] = defaultdict(list)
     for i, ann in enumerate(doc["annotations"]):
-        if not isinstance(ann, dict) or ann.get("image_id") not in files or not isinstance(ann.get("caption"), str):
+        if not isinstance(ann, dict) or not isinstance(ann.get("image_id"), (int, str)) or \
+                ann["image_id"] not in files or not isinstance(ann.get("caption"), str):
             raise DatasetError(f"{json_path}: annotations[{i}] needs an image_id of a listed image and a caption")
         captions[files[ann["image_id"]]].append(ann["caption"].strip())
     items = _drop_missing("coco", captions, images)
@@ -378,7 +409,7 @@ def read_title_csv(csv_path: str | Path, images: str | Path, image_column: str =
             repeated.append(f"line {line} ({name}, first on line {first_line[name]})")
         else:
             first_line[name] = line  # also for a missing image, so its repeats count as repeats
-            if (images / name).is_file():
+            if _is_file(images / name):
                 titles[name] = title
             else:
                 missing.append(f"line {line} ({name})")

@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 from .captioner import Captioner
-from .checkpoint import (ENCODER_PREFIX, CheckpointError, load_into, optimizer_tensors, read_config,
-                         read_weights, resolve, restore_optimizer, save_checkpoint)
+from .checkpoint import (ENCODER_PREFIX, CheckpointError, kill_point, load_into, optimizer_tensors,
+                         read_config, read_weights, remove_leftovers, resolve, restore_optimizer,
+                         save_checkpoint)
 from .config import (TRAINER_SET, VAL_METRICS, ConfigError, DataConfig, EncoderConfig,  # noqa: F401  (the
                      RunConfig, TrainConfig)  # config classes are imported from here by tests and benchmarks)
 from .data import ImageItem, load_dataset
@@ -41,7 +42,7 @@ from .evaluation import coco_scores, format_scores
 from .features import build_features
 from .glove import glove_embedding
 from .models import create_model, family_config, family_fields, model_class
-from .outputs import MARKER, check_folder_target, write_marker
+from .outputs import MARKER, atomic_write_text, check_folder_target, write_marker
 from .precision import resolve_precision
 from .scst import SelfCritical
 from .tokenizers import Tokenizer, build_tokenizer, load_tokenizer
@@ -314,6 +315,12 @@ class Trainer:
         torch.set_rng_state(optim.pop("rng.torch"))
         restore_optimizer(self.opt, optim, cfg["optimizer_groups"])
         self.state = cfg["state"]
+        # the checkpoint's history is the run's: epochs logged after it (by a run killed before
+        # its next save) are run again, so their lines go rather than appear twice
+        atomic_write_text(self.out / "history.jsonl", "".join(json.dumps(h) + "\n" for h in self.state["history"]))
+        print(f"resuming from {folder} (epoch {self.state['epoch']}, step {self.state['step']})", file=sys.stderr)
+        for name in ("last", "best"):  # what killed saves left
+            remove_leftovers(self.out / name)
 
     @torch.no_grad()
     def validate(self, length_penalty: float | None = None) -> dict[str, float]:
@@ -328,6 +335,7 @@ class Trainer:
             for it, c in zip(self.val_items[i:i + 100],
                              cap.decode_features(feats, beam=tc.val_beam, length_penalty=length_penalty)):
                 captions[it.name] = " ".join(self.vocab.decode(c.ids))
+        kill_point("validate")  # test-only: the kill-anywhere test stops a run here
         refs = {it.name: it.raw for it in self.val_items}
         return coco_scores(captions, refs, metrics=("bleu", "cider", _SCORER.get(tc.val_metric, "cider")), quiet=True)
 
@@ -418,7 +426,7 @@ class Trainer:
             if on_epoch:
                 on_epoch(st["history"][-1])
         params = list(self.model.parameters()) + (self.tail_params if tc.finetune_blocks else [])
-        while st["epoch"] < tc.epochs:
+        while st["epoch"] < tc.epochs and st["bad_epochs"] < tc.patience:  # (a resumed early stop stays stopped)
             batches = self.epoch_batches(st["epoch"])
             # self-critical training samples without dropout (see captionkit.scst)
             self.model.train(tc.objective == "xe")
