@@ -11,8 +11,14 @@ import pytest
 from ptb_fuzz import random_lines
 
 from captionkit import ptb
-from captionkit.tokenize import (LINE_BREAKS, jar_command, java_available, one_line, tokenize_java,
-                                 tokenize_python)
+from captionkit.tokenize import (
+    LINE_BREAKS,
+    jar_command,
+    java_available,
+    one_line,
+    tokenize_java,
+    tokenize_python,
+)
 
 CASES = json.loads((Path(__file__).parent / "data" / "ptb_cases.json").read_text())
 FLICKR8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "flickr8k"

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ._ptb_chars import ALNUM, DELETED, DIGIT, LETTER, UPPER
 
