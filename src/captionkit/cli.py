@@ -393,8 +393,7 @@ def _add_caption_outputs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jsonl", metavar="OUT", help="append one JSON line per image here; resumes: images "
                    "already in OUT are skipped (unreadable ones are listed with an \"error\")")
     p.add_argument("--csv", dest="csv_out", metavar="OUT", help="the same as CSV (image,caption,error)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace existing outputs (a --jsonl/--csv file is started again instead of resumed)")
+    _add_overwrite(p, "replace existing outputs (a --jsonl/--csv file is started again instead of resumed)")
     p.add_argument("--retry-failed", action="store_true",
                    help="caption again the images a --jsonl/--csv file lists with an error")
     p.add_argument("--verbose", action="store_true", help="name every file skipped in the given folders")
@@ -503,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", help="write scores and every caption to this JSON")
     e.add_argument("--batch-size", type=int, default=16)
     e.add_argument("--length-penalty", type=float, default=None)
-    e.add_argument("--overwrite", action="store_true", help="replace the --out file if it exists")
+    _add_overwrite(e, "replace the --out file if it exists")
     _add_score_opts(e)
     _add_csv_opts(e)
 
@@ -519,7 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
                    help="paired bootstrap test: does system A beat system B?")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--overwrite", action="store_true", help="replace the --json and --per-image files if they exist")
+    _add_overwrite(s, "replace the --json and --per-image files if they exist")
     _add_score_opts(s)
     _add_csv_opts(s)
 
@@ -622,7 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: loss, val_loss and the runs' train.val_metric)")
     g.add_argument("--x", choices=("captions", "epochs"), default="captions", help="the x axis")
     g.add_argument("--data", metavar="JSON", help="also write the plotted numbers here")
-    g.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    _add_overwrite(g, "replace existing output files")
 
     r = sub.add_parser("report", help="one self-contained HTML page comparing runs and sweeps")
     r.add_argument("runs", nargs="+", metavar="RUN_OR_SWEEP")
@@ -633,7 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--bootstrap", type=int, default=1000, metavar="N",
                    help="resamples for the 95%% intervals (0: none)")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--overwrite", action="store_true", help="replace an existing report")
+    _add_overwrite(r, "replace an existing report")
     _add_score_opts(r)
     return p
 
