@@ -474,7 +474,7 @@ def _add_score_opts(p: argparse.ArgumentParser) -> None:
 
 def _add_overwrite(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--overwrite", action="store_true",
-                   help=f"{what} (never a file or folder captionkit did not write; see docs/outputs.md)")
+                   help=f"{what} (a folder captionkit did not write is never replaced; see docs/outputs.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:
