@@ -271,8 +271,13 @@ def test_caption_command_decodes_an_ensemble(lite0_members, tmp_path):
 
     alone = run(a)
     assert run(a, a, extra=["--weights", "1,2"]) == alone  # two copies of a model: its captions
-    mixed = run(a, b, extra=["--rerank", "mbr", "--nbest", "3"])
-    assert set(mixed) == set(alone) and all(set(c.split()) <= set(WORDS[4:]) for c in mixed.values())
+    # the n-best lists begin with the beam's caption
+    assert run(a, extra=["--nbest", "3", "--candidates", str(tmp_path / "a.nbest")]) == alone
+    lists = json.loads((tmp_path / "a.nbest").read_text())
+    assert set(lists) == set(alone) and all(len(v) == 3 and v[0] == alone[k] for k, v in lists.items())
+    mixed = run(a, b, extra=["--rerank", "mbr", "--nbest", "3", "--candidates", str(tmp_path / "ab.nbest")])
+    lists = json.loads((tmp_path / "ab.nbest").read_text())
+    assert set(mixed) == set(alone) and all(mixed[k] in lists[k] for k in mixed)
 
 
 def test_the_server_serves_an_ensemble_folder(lite0_members, tmp_path):

@@ -16,7 +16,7 @@ from .ensemble import (COMBINE, ENSEMBLE_FILE, EnsembleDecoder, check_member_con
                        is_ensemble_folder, normalised_weights, read_ensemble)
 from .images import ImageError, load_rgb, to_tensor
 from .models import create_decoder
-from .rerank import mbr_choice
+from .rerank import RERANKERS, mbr_choice
 from .tokenizers import Tokenizer, load_tokenizer
 
 SHIPPED = Path(__file__).parent / "pretrained"
@@ -81,6 +81,7 @@ class Result:
     words: list[str]
     attention: torch.Tensor  # (len(words), L)
     grid: tuple[int, int]
+    candidates: list[str] | None = None  # the n-best list it was chosen from, best beam first
 
     @property
     def text(self) -> str:
@@ -169,16 +170,15 @@ class Captioner:
         return cls(decoder, member.vocab, config, encoder)
 
     @torch.no_grad()
-    def decode_features(self, feats: torch.Tensor, beam: int = 3, length_penalty: float | None = None,
-                        mbr_nbest: int | None = None) -> list[Caption]:
-        """feats (B, L, D) -> one Caption per image (length_penalty None: the model's own).
-        ``mbr_nbest``: choose each caption among the image's ``mbr_nbest`` best beams by
-        consensus (captionkit.rerank; the beam is widened to ``mbr_nbest`` if narrower), with
-        document frequencies from the B images decoded together."""
-        if not mbr_nbest:
-            return decode(self.decoder, feats.float(), beam=beam, max_len=self.max_len,
-                          length_penalty=self.length_penalty_or(length_penalty))
-        lists = self.nbest_features(feats, mbr_nbest, beam, length_penalty)
+    def decode_features(self, feats: torch.Tensor, beam: int = 3,
+                        length_penalty: float | None = None) -> list[Caption]:
+        """feats (B, L, D) -> one Caption per image (length_penalty None: the model's own)."""
+        return decode(self.decoder, feats.float(), beam=beam, max_len=self.max_len,
+                      length_penalty=self.length_penalty_or(length_penalty))
+
+    def mbr(self, lists: list[list[Caption]]) -> list[Caption]:
+        """Each n-best list's consensus caption (captionkit.rerank; document frequencies from
+        these lists' images)."""
         choice = mbr_choice({i: [self.text(c) for c in caps] for i, caps in enumerate(lists)})
         return [caps[choice[i]] for i, caps in enumerate(lists)]
 
@@ -213,11 +213,17 @@ class Captioner:
         return Result([w for w, _ in spans], attention, self.grid)
 
     def caption_files(self, paths: list[Path], beam: int = 3, batch_size: int = 16,
-                      length_penalty: float | None = None, workers: int = 1,
-                      mbr_nbest: int | None = None) -> Iterator[tuple[Path, Result | ImageError]]:
+                      length_penalty: float | None = None, workers: int = 1, nbest: int | None = None,
+                      rerank: str | None = None) -> Iterator[tuple[Path, Result | ImageError]]:
         """Caption image files in order; a bad file yields its ImageError and the rest go on.
         ``workers`` threads decode the next batch's images while this batch is captioned.
-        ``mbr_nbest``: see :meth:`decode_features` (reranked batch by batch)."""
+        ``nbest``: keep each image's ``nbest`` best beams as the Result's ``candidates``;
+        ``rerank="mbr"``: choose the caption among them by consensus (:meth:`mbr`), batch by
+        batch."""
+        if rerank not in (None, *RERANKERS):
+            raise ValueError(f"unknown reranker {rerank!r} (known: {', '.join(RERANKERS)})")
+        if rerank and not nbest:
+            raise ValueError("reranking chooses among the n best beams: give nbest")
         if self.encoder is None:
             raise RuntimeError("this Captioner was loaded without its encoder")
         pre = self.encoder.preprocess
@@ -240,10 +246,22 @@ class Captioner:
                     nxt = read(batches[bi + 1])
                 good = [i for i, x in enumerate(loaded) if isinstance(x, torch.Tensor)]
                 caps: dict[int, Caption] = {}
+                lists: dict[int, list[Caption]] = {}
                 if good:
                     x = torch.stack([loaded[i] for i in good]).contiguous(memory_format=torch.channels_last)
                     with torch.inference_mode():
                         feats = self.encoder(x)  # (B, L, D)
-                    caps = dict(zip(good, self.decode_features(feats, beam, length_penalty, mbr_nbest)))
+                    if nbest:
+                        lists = dict(zip(good, self.nbest_features(feats, nbest, beam, length_penalty)))
+                        chosen = self.mbr(list(lists.values())) if rerank else [c[0] for c in lists.values()]
+                        caps = dict(zip(good, chosen))
+                    else:
+                        caps = dict(zip(good, self.decode_features(feats, beam, length_penalty)))
                 for i, p in enumerate(batch):
-                    yield p, (self.result(caps[i]) if i in caps else loaded[i])
+                    if i not in caps:
+                        yield p, loaded[i]
+                        continue
+                    res = self.result(caps[i])
+                    if i in lists:
+                        res.candidates = [self.text(c) for c in lists[i]]
+                    yield p, res

@@ -68,13 +68,16 @@ def _models_setting(models: list[str] | None, weights: list[float] | None):
 
 
 def _check_models(models: list[str] | None, weights: list[float] | None, rerank: str | None = None,
-                  nbest: int | None = None) -> None:
+                  nbest: int | None = None, candidates: str | None = None) -> None:
     """--model/--weights/--rerank/--nbest that do not fit together, refused before anything loads."""
     if weights and len(weights) != len(models or []):
         raise UsageError(f"--weights gives {len(weights)} weights for {len(models or [])} --model: "
                          f"give one per model (ensembles: several --model)")
-    if nbest and not rerank:
-        raise UsageError("--nbest is the number of beams --rerank mbr chooses among: give --rerank mbr")
+    if nbest and not (rerank or candidates):
+        raise UsageError("--nbest is the number of beams --rerank mbr chooses among, or --candidates "
+                         "writes: give one of them")
+    if candidates and not (rerank or nbest):
+        raise UsageError("--candidates writes the n best beams: give --nbest N (or --rerank mbr)")
 
 
 def _load_captioner(models: list[str] | None, weights: list[float] | None):
@@ -85,8 +88,9 @@ def _load_captioner(models: list[str] | None, weights: list[float] | None):
     return Captioner.load(models[0] if models else None)
 
 
-def _mbr_nbest(rerank: str | None, nbest: int | None) -> int | None:
-    return (nbest or DEFAULT_NBEST) if rerank == "mbr" else None
+def _nbest(rerank: str | None, nbest: int | None) -> int | None:
+    """The n-best size to decode: --nbest, or the default one for --rerank."""
+    return nbest or (DEFAULT_NBEST if rerank else None)
 
 
 def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: str | None,
@@ -94,26 +98,40 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
                 jsonl: str | None = None, csv_out: str | None = None, workers: int = 2,
                 onnx: str | None = None, overwrite: bool = False, retry_failed: bool = False,
                 verbose: bool = False, weights: list[float] | None = None, rerank: str | None = None,
-                nbest: int | None = None) -> int:
+                nbest: int | None = None, candidates: str | None = None) -> int:
     if onnx and model:
         raise UsageError("give either --model or --onnx")
-    _check_models(model, weights, rerank, nbest)
+    _check_models(model, weights, rerank, nbest, candidates)
+    if onnx and (rerank or nbest):
+        raise UsageError("--rerank, --nbest and --candidates need a PyTorch model (--model), not --onnx")
     settings = {"model": None if onnx else _models_setting(model, weights),
                 "onnx": str(Path(onnx).resolve()) if onnx else None,
-                "beam": beam, "length_penalty": length_penalty, "mbr_nbest": _mbr_nbest(rerank, nbest)}
+                "beam": beam, "length_penalty": length_penalty, "rerank": rerank, "nbest": _nbest(rerank, nbest)}
+    if candidates:
+        from .outputs import check_file_target
+        candidates_path = check_file_target(candidates, overwrite=overwrite)
     writer = _caption_writer("caption", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
                              attention=attention, overwrite=overwrite, retry_failed=retry_failed, verbose=verbose)
     if onnx:
-        if rerank:
-            raise UsageError("--rerank needs a PyTorch model (--model), not --onnx")
         from .onnx_runtime import load_onnx_captioner
         cap = load_onnx_captioner(onnx)
         return writer.run(lambda files: cap.caption_files(files, beam=beam, batch_size=batch_size,
                                                           length_penalty=length_penalty, workers=workers))
     cap = _load_captioner(model, weights)
-    return writer.run(lambda files: cap.caption_files(files, beam=beam, batch_size=batch_size,
-                                                      length_penalty=length_penalty, workers=workers,
-                                                      mbr_nbest=_mbr_nbest(rerank, nbest)))
+    lists: dict[str, list[str]] = {}
+
+    def results(files: list[Path]):
+        for path, res in cap.caption_files(files, beam=beam, batch_size=batch_size, length_penalty=length_penalty,
+                                           workers=workers, nbest=_nbest(rerank, nbest), rerank=rerank):
+            if not isinstance(res, ImageError) and res.candidates is not None:
+                lists[writer.keys[path]] = res.candidates
+            yield path, res
+
+    code = writer.run(results)
+    if candidates:
+        from .outputs import atomic_write_text
+        atomic_write_text(candidates_path, json.dumps(lists, indent=1, ensure_ascii=False))
+    return code
 
 
 def cmd_ensemble(model: list[str], weights: list[float] | None, length_penalty: float | None, combine: str,
@@ -215,7 +233,7 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     cap = _load_captioner(model, weights)
     captions, failed = {}, []
     for path, res in cap.caption_files([it.path for it in items], beam=beam, batch_size=batch_size,
-                                       length_penalty=length_penalty, mbr_nbest=_mbr_nbest(rerank, nbest)):
+                                       length_penalty=length_penalty, nbest=_nbest(rerank, nbest), rerank=rerank):
         if isinstance(res, ImageError):
             failed.append(str(res))
         else:
@@ -225,7 +243,7 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     rep = score_captions(captions, {it.name: it.raw for it in items},
                          **_score_opts(tokenizer, meteor, no_brevity_penalty, metrics))
     lp = cap.length_penalty_or(length_penalty)
-    mbr = _mbr_nbest(rerank, nbest)
+    mbr = _nbest(rerank, nbest)
     print(f"{split} split, {len(items)} images, beam {beam}, length penalty {lp:g}"
           + (f", MBR over the {mbr} best beams" if mbr else ""))
     _print_report(rep)
@@ -434,6 +452,12 @@ def _add_ensemble_opts(p: argparse.ArgumentParser) -> None:
                    help=f"beams --rerank mbr chooses among (default {DEFAULT_NBEST}; the beam widens to N)")
 
 
+def _add_candidates_opt(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--candidates", metavar="OUT",
+                   help="also write each image's --nbest best beams here as {image: [caption, ...]}, "
+                        "input for captionkit rerank (the images captioned in this run; written at the end)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="captionkit", description="Image captioning: caption, train, evaluate.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -442,6 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("paths", nargs="+")
     c.add_argument("--model", action="append", help="checkpoint or ensemble folder, or a shipped model by name: transformer-lite2-flickr8k (the default), sat-lite2-flickr8k, prefix-smollm2-lora-flickr8k; repeat for an ensemble (docs/ensembles.md)")
     _add_ensemble_opts(c)
+    _add_candidates_opt(c)
     c.add_argument("--beam", type=positive_int, default=3)
     c.add_argument("--attention", metavar="DIR", help="write one attention figure per image here (x.jpg -> DIR/x.jpg.png)")
     c.add_argument("--batch-size", type=positive_int, default=16)
