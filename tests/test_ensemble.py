@@ -156,8 +156,10 @@ def test_ensemble_folder_round_trips_through_captioner_load(tmp_path, capsys):
     same_captions(loaded.decode_features(x, beam=3), direct.decode_features(x, beam=3))
     assert main(argv) == 2  # an existing ensemble is replaced only with --overwrite
     assert "--overwrite" in capsys.readouterr().err
+    (out / "notes.txt").write_text("mine")
     assert main(argv[:-2] + ["--weights", "1,1", "--out", str(out), "--overwrite"]) == 0
     assert read_ensemble(out).weights == [0.5, 0.5]
+    assert (out / "notes.txt").read_text() == "mine"  # only ensemble.json is replaced
 
 
 def test_shipped_members_are_named_by_name(tmp_path):

@@ -39,8 +39,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from .checkpoint import atomic_folder
 from .errors import CheckpointError
-from .outputs import atomic_write_text, write_marker
+from .outputs import atomic_write_text, owner_kind, write_marker
 
 ENSEMBLE_FILE = "ensemble.json"
 FORMAT, VERSION = "captionkit-ensemble", 1
@@ -247,8 +248,9 @@ def read_ensemble(folder: Path) -> EnsembleSpec:
 def write_ensemble(out: Path, members: list[dict], weights: Sequence[float], length_penalty: float,
                    max_len: int | None = None, combine: str = "loglinear") -> Path:
     """Write ``out/ensemble.json`` (members as :func:`member_entry` names them) and mark ``out``
-    as a captionkit ensemble. The caller has checked ``out`` (outputs.check_folder_target) and
-    the members; other files in ``out`` (member checkpoints kept there) are left as they are."""
+    as a captionkit ensemble. The caller has checked ``out`` (outputs.check_folder_target: it is
+    missing, empty, or an ensemble to overwrite) and the members; an existing ensemble keeps its
+    other files (member checkpoints kept there)."""
     weights = normalised_weights(weights, len(members))
     decoding: dict = {"length_penalty": float(length_penalty)}
     if max_len is not None:
@@ -256,7 +258,11 @@ def write_ensemble(out: Path, members: list[dict], weights: Sequence[float], len
     doc = {"format": FORMAT, "version": VERSION,
            "members": [{**m, "weight": round(w, 6)} for m, w in zip(members, weights)],
            "combine": combine, "decoding": decoding}
-    out.mkdir(parents=True, exist_ok=True)
-    write_marker(out, KIND)  # first: a folder holding ensemble.json is always replaceable by --overwrite
-    atomic_write_text(out / ENSEMBLE_FILE, json.dumps(doc, indent=1) + "\n")
+    text = json.dumps(doc, indent=1) + "\n"
+    if owner_kind(out) == KIND:  # --overwrite of an ensemble: its ensemble.json is replaced, atomically
+        atomic_write_text(out / ENSEMBLE_FILE, text)
+    else:  # a new folder appears whole, or not at all
+        with atomic_folder(out) as tmp:
+            (tmp / ENSEMBLE_FILE).write_text(text)
+            write_marker(tmp, KIND)
     return out / ENSEMBLE_FILE
