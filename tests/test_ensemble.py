@@ -290,3 +290,15 @@ def test_the_server_serves_an_ensemble_folder(lite0_members, tmp_path):
     models = load_models([str(tmp_path / "ens")])
     assert list(models) == ["ens"] and isinstance(models["ens"].decoder, EnsembleDecoder)
     assert models["ens"].config["family"] == "ensemble"
+
+
+def test_evaluate_scores_an_ensemble_with_mbr(lite0_members, flickr_dir, tmp_path, capsys):
+    a, b = lite0_members
+    out = tmp_path / "eval.json"
+    assert main(["evaluate", "--model", str(a), "--model", str(b), "--weights", "2,1", "--dataset", str(flickr_dir),
+                 "--split", "dev", "--rerank", "mbr", "--nbest", "2", "--tokenizer", "python", "--meteor", "none",
+                 "--metrics", "bleu,cider", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["model"] == {"members": [str(a.resolve()), str(b.resolve())], "weights": [2.0, 1.0]}
+    assert doc["mbr_nbest"] == 2 and len(doc["captions"]) == 3 and "CIDEr" in doc["scores"]
+    assert "MBR over the 2 best beams" in capsys.readouterr().out
