@@ -34,3 +34,12 @@ def float_at_least(low: float) -> Callable[[str], float]:
 
 
 positive_int = int_at_least(1)
+
+
+def positive_floats(text: str) -> list[float]:
+    """A comma-separated list of finite positive numbers ("0.6,0.4"), e.g. ensemble weights."""
+    parse = _at_least(0, float, "a number")
+    values = [parse(part) for part in text.split(",")]
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"must all be positive, got {text!r}")
+    return values

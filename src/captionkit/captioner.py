@@ -8,16 +8,19 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
 from .checkpoint import CheckpointError, load_into, read_config, read_weights, split_weights
-from .decoding import Caption, decode
+from .decoding import Caption, beam_nbest, decode
 from .encoders import Encoder, create_encoder, load_finetuned
+from .ensemble import (COMBINE, ENSEMBLE_FILE, EnsembleDecoder, check_member_configs, check_member_encoders,
+                       is_ensemble_folder, normalised_weights, read_ensemble)
 from .images import ImageError, load_rgb, to_tensor
 from .models import CaptionModel, create_model
 from .models.base import view_attention
+from .rerank import RERANKERS, mbr_choice
 from .tokenizers import Tokenizer, load_tokenizer
 
 SHIPPED = Path(__file__).parent / "pretrained"
@@ -37,11 +40,52 @@ def model_folder(path: str | Path | None) -> Path:
     return path
 
 
+def existing_model_folder(path: str | Path | None) -> Path:
+    """:func:`model_folder`, refused with one line (listing the shipped models) if missing."""
+    folder = model_folder(path)
+    if not folder.exists():
+        shipped = ", ".join(sorted(p.name for p in SHIPPED.iterdir() if p.is_dir()))
+        raise CheckpointError(f"{folder}: no such model folder (shipped models: {shipped})")
+    return folder
+
+
+@dataclass
+class Member:
+    """A checkpoint's decoder, vocabulary and config, loaded without its encoder."""
+
+    path: Path
+    config: dict
+    decoder: torch.nn.Module
+    vocab: Tokenizer
+    encoder_tuned: dict[str, torch.Tensor]  # fine-tuned encoder tensors ({} for none)
+
+
+def load_member(path: Path) -> Member:
+    """Read a checkpoint folder's decoder and vocabulary; one CheckpointError naming the folder
+    for anything that does not fit."""
+    cfg = read_config(path)
+    try:
+        family, words, _ = cfg["family"], cfg["vocab"], cfg["encoder"]
+        decoder = create_model(family, cfg["model"])
+    except (KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}/config.json: incompatible config ({e})") from None
+    try:
+        vocab = load_tokenizer(words)
+    except (KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}/config.json: unusable vocabulary ({e})") from None
+    if len(vocab) != decoder.cfg.vocab_size:
+        raise CheckpointError(f"{path}: vocabulary has {len(vocab)} words, model expects {decoder.cfg.vocab_size}")
+    decoder_weights, encoder_tuned = split_weights(read_weights(path))
+    load_into(decoder, decoder_weights, path)
+    return Member(path, cfg, decoder, vocab, encoder_tuned)
+
+
 @dataclass
 class Result:
     words: list[str]
     attention: torch.Tensor  # (len(words), L)
     grid: tuple[int, int]
+    candidates: list[str] | None = None  # the n-best list it was chosen from, best beam first
 
     @property
     def text(self) -> str:
@@ -63,37 +107,71 @@ class Captioner:
     @classmethod
     def load(cls, path: str | Path | None = None, with_encoder: bool = True,
              encoder_weights: str | None = None) -> "Captioner":
-        """Load a checkpoint folder, or a shipped model by name (the default one when ``path``
-        is None)."""
-        path = model_folder(path)
-        if not path.exists():
-            shipped = ", ".join(sorted(p.name for p in SHIPPED.iterdir() if p.is_dir()))
-            raise CheckpointError(f"{path}: no such model folder (shipped models: {shipped})")
-        cfg = read_config(path)
-        try:
-            family, enc_cfg, words = cfg["family"], cfg["encoder"], cfg["vocab"]
-            decoder = create_model(family, cfg["model"])
-        except (KeyError, ValueError, TypeError) as e:
-            raise CheckpointError(f"{path}/config.json: incompatible config ({e})") from None
-        try:
-            vocab = load_tokenizer(words)
-        except (KeyError, ValueError, TypeError) as e:
-            raise CheckpointError(f"{path}/config.json: unusable vocabulary ({e})") from None
-        if len(vocab) != decoder.cfg.vocab_size:
-            raise CheckpointError(f"{path}: vocabulary has {len(vocab)} words, model expects {decoder.cfg.vocab_size}")
-        decoder_weights, encoder_tuned = split_weights(read_weights(path))
-        load_into(decoder, decoder_weights, path)
+        """Load a checkpoint folder, an ensemble folder (captionkit.ensemble), or a shipped model
+        by name (the default one when ``path`` is None)."""
+        path = existing_model_folder(path)
+        if is_ensemble_folder(path):
+            spec = read_ensemble(path)
+            return cls.load_ensemble(spec.member_folders(SHIPPED), spec.weights, length_penalty=spec.length_penalty,
+                                     max_len=spec.max_len, combine=spec.combine, with_encoder=with_encoder,
+                                     encoder_weights=encoder_weights, source=path)
+        member = load_member(path)
+        return cls._with_encoder(member.decoder, member, member.config, with_encoder, encoder_weights)
+
+    @classmethod
+    def load_ensemble(cls, paths: Sequence[str | Path], weights: Sequence[float] | None = None, *,
+                      length_penalty: float | None = None, max_len: int | None = None,
+                      combine: str = "loglinear", with_encoder: bool = True,
+                      encoder_weights: str | None = None, source: Path | None = None) -> "Captioner":
+        """Several checkpoints (folders or shipped names) of one tokenizer and encoder, decoded
+        as one model (captionkit.ensemble). ``weights``: one per member (default equal);
+        ``length_penalty`` and ``max_len``: the ensemble's (default the first member's).
+        ``source``: the ensemble folder they were named in, if any (for its errors)."""
+        normalised_weights(weights, len(paths))  # a wrong weight is refused before anything loads
+        if combine not in COMBINE:
+            raise ValueError(f"unknown combine {combine!r} (known: {', '.join(COMBINE)})")
+        folders = []
+        for p in paths:
+            folder = existing_model_folder(p)
+            if is_ensemble_folder(folder):
+                raise CheckpointError(f"{folder}: is an ensemble; an ensemble's members are checkpoints"
+                                      + (f" (named in {source / ENSEMBLE_FILE})" if source else ""))
+            folders.append(folder)
+        check_member_configs([(f, read_config(f)) for f in folders])  # before any weights load
+        members = [load_member(f) for f in folders]
+        check_member_encoders([(m.path, m.encoder_tuned) for m in members])
+        decoder = EnsembleDecoder([m.decoder for m in members], weights, combine)
+        first = members[0]
+        decoding = dict(first.config.get("decoding", {}))
+        if length_penalty is not None:
+            decoding["length_penalty"] = length_penalty
+        if max_len is not None:
+            decoding["max_len"] = max_len
+        # "model" stays the first member's: the attention shown is the first member's
+        config = {**{k: first.config[k] for k in ("model", "encoder", "vocab")}, "family": "ensemble",
+                  "decoding": decoding,
+                  "ensemble": {"members": [str(m.path) for m in members], "weights": decoder.weights,
+                               "combine": combine, "families": [m.config["family"] for m in members],
+                               **({"folder": str(source)} if source else {})}}
+        return cls._with_encoder(decoder, first, config, with_encoder, encoder_weights)
+
+    @classmethod
+    def _with_encoder(cls, decoder: torch.nn.Module, member: "Member", config: dict, with_encoder: bool,
+                      encoder_weights: str | None) -> "Captioner":
+        """The captioner of ``decoder``, with the encoder ``member``'s checkpoint names (and its
+        fine-tuned blocks) unless ``with_encoder`` is False."""
         encoder = None
         if with_encoder:
+            path, enc_cfg = member.path, member.config["encoder"]
             encoder = create_encoder(enc_cfg["name"], weights=encoder_weights or enc_cfg.get("weights"))
-            if encoder_tuned:  # the blocks fine-tuned with this decoder
-                load_finetuned(encoder, encoder_tuned, str(path))
+            if member.encoder_tuned:  # the blocks fine-tuned with this decoder
+                load_finetuned(encoder, member.encoder_tuned, str(path))
             grid = list(encoder.grid())
             if encoder.dim != decoder.cfg.feat_dim or grid != list(enc_cfg["grid"]):
                 raise CheckpointError(
                     f"{path}: trained on {enc_cfg['name']} features {enc_cfg['grid']} x {decoder.cfg.feat_dim}, "
                     f"but the encoder gives {grid} x {encoder.dim}")
-        return cls(decoder, vocab, cfg, encoder)
+        return cls(decoder, member.vocab, config, encoder)
 
     @torch.no_grad()
     def decode_features(self, feats: torch.Tensor, beam: int = 3,
@@ -101,6 +179,24 @@ class Captioner:
         """feats (B, L, D) -> one Caption per image (length_penalty None: the model's own)."""
         return decode(self.decoder, feats.float(), beam=beam, max_len=self.max_len,
                       length_penalty=self.length_penalty_or(length_penalty))
+
+    def mbr(self, lists: list[list[Caption]]) -> list[Caption]:
+        """Each n-best list's consensus caption (captionkit.rerank; document frequencies from
+        these lists' images)."""
+        choice = mbr_choice({i: [self.text(c) for c in caps] for i, caps in enumerate(lists)})
+        return [caps[choice[i]] for i, caps in enumerate(lists)]
+
+    @torch.no_grad()
+    def nbest_features(self, feats: torch.Tensor, n: int, beam: int | None = None,
+                       length_penalty: float | None = None) -> list[list[Caption]]:
+        """feats (B, L, D) -> each image's ``n`` best beams, best first (beam width
+        max(beam, n))."""
+        return beam_nbest(self.decoder, feats.float(), n, max(beam or n, n), self.max_len,
+                          self.length_penalty_or(length_penalty))
+
+    def text(self, cap: Caption) -> str:
+        """A caption's words as one string (what scoring and reranking compare)."""
+        return " ".join(self.vocab.decode(cap.ids))
 
     def length_penalty_or(self, length_penalty: float | None) -> float:
         """The given length normalisation, or the model's own when None."""
@@ -124,10 +220,17 @@ class Captioner:
         return self.encoder.encode_batch(images)
 
     def caption_files(self, paths: list[Path], beam: int = 3, batch_size: int = 16,
-                      length_penalty: float | None = None,
-                      workers: int = 1) -> Iterator[tuple[Path, Result | ImageError]]:
+                      length_penalty: float | None = None, workers: int = 1, nbest: int | None = None,
+                      rerank: str | None = None) -> Iterator[tuple[Path, Result | ImageError]]:
         """Caption image files in order; a bad file yields its ImageError and the rest go on.
-        ``workers`` threads decode the next batch's images while this batch is captioned."""
+        ``workers`` threads decode the next batch's images while this batch is captioned.
+        ``nbest``: keep each image's ``nbest`` best beams as the Result's ``candidates``;
+        ``rerank="mbr"``: choose the caption among them by consensus (:meth:`mbr`), batch by
+        batch."""
+        if rerank not in (None, *RERANKERS):
+            raise ValueError(f"unknown reranker {rerank!r} (known: {', '.join(RERANKERS)})")
+        if rerank and not nbest:
+            raise ValueError("reranking chooses among the n best beams: give nbest")
         if self.encoder is None:
             raise RuntimeError("this Captioner was loaded without its encoder")
         pre = self.encoder.preprocess
@@ -150,8 +253,20 @@ class Captioner:
                     nxt = read(batches[bi + 1])
                 good = [i for i, x in enumerate(loaded) if isinstance(x, torch.Tensor)]
                 caps: dict[int, Caption] = {}
+                lists: dict[int, list[Caption]] = {}
                 if good:
                     feats = self.encode_batch([loaded[i] for i in good])  # (B, L, D)
-                    caps = dict(zip(good, self.decode_features(feats, beam, length_penalty)))
+                    if nbest:
+                        lists = dict(zip(good, self.nbest_features(feats, nbest, beam, length_penalty)))
+                        chosen = self.mbr(list(lists.values())) if rerank else [c[0] for c in lists.values()]
+                        caps = dict(zip(good, chosen))
+                    else:
+                        caps = dict(zip(good, self.decode_features(feats, beam, length_penalty)))
                 for i, p in enumerate(batch):
-                    yield p, (self.result(caps[i]) if i in caps else loaded[i])
+                    if i not in caps:
+                        yield p, loaded[i]
+                        continue
+                    res = self.result(caps[i])
+                    if i in lists:
+                        res.candidates = [self.text(c) for c in lists[i]]
+                    yield p, res

@@ -9,13 +9,16 @@ import os
 import sys
 from pathlib import Path
 
-from .argtypes import float_at_least, positive_int
+from .argtypes import float_at_least, int_at_least, positive_floats, positive_int
 from .errors import CheckpointError, DatasetError, ImageError, OutputError, WeightsUnavailable
 from .vlm import DEFAULT_VLM, DTYPES
 
 
 class UsageError(ValueError):
     pass
+
+
+DEFAULT_NBEST = 5  # beams --rerank mbr chooses among when --nbest is not given
 
 
 def _write_json(path: str | Path, obj) -> None:
@@ -46,25 +49,106 @@ def _model_setting(model: str | None) -> str:
     return folder.name if folder.parent == SHIPPED else str(folder.resolve())
 
 
-def cmd_caption(paths: list[str], model: str | None, beam: int, json_out: str | None,
+def _models_setting(models: list[str] | None, weights: list[float] | None):
+    """One model as before (a name or path); an ensemble as the list of its members and weights."""
+    if not models or len(models) == 1:
+        return _model_setting(models[0] if models else None)
+    return {"members": [_model_setting(m) for m in models], "weights": weights}
+
+
+def _check_models(models: list[str] | None, weights: list[float] | None, rerank: str | None = None,
+                  nbest: int | None = None, candidates: str | None = None) -> None:
+    """--model/--weights/--rerank/--nbest that do not fit together, refused before anything loads."""
+    if weights and len(weights) != len(models or []):
+        raise UsageError(f"--weights gives {len(weights)} weights for {len(models or [])} --model: "
+                         f"give one per model (ensembles: several --model)")
+    if nbest and not (rerank or candidates):
+        raise UsageError("--nbest is the number of beams --rerank mbr chooses among, or --candidates "
+                         "writes: give one of them")
+    if candidates and not (rerank or nbest):
+        raise UsageError("--candidates writes the n best beams: give --nbest N (or --rerank mbr)")
+
+
+def _load_captioner(models: list[str] | None, weights: list[float] | None):
+    """One --model (or the default), or an ensemble of several (captionkit.ensemble)."""
+    from .captioner import Captioner
+    if models and len(models) > 1:
+        return Captioner.load_ensemble(models, weights)
+    return Captioner.load(models[0] if models else None)
+
+
+def _nbest(rerank: str | None, nbest: int | None) -> int | None:
+    """The n-best size to decode: --nbest, or the default one for --rerank."""
+    return nbest or (DEFAULT_NBEST if rerank else None)
+
+
+def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: str | None,
                 attention: str | None, batch_size: int, length_penalty: float | None,
                 jsonl: str | None = None, csv_out: str | None = None, workers: int = 2,
                 onnx: str | None = None, overwrite: bool = False, retry_failed: bool = False,
-                verbose: bool = False) -> int:
+                verbose: bool = False, weights: list[float] | None = None, rerank: str | None = None,
+                nbest: int | None = None, candidates: str | None = None) -> int:
     if onnx and model:
         raise UsageError("give either --model or --onnx")
-    settings = {"model": None if onnx else _model_setting(model), "onnx": str(Path(onnx).resolve()) if onnx else None,
-                "beam": beam, "length_penalty": length_penalty}
+    _check_models(model, weights, rerank, nbest, candidates)
+    if onnx and (rerank or nbest):
+        raise UsageError("--rerank, --nbest and --candidates need a PyTorch model (--model), not --onnx")
+    settings = {"model": None if onnx else _models_setting(model, weights),
+                "onnx": str(Path(onnx).resolve()) if onnx else None,
+                "beam": beam, "length_penalty": length_penalty, "rerank": rerank, "nbest": _nbest(rerank, nbest)}
+    if candidates:
+        from .outputs import check_file_target
+        candidates_path = check_file_target(candidates, overwrite=overwrite)
     writer = _caption_writer("caption", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
                              attention=attention, overwrite=overwrite, retry_failed=retry_failed, verbose=verbose)
     if onnx:
         from .onnx_runtime import load_onnx_captioner
         cap = load_onnx_captioner(onnx)
-    else:
-        from .captioner import Captioner
-        cap = Captioner.load(model)
-    return writer.run(lambda files: cap.caption_files(files, beam=beam, batch_size=batch_size,
-                                                      length_penalty=length_penalty, workers=workers))
+        return writer.run(lambda files: cap.caption_files(files, beam=beam, batch_size=batch_size,
+                                                          length_penalty=length_penalty, workers=workers))
+    cap = _load_captioner(model, weights)
+    lists: dict[str, list[str]] = {}
+
+    def results(files: list[Path]):
+        for path, res in cap.caption_files(files, beam=beam, batch_size=batch_size, length_penalty=length_penalty,
+                                           workers=workers, nbest=_nbest(rerank, nbest), rerank=rerank):
+            if not isinstance(res, ImageError) and res.candidates is not None:
+                lists[writer.keys[path]] = res.candidates
+            yield path, res
+
+    code = writer.run(results)
+    if candidates:
+        from .outputs import atomic_write_text
+        atomic_write_text(candidates_path, json.dumps(lists, indent=1, ensure_ascii=False))
+    return code
+
+
+def cmd_ensemble(model: list[str], weights: list[float] | None, length_penalty: float | None, combine: str,
+                 out: str, overwrite: bool) -> int:
+    """Write an ensemble folder (captionkit.ensemble) naming the members, after loading them
+    together once, so a folder that is written is one that loads."""
+    from .captioner import SHIPPED, Captioner
+    from .ensemble import KIND, member_entry, write_ensemble
+    from .outputs import check_folder_target
+
+    _check_models(model, weights)
+    target = check_folder_target(out, overwrite=overwrite, kinds=(KIND,))
+    cap = Captioner.load_ensemble(model, weights, length_penalty=length_penalty, combine=combine, with_encoder=False)
+    members = [member_entry(Path(p), target, SHIPPED) for p in cap.config["ensemble"]["members"]]
+    path = write_ensemble(target, members, cap.decoder.weights, cap.length_penalty, cap.max_len, combine)
+    print(f"wrote {path}: {len(members)} members, weights "
+          + ", ".join(f"{w:.3g}" for w in cap.decoder.weights) + f", length penalty {cap.length_penalty:g}")
+    return 0
+
+
+def cmd_rerank(candidates: list[str], json_out: str | None, overwrite: bool) -> int:
+    from .rerank import rerank_files
+
+    chosen = rerank_files(candidates, json_out, overwrite)
+    if not json_out:
+        for k, c in chosen.items():
+            print(f"{k}\t{c}")
+    return 0
 
 
 def cmd_export(format: str, model: str | None, out: str, int8: bool, int8_encoder: bool,
@@ -76,7 +160,12 @@ def cmd_export(format: str, model: str | None, out: str, int8: bool, int8_encode
         from .onnx_runtime import parity_check
     except ImportError as e:
         raise UsageError(f"ONNX export needs the onnx extra: pip install 'captionkit[onnx]' ({e})") from None
-    from .captioner import DEFAULT_MODEL
+    from .captioner import DEFAULT_MODEL, model_folder
+    from .ensemble import is_ensemble_folder
+
+    if is_ensemble_folder(model_folder(model)):
+        raise UsageError(f"{model}: is an ensemble; ONNX export takes one model: export a member")
+
     from .images import find_images
 
     check_folder_target(out, overwrite=overwrite, kinds=("onnx",))  # all before the model loads
@@ -171,19 +260,20 @@ def _check_targets(*paths: str | None, overwrite: bool) -> None:
         raise UsageError(f"{given[0]}: given for two outputs; choose a file for each")
 
 
-def cmd_evaluate(model: str | None, dataset: str, images: str | None, split: str, beam: int,
+def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, split: str, beam: int,
                  out: str | None, batch_size: int, length_penalty: float | None,
                  tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str,
-                 image_column: str, title_column: str, image_suffix: str, overwrite: bool = False) -> int:
+                 image_column: str, title_column: str, image_suffix: str, overwrite: bool = False,
+                 weights: list[float] | None = None, rerank: str | None = None, nbest: int | None = None) -> int:
     _check_targets(out, overwrite=overwrite)  # before torch, the dataset and the model load
-    from .captioner import Captioner
     from .evaluation import score_captions
 
+    _check_models(model, weights, rerank, nbest)
     items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
-    cap = Captioner.load(model)
+    cap = _load_captioner(model, weights)
     captions, failed = {}, []
     for path, res in cap.caption_files([it.path for it in items], beam=beam, batch_size=batch_size,
-                                       length_penalty=length_penalty):
+                                       length_penalty=length_penalty, nbest=_nbest(rerank, nbest), rerank=rerank):
         if isinstance(res, ImageError):
             failed.append(str(res))
         else:
@@ -194,11 +284,13 @@ def cmd_evaluate(model: str | None, dataset: str, images: str | None, split: str
                          refs_source=f"{dataset} ({split} split)",
                          **_score_opts(tokenizer, meteor, no_brevity_penalty, metrics))
     lp = cap.length_penalty_or(length_penalty)
-    print(f"{split} split, {len(items)} images, beam {beam}, length penalty {lp:g}")
+    mbr = _nbest(rerank, nbest)
+    print(f"{split} split, {len(items)} images, beam {beam}, length penalty {lp:g}"
+          + (f", MBR over the {mbr} best beams" if mbr else ""))
     _print_report(rep)
     if out:
-        _write_json(out, {"model": str(model or "shipped default"), "dataset": dataset, "split": split,
-                          "beam": beam, "length_penalty": lp, "scale": "x100",
+        _write_json(out, {"model": _models_setting(model, weights), "dataset": dataset, "split": split,
+                          "beam": beam, "length_penalty": lp, "mbr_nbest": mbr, "scale": "x100",
                           "scores": {k: round(100 * v, 4) for k, v in rep.scores.items()},
                           "implementation": rep.implementation, "tokenizer": rep.tokenizer,
                           "empty_captions": len(rep.empty), "notes": rep.notes, "captions": captions})
@@ -477,13 +569,31 @@ def _add_overwrite(p: argparse.ArgumentParser, what: str) -> None:
                    help=f"{what} (a folder captionkit did not write is never replaced; see docs/outputs.md)")
 
 
+def _add_ensemble_opts(p: argparse.ArgumentParser) -> None:
+    """Ensembles and consensus reranking (docs/ensembles.md), for caption and evaluate."""
+    p.add_argument("--weights", type=positive_floats, metavar="W1,W2,..",
+                   help="the ensemble members' weights, one per --model (default: equal)")
+    p.add_argument("--rerank", choices=("mbr",),
+                   help="mbr: choose each caption among the best beams by consensus (expected CIDEr-D)")
+    p.add_argument("--nbest", type=int_at_least(2), metavar="N",
+                   help=f"beams --rerank mbr chooses among (default {DEFAULT_NBEST}; the beam widens to N)")
+
+
+def _add_candidates_opt(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--candidates", metavar="OUT",
+                   help="also write each image's --nbest best beams here as {image: [caption, ...]}, "
+                        "input for captionkit rerank (the images captioned in this run; written at the end)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="captionkit", description="Image captioning: caption, train, evaluate.")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("caption", help="caption image files or folders (docs/captioning.md)")
     c.add_argument("paths", nargs="+")
-    c.add_argument("--model", help="checkpoint folder, or a shipped model by name: transformer-lite2-flickr8k (the default), sat-lite2-flickr8k, prefix-smollm2-lora-flickr8k")
+    c.add_argument("--model", action="append", help="checkpoint or ensemble folder, or a shipped model by name: transformer-lite2-flickr8k (the default), sat-lite2-flickr8k, prefix-smollm2-lora-flickr8k; repeat for an ensemble (docs/ensembles.md)")
+    _add_ensemble_opts(c)
+    _add_candidates_opt(c)
     c.add_argument("--beam", type=positive_int, default=3)
     c.add_argument("--attention", metavar="DIR", help="write one attention figure per image here (x.jpg -> DIR/x.jpg.png)")
     c.add_argument("--batch-size", type=positive_int, default=16)
@@ -494,7 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_caption_outputs(c)
 
     e = sub.add_parser("evaluate", help="caption a dataset split and score it (coco-caption scorers)")
-    e.add_argument("--model")
+    e.add_argument("--model", action="append", help="as caption's --model; repeat for an ensemble")
+    _add_ensemble_opts(e)
     e.add_argument("--dataset", required=True)
     e.add_argument("--images", help="image folder of a JSON or CSV dataset")
     e.add_argument("--split", default="test")
@@ -575,6 +686,24 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--check-beam", type=positive_int, default=3)
     x.add_argument("--web", action="store_true", help="copy the in-browser demo page into OUT")
     _add_overwrite(x, "replace OUT if it is an ONNX export captionkit wrote")
+
+    n = sub.add_parser("ensemble", help="write an ensemble folder: several models decoded as one (docs/ensembles.md)")
+    n.add_argument("--model", action="append", required=True,
+                   help="a member: checkpoint folder or shipped model name; repeat for each member")
+    n.add_argument("--weights", type=positive_floats, metavar="W1,W2,..", help="one per --model (default: equal)")
+    n.add_argument("--length-penalty", type=float_at_least(0), default=None,
+                   help="the ensemble's length normalisation (default: the first member's)")
+    n.add_argument("--combine", choices=("loglinear", "linear"), default="loglinear",
+                   help="loglinear: weighted mean of log-probabilities, renormalised (default); "
+                        "linear: weighted mean of probabilities")
+    n.add_argument("--out", required=True, help="the ensemble folder to write")
+    n.add_argument("--overwrite", action="store_true", help="replace the ensemble.json of an existing ensemble folder")
+
+    r = sub.add_parser("rerank", help="choose each image's caption among several files' candidates by consensus (MBR)")
+    r.add_argument("candidates", nargs="+", metavar="FILE",
+                   help="JSON {image: [caption, ...]} or {image: caption}, one per model; all cover the same images")
+    r.add_argument("--json", dest="json_out", metavar="OUT", help="write {image: caption} here")
+    r.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
 
     v = sub.add_parser("serve", help="HTTP API and web page (FastAPI)")
     v.add_argument("--model", action="append", help="checkpoint folder or shipped model name; repeat for several (default: transformer-lite2-flickr8k)")

@@ -81,6 +81,16 @@ def beam_search(model, feats: torch.Tensor, beam: int = 3, max_len: int = 20,
     Hypotheses are ranked by logprob / (words + 1) ** length_penalty (0 = plain sum, as in
     the paper). With ``beam=1`` this returns exactly the greedy caption.
     """
+    return [best[0] for best in beam_nbest(model, feats, 1, beam, max_len, length_penalty)]
+
+
+@torch.no_grad()
+def beam_nbest(model, feats: torch.Tensor, n_best: int, beam: int = 3, max_len: int = 20,
+               length_penalty: float = 0.0) -> list[list[Caption]]:
+    """Beam search keeping each image's ``n_best`` (<= ``beam``) best finished hypotheses,
+    best first, ranked as :func:`beam_search` ranks them (whose caption is the first)."""
+    if not 1 <= n_best <= beam:
+        raise ValueError(f"n_best must be between 1 and the beam size {beam}, got {n_best}")
     B, K = feats.shape[0], beam
     mem = model.prepare(feats)
     state = model.init_state(mem)
@@ -125,16 +135,18 @@ def beam_search(model, feats: torch.Tensor, beam: int = 3, max_len: int = 20,
         for b in range(B):
             if done[b] or not finished[b]:
                 continue
-            best_done = max(f[0] for f in finished[b])
-            # Without length normalisation a live beam can only lose probability.
-            if len(finished[b]) >= K or (length_penalty == 0.0 and best_done >= float(scores[b, 0])):
+            # Without length normalisation a live beam can only lose probability: once the
+            # n_best-th finished hypothesis beats the best live one, none can enter the n best.
+            nth_done = sorted((f[0] for f in finished[b]), reverse=True)[n_best - 1] \
+                if len(finished[b]) >= n_best else float("-inf")
+            if len(finished[b]) >= K or (length_penalty == 0.0 and nth_done >= float(scores[b, 0])):
                 done[b] = True
         if all(done):
             break
     out = []
     for b in range(B):
-        _, ids, att, lp = max(finished[b], key=lambda f: f[0])
-        out.append(Caption(ids, att, lp))
+        ranked = sorted(finished[b], key=lambda f: f[0], reverse=True)[:n_best]  # stable: ties keep order
+        out.append([Caption(ids, att, lp) for _, ids, att, lp in ranked])
     return out
 
 

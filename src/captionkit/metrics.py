@@ -191,6 +191,16 @@ def cider_d_scores(cands: dict[str, str] | Corpus, refs: dict[str, list[str]] | 
     Document frequencies come from the references; as in coco-caption, the Gaussian length
     penalty compares bigram counts."""
     c = _corpus(cands, refs)
+    pairs = cider_d_pairs(c, sigma=sigma)
+    return np.bincount(c.ref_img, weights=pairs, minlength=len(c.keys)) / np.bincount(c.ref_img, minlength=len(c.keys))
+
+
+def cider_d_pairs(cands: dict[str, str] | Corpus, refs: dict[str, list[str]] | None = None,
+                  sigma: float = 6.0) -> np.ndarray:
+    """(M,) the CIDEr-D (x10) of each reference's pair: its image's candidate against that one
+    reference, in the order of the references (image by image); an image's CIDEr-D is the mean
+    of its pairs'. Document frequencies still come from all references."""
+    c = _corpus(cands, refs)
     N, n, G = len(c.keys), c.n, np.int64(c.n_grams + 1)
     S = N + len(c.ref_img)
     is_ref = c.sent >= N
@@ -217,10 +227,7 @@ def cider_d_scores(cands: dict[str, str] | Corpus, refs: dict[str, list[str]] | 
     val = np.where(denom != 0, dot / np.where(denom != 0, denom, 1.0), dot)
     delta = bigrams[c.ref_img] - bigrams[N:]
     val *= np.exp(-(delta ** 2) / (2 * sigma ** 2))[:, None]
-    total = np.zeros((N, n))
-    np.add.at(total, c.ref_img, val)
-    n_refs = np.bincount(c.ref_img, minlength=N)
-    return total.mean(1) / n_refs * 10.0
+    return val.mean(1) * 10.0
 
 
 class CiderD:
