@@ -95,7 +95,9 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
         raise UsageError("--rerank, --nbest and --candidates need a PyTorch model (--model), not --onnx")
     settings = {"model": None if onnx else _models_setting(model, weights),
                 "onnx": str(Path(onnx).resolve()) if onnx else None,
-                "beam": beam, "length_penalty": length_penalty, "rerank": rerank, "nbest": _nbest(rerank, nbest)}
+                "beam": beam, "length_penalty": length_penalty}
+    if rerank or nbest:  # recorded only when used: other runs' settings stay as they were
+        settings.update(rerank=rerank, nbest=_nbest(rerank, nbest))
     if candidates:
         from .outputs import check_file_target
         candidates_path = check_file_target(candidates, overwrite=overwrite)
