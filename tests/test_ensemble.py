@@ -17,7 +17,7 @@ from captionkit.cli import main
 from captionkit.decoding import beam_nbest, beam_search, greedy
 from captionkit.ensemble import (ENSEMBLE_FILE, EnsembleDecoder, combine_logprobs, normalised_weights,
                                  read_ensemble)
-from captionkit.models import create_decoder
+from captionkit.models import create_model
 from captionkit.outputs import owner_kind
 from captionkit.rerank import consensus_utilities, mbr_choice, rerank_files
 from captionkit.vocab import SPECIALS
@@ -28,13 +28,13 @@ GRID, FEAT = [2, 3], 10
 
 def sat(seed: int = 0):
     torch.manual_seed(seed)
-    return create_decoder("sat", {"vocab_size": len(WORDS), "feat_dim": FEAT, "embed_dim": 8,
+    return create_model("sat", {"vocab_size": len(WORDS), "feat_dim": FEAT, "embed_dim": 8,
                                   "hidden_dim": 9, "attn_dim": 7, "dropout": 0.0}).eval()
 
 
 def transformer(seed: int = 0):
     torch.manual_seed(seed)
-    return create_decoder("transformer", {"vocab_size": len(WORDS), "feat_dim": FEAT, "grid": GRID, "width": 8,
+    return create_model("transformer", {"vocab_size": len(WORDS), "feat_dim": FEAT, "grid": GRID, "width": 8,
                                           "heads": 2, "decoder_layers": 2, "dropout": 0.0,
                                           "max_positions": 16}).eval()
 
@@ -251,9 +251,9 @@ def lite0_members(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("members")
     grid = [7, 7]
     torch.manual_seed(0)
-    a = create_decoder("sat", {"vocab_size": len(WORDS), "feat_dim": 1280, "embed_dim": 8, "hidden_dim": 9,
+    a = create_model("sat", {"vocab_size": len(WORDS), "feat_dim": 1280, "embed_dim": 8, "hidden_dim": 9,
                                "attn_dim": 7, "dropout": 0.0})
-    b = create_decoder("transformer", {"vocab_size": len(WORDS), "feat_dim": 1280, "grid": grid, "width": 8,
+    b = create_model("transformer", {"vocab_size": len(WORDS), "feat_dim": 1280, "grid": grid, "width": 8,
                                        "heads": 2, "decoder_layers": 1, "dropout": 0.0, "max_positions": 16})
     return checkpoint(root / "a", a, grid=grid), checkpoint(root / "b", b, grid=grid)
 

@@ -699,13 +699,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="loglinear: weighted mean of log-probabilities, renormalised (default); "
                         "linear: weighted mean of probabilities")
     n.add_argument("--out", required=True, help="the ensemble folder to write")
-    n.add_argument("--overwrite", action="store_true", help="replace the ensemble.json of an existing ensemble folder")
+    _add_overwrite(n, "replace the ensemble.json of an existing ensemble folder")
 
     r = sub.add_parser("rerank", help="choose each image's caption among several files' candidates by consensus (MBR)")
     r.add_argument("candidates", nargs="+", metavar="FILE",
                    help="JSON {image: [caption, ...]} or {image: caption}, one per model; all cover the same images")
     r.add_argument("--json", dest="json_out", metavar="OUT", help="write {image: caption} here")
-    r.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    _add_overwrite(r, "replace an existing OUT")
 
     v = sub.add_parser("serve", help="HTTP API and web page (FastAPI)")
     v.add_argument("--model", action="append", help="checkpoint folder or shipped model name; repeat for several (default: transformer-lite2-flickr8k)")
