@@ -13,7 +13,6 @@ import csv
 import hashlib
 import io
 import json
-import os
 import random
 import re
 import string
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from .cache import cache_dir
 from .errors import DatasetError
+from .outputs import atomic_write_text
 
 _PUNCT = str.maketrans("", "", string.punctuation)
 
@@ -333,15 +333,12 @@ def _split_new_images(names: list[str], saved: dict[str, str], seed: int) -> dic
 
 def _write_json_first(doc: dict, places: list[Path]) -> Path | None:
     """Write ``doc`` atomically to the first writable place; None if none is."""
+    text = json.dumps(doc, indent=1, ensure_ascii=False)
     for place in places:
-        tmp = place.with_name(f".{place.name}.{os.getpid()}.tmp")
         try:
-            place.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False))
-            os.replace(tmp, place)
-            return place
+            return atomic_write_text(place, text)  # removes its temporary file if it fails
         except OSError:
-            tmp.unlink(missing_ok=True)
+            continue
     return None
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,7 @@ from .cache import cache_root
 from .encoders.base import Encoder
 from .errors import OutputError
 from .images import ImageError, load_rgb, to_tensor
-from .outputs import check_writable_folder, owner_kind, write_marker
+from .outputs import atomic_write_text, check_writable_folder, owner_kind, write_marker
 
 
 # the feature folders sit directly under the cache root (the layout existing caches use)
@@ -75,9 +74,7 @@ def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None
         np.lib.format.open_memmap(feats_path, mode="w+", dtype=np.float16, shape=(len(paths), L, D)).flush()
         np.save(done_path, np.zeros(len(paths), dtype=bool))
         meta = {"paths": [str(p) for p in paths], "grid": list(grid), "encoder": encoder.cache_key()}
-        tmp = meta_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, meta_path)
+        atomic_write_text(meta_path, json.dumps(meta))
     feats = np.load(feats_path, mmap_mode="r+")
     done = np.load(done_path)
     todo = [i for i in range(len(paths)) if not done[i]]
