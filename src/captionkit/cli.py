@@ -611,7 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dataset", required=True)
     e.add_argument("--images", help="image folder of a JSON or CSV dataset")
     e.add_argument("--split", default="test")
-    e.add_argument("--beam", type=int, default=3)
+    e.add_argument("--beam", type=positive_int, default=3)
     e.add_argument("--out", help="write scores and every caption to this JSON")
     e.add_argument("--batch-size", type=int, default=16)
     e.add_argument("--length-penalty", type=float, default=None)
@@ -759,7 +759,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", required=True, help="the HTML file to write")
     r.add_argument("--split", default="dev", help="the split to caption and score (dev; test for final numbers)")
     r.add_argument("--images", type=int, default=10, help="images in the captions table")
-    r.add_argument("--beam", type=int, default=3)
+    r.add_argument("--beam", type=positive_int, default=3)
     r.add_argument("--bootstrap", type=int, default=1000, metavar="N",
                    help="resamples for the 95%% intervals (0: none)")
     r.add_argument("--seed", type=int, default=0)
@@ -791,8 +791,6 @@ def main(argv: list[str] | None = None) -> int:
     command = args.pop("command")
     fn = globals()[f"cmd_{command.replace('-', '_')}"]
     try:
-        if args.get("beam") is not None and args["beam"] < 1:
-            raise UsageError(f"--beam must be at least 1, got {args['beam']}")
         return fn(**args)
     except (UsageError, ImageError, DatasetError, CheckpointError, OutputError, WeightsUnavailable) as e:
         print(f"captionkit {command}: error: {e}", file=sys.stderr)
