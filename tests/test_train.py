@@ -46,10 +46,12 @@ def test_auto_precision_uses_bf16_only_where_the_cpu_has_it(monkeypatch):
         monkeypatch.setattr(precision, "native_bf16", lambda native=native: native)
         assert precision.resolve_precision("auto") == want
         assert precision.resolve_precision("fp32") == "fp32" and precision.resolve_precision("bf16") == "bf16"
-    with pytest.raises(ValueError, match="precision must be one of auto, bf16, fp32, not 'fp16'"):
+    with pytest.raises(ValueError, match="precision fp16 needs a CUDA device"):
         precision.resolve_precision("fp16")
+    with pytest.raises(ValueError, match="precision must be one of auto, bf16, fp16, fp32, not 'fp8'"):
+        precision.resolve_precision("fp8")
     with pytest.raises(ValueError, match="train.precision must be one of"):
-        RunConfig.from_dict({"data": {"dataset": "x"}, "train": {"precision": "fp16"}})
+        RunConfig.from_dict({"data": {"dataset": "x"}, "train": {"precision": "fp8"}})
 
 
 def test_training_run_writes_best_and_last_with_history(tiny_run):

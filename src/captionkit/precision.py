@@ -1,4 +1,7 @@
-"""Which float format the large matmuls should use on this CPU.
+"""Which float format the large matmuls should use on a device.
+
+On CUDA, ``"auto"`` is bf16 on GPUs that multiply it (Ampere and newer), else fp16 with a gradient
+scaler. fp16 is refused elsewhere. On the CPU:
 
 bf16 autocast pays off only where the CPU multiplies bf16 natively (Intel AMX or
 AVX512-BF16, Arm's BF16 extension): there it runs several times faster than float32. Elsewhere
@@ -8,10 +11,15 @@ AVX512 CPU without BF16), so ``"auto"`` picks float32 there.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import platform
+from typing import ContextManager
 
-PRECISIONS = ("auto", "bf16", "fp32")
+import torch
+
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _NATIVE_BF16_FLAGS = {"amx_bf16", "avx512_bf16", "bf16"}  # x86 flags; "bf16" in Arm's Features
 
 
@@ -32,10 +40,31 @@ def native_bf16() -> bool:
     return False
 
 
-def resolve_precision(precision: str) -> str:
-    """"auto" -> "bf16" on CPUs with native bf16 matmuls, else "fp32"; others unchanged."""
+def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str:
+    """``"auto"`` -> the format that pays on ``device``: "bf16", "fp16" or "fp32"; others are
+    checked and returned. fp16 is a CUDA format (trained under a gradient scaler, see
+    :func:`grad_scaler`); on the CPU or MPS it is refused rather than emulated."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    kind = torch.device(device).type
+    if kind == "cuda":
+        if precision == "auto":
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return precision
+    if precision == "fp16":
+        raise ValueError(f"precision fp16 needs a CUDA device (this one is {kind}); use bf16, fp32 or auto")
     if precision == "auto":
-        return "bf16" if native_bf16() else "fp32"
+        return "bf16" if kind == "cpu" and native_bf16() else "fp32"
     return precision
+
+
+def autocast(device: torch.device, precision: str) -> ContextManager:
+    """The autocast region for a resolved precision on ``device`` (a no-op for fp32)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=_DTYPES[precision])
+
+
+def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
+    """A gradient scaler, enabled only for fp16 (bf16 has float32's range and needs none)."""
+    return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
