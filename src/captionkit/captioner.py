@@ -24,7 +24,7 @@ from .rerank import RERANKERS, mbr_choice
 from .tokenizers import Tokenizer, load_tokenizer
 
 SHIPPED = Path(__file__).parent / "pretrained"
-# the best Flickr8k model we have (README, "The shipped model"); the Show, Attend and Tell LSTM
+# the best Flickr8k model we have (its card: pretrained/transformer-lite2-flickr8k/README.md); the LSTM
 # that was the default before it ships too, as --model sat-lite2-flickr8k
 DEFAULT_MODEL = SHIPPED / "transformer-lite2-flickr8k"
 

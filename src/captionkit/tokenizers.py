@@ -2,7 +2,7 @@
 
 (Not to be confused with :mod:`captionkit.tokenize`, the PTB tokenisation the scorers use.)
 
-Three kinds, one contract, saved with the model in ``config.json``:
+Four kinds, one contract, saved with the model in ``config.json``:
 
 - ``word``: :class:`captionkit.vocab.Vocab`, one token per word (min count / top-K); saved
   as a plain list of words, the format every checkpoint so far uses.

@@ -2,10 +2,11 @@
 
 ``captionkit train --config FILE [--max-steps N] [--out DIR] [--resume]``. The config is TOML
 with [data], [encoder], [model] and [train] tables (see configs/). Per epoch: length-bucketed
-batches (every batch holds captions of one length, as in the paper), Adam/RMSProp with
-gradient clipping, then validation by free-running beam search on the dev split scored with
-the coco-caption scorers; the best checkpoint is kept, the learning rate decays on plateaus and
-training stops early when the score stops improving.
+batches (every batch holds captions of one length, as in the paper; or whole images with their
+captions), Adam, AdamW or RMSProp with gradient clipping and a plateau, cosine or inverse-sqrt
+schedule, then validation by free-running beam search on the dev split scored with the
+coco-caption scorers; the best checkpoint is kept and training stops early when the score stops
+improving.
 
 Two objectives: ``xe`` (cross-entropy under teacher forcing, or the model family's own
 training loss, e.g. hard attention's lower bound) and ``scst`` (self-critical training, see
