@@ -136,13 +136,13 @@ def _check_ray_caption(out: str | None, **unsupported) -> None:
     """--engine ray's one-line refusals, before anything is read or loaded."""
     from .ray_engine import ray_missing
 
-    if ray_missing():
-        raise UsageError(ray_missing())
     if not out:
         raise UsageError("--engine ray writes its shards beside a --jsonl or --csv file: give one")
     given = [name for name, value in unsupported.items() if value]
     if given:
         raise UsageError(f"--engine ray does not support --{given[0]}; use the local engine for it")
+    if ray_missing():
+        raise UsageError(ray_missing())
 
 
 def _ray_options(address: str | None, replicas: int, batch_size: int, shard_size: int | None):

@@ -1,0 +1,126 @@
+"""--engine ray (captionkit.ray_engine) on a local Ray of 2 CPUs, against the local engine:
+the same captions and error records, the same features, and shard-level resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from captionkit import cli
+from captionkit.features import ShardedFeatureStore, build_features, shard_file, shards_for_rank
+from captionkit.ray_engine import RayOptions, caption_shards_folder, ray_missing
+
+from conftest import shape_image
+
+
+def test_shards_for_rank_splits_every_shard_once():
+    ranks = [shards_for_rank(7, r, 3) for r in range(3)]
+    assert ranks == [[0, 3, 6], [1, 4], [2, 5]]
+    with pytest.raises(ValueError):
+        shards_for_rank(7, 3, 3)
+
+
+def test_engine_ray_without_ray_says_how_to_install(monkeypatch, tmp_path, capsys):
+    import captionkit.ray_engine as engine
+
+    monkeypatch.setattr(engine, "ray_missing", lambda: engine.INSTALL_HINT)
+    code = cli.main(["caption", str(tmp_path), "--engine", "ray", "--jsonl", str(tmp_path / "o.jsonl")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "pip install 'captionkit[ray]'" in err[0]
+
+
+def test_engine_ray_refuses_what_it_cannot_do_before_loading(tmp_path, capsys, no_expensive_work):
+    code = cli.main(["caption", str(tmp_path), "--engine", "ray"])
+    assert code == 2 and "--jsonl or --csv" in capsys.readouterr().err
+    code = cli.main(["caption", str(tmp_path), "--engine", "ray", "--jsonl", str(tmp_path / "o.jsonl"),
+                     "--attention", str(tmp_path / "fig")])
+    assert code == 2 and "--attention" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """One local Ray of 2 CPUs for the whole session (starting one takes ~10 s)."""
+    if ray_missing():
+        pytest.skip(ray_missing())
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def photos(tmp_path) -> Path:
+    """Five shapes photos, a corrupt file and an empty one."""
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for i in range(5):
+        shape_image(i, jitter=i % 4).save(folder / f"p{i}.jpg", quality=95)
+    (folder / "broken.jpg").write_bytes(b"not a jpeg at all")
+    (folder / "empty.png").write_bytes(b"")
+    return folder
+
+
+@pytest.mark.slow
+def test_caption_engine_ray_matches_local(local_ray, tiny_run, photos, tmp_path, capsys):
+    model = str(tiny_run / "best")
+    common = ["caption", str(photos), "--model", model, "--beam", "2", "--batch-size", "2"]
+    assert cli.main([*common, "--jsonl", str(tmp_path / "local.jsonl")]) == 1  # 1: two unreadable files
+    ray_out = tmp_path / "ray.jsonl"
+    assert cli.main([*common, "--jsonl", str(ray_out), "--engine", "ray", "--shard-size", "3"]) == 1
+    local = (tmp_path / "local.jsonl").read_text()
+    assert ray_out.read_text() == local
+    records = [json.loads(line) for line in local.splitlines()]
+    assert sum("error" in r for r in records) == 2 and sum("caption" in r for r in records) == 5
+    shards = sorted(caption_shards_folder(ray_out).glob("part-*.jsonl"))
+    assert len(shards) == 3  # 7 images in shards of 3
+
+    # the shards are the resumable state: with OUT gone, a rerun rebuilds it from them, no Ray work
+    ray_out.unlink()
+    capsys.readouterr()
+    assert cli.main([*common, "--jsonl", str(ray_out), "--engine", "ray", "--shard-size", "3"]) == 1
+    assert "shards to compute" not in capsys.readouterr().err
+    assert ray_out.read_text() == local
+
+    # other settings are refused with one line, before any work
+    other = ["caption", str(photos), "--model", model, "--beam", "1", "--jsonl", str(ray_out), "--engine", "ray"]
+    assert cli.main(other) == 2
+    assert "--beam" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_features_engine_ray_matches_local_and_resumes_one_shard(local_ray, photos, tmp_path, capsys):
+    from captionkit.encoders import create_encoder
+    from captionkit.ray_engine import build_features_ray
+
+    paths = sorted(photos.iterdir())
+    root = tmp_path / "cache"
+    local = build_features(create_encoder("efficientnet_lite0", weights="random"), paths, root=root, progress=False)
+    opts = RayOptions(replicas=1, batch_size=2, shard_size=3)
+    store = build_features_ray("efficientnet_lite0", "random", paths, root, opts)
+    assert isinstance(store, ShardedFeatureStore) and store.complete and store.num_shards == 3
+    names = sorted(local.index)
+    assert sorted(store.index) == names and len(names) == 5  # the two unreadable files left out
+    np.testing.assert_allclose(store.rows(names).astype(np.float32), local.rows(names).astype(np.float32),
+                               rtol=1e-3, atol=1e-3)
+    assert "broken.jpg: cannot read image" in capsys.readouterr().err
+
+    # a rerun after one shard is removed computes that shard only
+    files = {s: (shard_file(store.folder, s, ".npy"), shard_file(store.folder, s, ".json")) for s in range(3)}
+    before = {s: [f.stat().st_mtime_ns for f in fs] for s, fs in files.items()}
+    for f in files[1]:
+        f.unlink()
+    assert not ShardedFeatureStore(store.folder).complete
+    again = build_features_ray("efficientnet_lite0", "random", paths, root, opts)
+    assert "1 of 3 shards to compute" in capsys.readouterr().err
+    assert [f.stat().st_mtime_ns for f in files[0]] == before[0]
+    assert [f.stat().st_mtime_ns for f in files[2]] == before[2]
+    assert all(f.exists() for f in files[1])
+    np.testing.assert_array_equal(again.rows(names), store.rows(names))
+
+    # the trainer's entry point now reads the complete sharded store
+    found = build_features(create_encoder("efficientnet_lite0", weights="random"), paths, root=root)
+    assert isinstance(found, ShardedFeatureStore) and found.folder == store.folder
