@@ -124,3 +124,14 @@ def test_features_engine_ray_matches_local_and_resumes_one_shard(local_ray, phot
     # the trainer's entry point now reads the complete sharded store
     found = build_features(create_encoder("efficientnet_lite0", weights="random"), paths, root=root)
     assert isinstance(found, ShardedFeatureStore) and found.folder == store.folder
+
+
+def test_paths_from_lists_images_for_either_engine(photos, tmp_path, capsys, no_expensive_work):
+    """--paths-from: the images are found (and a missing list is one line) before any model loads."""
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"# photos\n{photos / 'p0.jpg'}\n\n{photos / 'p1.jpg'}\n")
+    assert cli._listed_paths(str(listing)) == [str(photos / "p0.jpg"), str(photos / "p1.jpg")]
+    assert cli.main(["caption", "--paths-from", str(tmp_path / "nope.txt")]) == 2
+    assert "nope.txt: cannot read the list of images" in capsys.readouterr().err
+    assert cli.main(["caption"]) == 2
+    assert "--paths-from" in capsys.readouterr().err

@@ -88,7 +88,11 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
                 onnx: str | None = None, overwrite: bool = False, retry_failed: bool = False,
                 verbose: bool = False, weights: list[float] | None = None, rerank: str | None = None,
                 nbest: int | None = None, candidates: str | None = None, engine: str = "local",
-                address: str | None = None, replicas: int = 1, shard_size: int | None = None) -> int:
+                address: str | None = None, replicas: int = 1, shard_size: int | None = None,
+                paths_from: str | None = None) -> int:
+    paths = [*paths, *_listed_paths(paths_from)]
+    if not paths:
+        raise UsageError("give image files or folders to caption, or --paths-from FILE")
     if engine == "ray":
         _check_ray_caption(jsonl or csv_out, onnx=onnx, attention=attention, rerank=rerank, nbest=nbest,
                            candidates=candidates)
@@ -130,6 +134,17 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
         from .outputs import atomic_write_text
         atomic_write_text(candidates_path, json.dumps(lists, indent=1, ensure_ascii=False))
     return code
+
+
+def _listed_paths(listing: str | None) -> list[str]:
+    """The image paths of a --paths-from file: one a line; blank lines and # comments skipped."""
+    if not listing:
+        return []
+    try:
+        text = Path(listing).read_text(encoding="utf-8", errors="surrogateescape")
+    except OSError as e:
+        raise UsageError(f"{listing}: cannot read the list of images ({e.strerror})") from None
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
 def _check_ray_caption(out: str | None, **unsupported) -> None:
@@ -656,7 +671,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("caption", help="caption image files or folders (docs/captioning.md)")
-    c.add_argument("paths", nargs="+")
+    c.add_argument("paths", nargs="*", help="image files or folders (or none, with --paths-from)")
+    c.add_argument("--paths-from", metavar="FILE", help="also caption the images this file lists, one path a line")
     c.add_argument("--model", action="append", help="checkpoint or ensemble folder, or a shipped model by name: transformer-lite2-flickr8k (the default), sat-lite2-flickr8k, prefix-smollm2-lora-flickr8k; repeat for an ensemble (docs/ensembles.md)")
     _add_ensemble_opts(c)
     _add_candidates_opt(c)
