@@ -89,7 +89,7 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
                 verbose: bool = False, weights: list[float] | None = None, rerank: str | None = None,
                 nbest: int | None = None, candidates: str | None = None, engine: str = "local",
                 address: str | None = None, replicas: int = 1, shard_size: int | None = None,
-                paths_from: str | None = None) -> int:
+                gpus_per_replica: float = 0, paths_from: str | None = None) -> int:
     paths = [*paths, *_listed_paths(paths_from)]
     if not paths:
         raise UsageError("give image files or folders to caption, or --paths-from FILE")
@@ -113,7 +113,7 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
                              attention=attention, overwrite=overwrite, retry_failed=retry_failed, verbose=verbose)
     if engine == "ray":
         return _caption_ray(writer, model, weights, beam, length_penalty, overwrite, jsonl or csv_out,
-                            _ray_options(address, replicas, batch_size, shard_size))
+                            _ray_options(address, replicas, gpus_per_replica, batch_size, shard_size))
     if onnx:
         from .onnx_runtime import load_onnx_captioner
         cap = load_onnx_captioner(onnx)
@@ -160,11 +160,13 @@ def _check_ray_caption(out: str | None, **unsupported) -> None:
         raise UsageError(ray_missing())
 
 
-def _ray_options(address: str | None, replicas: int, batch_size: int, shard_size: int | None):
+def _ray_options(address: str | None, replicas: int, gpus_per_replica: float, batch_size: int,
+                 shard_size: int | None):
     from .ray_engine import DEFAULT_SHARD_SIZE, RayOptions
 
     return RayOptions(address=address, cpus=None if address else os.cpu_count(), replicas=replicas,
-                      batch_size=batch_size, shard_size=shard_size or DEFAULT_SHARD_SIZE)
+                      gpus_per_replica=gpus_per_replica, batch_size=batch_size,
+                      shard_size=shard_size or DEFAULT_SHARD_SIZE)
 
 
 def _caption_ray(writer, model: list[str] | None, weights: list[float] | None, beam: int,
@@ -471,7 +473,7 @@ def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool,
 def cmd_features(dataset: str, images: str | None, encoder: str,
                  image_column: str, title_column: str, image_suffix: str, engine: str = "local",
                  address: str | None = None, replicas: int = 1, shard_size: int | None = None,
-                 batch_size: int = 16) -> int:
+                 gpus_per_replica: float = 0, batch_size: int = 16) -> int:
     from .encoders import create_encoder, list_encoders
     from .features import build_features, default_cache_root
     from .outputs import check_writable_folder
@@ -486,7 +488,8 @@ def cmd_features(dataset: str, images: str | None, encoder: str,
     ds = _load_dataset(dataset, images, image_column, title_column, image_suffix)
     paths = [it.path for it in ds.all_items()]
     if engine == "ray":
-        store = build_features_ray(encoder, None, paths, None, _ray_options(address, replicas, batch_size, shard_size))
+        opts = _ray_options(address, replicas, gpus_per_replica, batch_size, shard_size)
+        store = build_features_ray(encoder, None, paths, None, opts)
     else:
         store = build_features(create_encoder(encoder), paths)
     print(f"{len(store.index)} images, grid {store.grid}: {store.folder}")
@@ -557,6 +560,8 @@ def _add_engine_opts(p: argparse.ArgumentParser) -> None:
                    help="local: this process; ray: Ray Data tasks and model replicas, shards resumable")
     p.add_argument("--address", help="ray: a running Ray cluster (default: a local Ray on this machine's CPUs)")
     p.add_argument("--replicas", type=positive_int, default=1, help="ray: model replicas (actors), one CPU each")
+    p.add_argument("--gpus-per-replica", type=float_at_least(0), default=0,
+                   help="ray: GPUs each replica holds (e.g. 1, or 0.5 for two replicas a GPU; default 0: CPU)")
     p.add_argument("--shard-size", type=positive_int, help="ray: images per output shard (default 1000)")
 
 
