@@ -90,6 +90,13 @@ def test_caption_engine_ray_matches_local(local_ray, tiny_run, photos, tmp_path,
     assert cli.main(other) == 2
     assert "--beam" in capsys.readouterr().err
 
+    # --retry-failed recomputes the shard that recorded the (now repaired) broken file, only it
+    shape_image(1).save(photos / "broken.jpg")
+    assert cli.main([*common, "--jsonl", str(ray_out), "--engine", "ray", "--shard-size", "3", "--retry-failed"]) == 1
+    assert "1 of 3 shards to compute" in capsys.readouterr().err
+    records = {r["image"]: r for r in map(json.loads, ray_out.read_text().splitlines())}
+    assert "caption" in records["broken.jpg"] and "error" in records["empty.png"] and len(records) == 7
+
 
 @pytest.mark.slow
 def test_features_engine_ray_matches_local_and_resumes_one_shard(local_ray, photos, tmp_path, capsys):

@@ -112,7 +112,7 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
     writer = _caption_writer("caption", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
                              attention=attention, overwrite=overwrite, retry_failed=retry_failed, verbose=verbose)
     if engine == "ray":
-        return _caption_ray(writer, model, weights, beam, length_penalty, overwrite, jsonl or csv_out,
+        return _caption_ray(writer, model, weights, beam, length_penalty, overwrite, retry_failed, jsonl or csv_out,
                             _ray_options(address, replicas, gpus_per_replica, batch_size, shard_size))
     if onnx:
         from .onnx_runtime import load_onnx_captioner
@@ -170,7 +170,7 @@ def _ray_options(address: str | None, replicas: int, gpus_per_replica: float, ba
 
 
 def _caption_ray(writer, model: list[str] | None, weights: list[float] | None, beam: int,
-                 length_penalty: float | None, overwrite: bool, out: str, opts) -> int:
+                 length_penalty: float | None, overwrite: bool, retry_failed: bool, out: str, opts) -> int:
     """caption --engine ray: the images not yet in OUT captioned by Ray (captionkit.ray_engine),
     in shards kept in OUT.shards, and written by the same writer as the local engine's."""
     from functools import partial
@@ -184,7 +184,8 @@ def _caption_ray(writer, model: list[str] | None, weights: list[float] | None, b
     readable = [p for p in writer.keys if p not in writer.refused]
     load = partial(_load_captioner, model, weights)
     return writer.run(lambda todo: ray_engine.caption_with_ray(
-        readable, todo, folder, shard_settings, overwrite, load, preprocess, beam, length_penalty, opts))
+        readable, todo, folder, shard_settings, overwrite, retry_failed, load, preprocess, beam, length_penalty,
+        opts))
 
 
 def cmd_ensemble(model: list[str], weights: list[float] | None, length_penalty: float | None, combine: str,

@@ -207,7 +207,6 @@ class ShardCaption:
     """A caption read back from a shard (what the caption writer needs of a Result)."""
 
     text: str
-    candidates: None = None
 
 
 def caption_shards_folder(out: str | Path) -> Path:
@@ -235,11 +234,18 @@ def _shard_file(folder: Path, s: int, paths: list[Path]) -> Path:
     return folder / f"part-{s:05d}-{digest}.jsonl"
 
 
+def _has_error(shard: Path, all_paths: list[Path], wanted: set[Path]) -> bool:
+    """Whether a caption shard records an error for one of the ``wanted`` images."""
+    records = (json.loads(line) for line in shard.read_text().splitlines())
+    return any("error" in r and all_paths[r["pos"]] in wanted for r in records)
+
+
 def caption_with_ray(all_paths: list[Path], todo: list[Path], folder: Path, settings: dict, overwrite: bool,
-                     load: Callable, preprocess, beam: int, length_penalty: float | None,
+                     retry_failed: bool, load: Callable, preprocess, beam: int, length_penalty: float | None,
                      opts: RayOptions) -> Iterator[tuple[Path, object]]:
     """Caption ``todo`` (a subset of ``all_paths``, in its order) on Ray: shards of
-    ``all_paths`` holding a todo image and not on disk are computed; yields (path,
+    ``all_paths`` holding a todo image and not on disk are computed (and, with
+    ``retry_failed``, those recording an error for a todo image, replaced); yields (path,
     ShardCaption or ImageError) for the todo images, in order, as their shards are done."""
     from .images import ImageError
 
@@ -254,7 +260,7 @@ def caption_with_ray(all_paths: list[Path], todo: list[Path], folder: Path, sett
     wanted = set(todo)
     needed = [s for s, r in enumerate(ranges) if any(all_paths[i] in wanted for i in r)]
     files = {s: _shard_file(folder, s, [all_paths[i] for i in ranges[s]]) for s in needed}
-    missing = [s for s in needed if not files[s].exists()]
+    missing = [s for s in needed if not files[s].exists() or (retry_failed and _has_error(files[s], all_paths, wanted))]
     if missing:
         print(f"ray: {len(missing)} of {len(ranges)} shards to compute ({len(needed) - len(missing)} "
               f"already in {folder})", file=sys.stderr)
