@@ -142,3 +142,25 @@ def test_paths_from_lists_images_for_either_engine(photos, tmp_path, capsys, no_
     assert "nope.txt: cannot read the list of images" in capsys.readouterr().err
     assert cli.main(["caption"]) == 2
     assert "--paths-from" in capsys.readouterr().err
+
+
+def test_sharded_store_reads_lazily_and_splits_by_rank(tmp_path):
+    """The sharded layout without Ray: shards written by write_shard, read by name, a rank's
+    store indexing only its shards, unreadable images left out."""
+    from captionkit.encoders import create_encoder
+    from captionkit.features import open_sharded, write_shard
+
+    enc = create_encoder("patches", weights="random")
+    paths = [tmp_path / f"im{i}.jpg" for i in range(5)]
+    folder, size = open_sharded(enc, paths, tmp_path / "cache", shard_size=2)
+    L, D = enc.grid()[0] * enc.grid()[1], enc.dim
+    rows = np.arange(5 * L * D, dtype=np.float32).reshape(5, L, D).astype(np.float16)
+    for s in range(3):
+        part = range(2 * s, min(2 * s + 2, 5))
+        write_shard(folder, s, rows[list(part)], [str(paths[i]) for i in part], {3: "im3.jpg: empty file"} if s == 1 else {})
+    store = ShardedFeatureStore(folder)
+    assert store.complete and store.num_shards == 3 and "im3.jpg" not in store and len(store.index) == 4
+    np.testing.assert_array_equal(store.rows(["im4.jpg", "im0.jpg"]), rows[[4, 0]])
+    assert store._arrays.keys() == {0, 2}  # shard 1 never opened
+    mine = ShardedFeatureStore(folder, shards=shards_for_rank(store.num_shards, 1, 2))
+    assert sorted(mine.index) == ["im2.jpg"] and mine.shard_names == [[], ["im2.jpg"], []]

@@ -19,6 +19,7 @@ shards among DDP ranks. See docs/scale.md for its size per encoder.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import sys
 import time
@@ -32,7 +33,7 @@ from .cache import cache_root
 from .encoders.base import Encoder
 from .errors import OutputError
 from .images import ImageError, load_rgb, to_tensor
-from .outputs import atomic_write_text, check_writable_folder, owner_kind, write_marker
+from .outputs import atomic_write_bytes, atomic_write_text, check_writable_folder, owner_kind, write_marker
 
 
 # the feature folders sit directly under the cache root (the layout existing caches use)
@@ -72,7 +73,8 @@ class ShardedFeatureStore:
     (``grid``, ``encoder``, ``folder``, ``index``, ``in``, ``rows``). Only complete shards are
     read; each shard's array is memory-mapped when a row of it is first asked for."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, shards: list[int] | None = None):
+        """``shards``: index only these (a DDP rank's, :func:`shards_for_rank`); default all."""
         manifest = json.loads((folder / "manifest.json").read_text())
         self.folder = folder
         self.grid: tuple[int, int] = tuple(manifest["grid"])
@@ -81,9 +83,10 @@ class ShardedFeatureStore:
         self.row_shape = (self.grid[0] * self.grid[1], int(manifest["dim"]))  # (L, D)
         self.shard_names: list[list[str]] = []  # each shard's readable images, by file name
         self.index: dict[str, tuple[int, int]] = {}  # file name -> (shard, row)
-        for s in range(self.num_shards):
+        wanted = range(self.num_shards) if shards is None else set(shards)
+        for s in range(self.num_shards):  # a shard not wanted, or not written yet, reads as empty
             record = shard_file(folder, s, ".json")
-            doc = json.loads(record.read_text()) if record.exists() else {"paths": [], "failed": {}}
+            doc = json.loads(record.read_text()) if s in wanted and record.exists() else {"paths": [], "failed": {}}
             start = s * manifest["shard_size"]
             keep = [(i, Path(p).name) for i, p in enumerate(doc["paths"]) if str(start + i) not in doc["failed"]]
             self.shard_names.append([name for _, name in keep])
@@ -107,6 +110,17 @@ class ShardedFeatureStore:
         for k, (s, i) in enumerate(self.index[n] for n in names):
             out[k] = self._shard(s)[i]
         return out
+
+
+def write_shard(folder: Path, shard: int, feats: np.ndarray, paths: list[str], failed: dict[int, str]) -> None:
+    """Write one shard of a sharded store: its rows (n, L, D) float16 (zeros for the unreadable
+    images), then its record (``paths``; ``failed``: global image position -> message), each
+    atomically and the record last, so a shard with a record is whole."""
+    buf = io.BytesIO()
+    np.save(buf, feats.astype(np.float16, copy=False))
+    atomic_write_bytes(shard_file(folder, shard, ".npy"), buf.getvalue())
+    atomic_write_text(shard_file(folder, shard, ".json"), json.dumps(
+        {"paths": paths, "failed": {str(i): msg for i, msg in failed.items()}}) + "\n")
 
 
 def shards_for_rank(num_shards: int, rank: int, world: int) -> list[int]:

@@ -19,7 +19,6 @@ Every node must see the image paths (a shared file system) and only the driver w
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -31,7 +30,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .errors import OutputError
-from .outputs import atomic_write_bytes, atomic_write_text, check_folder_target, write_marker
+from .outputs import atomic_write_text, check_folder_target, write_marker
 
 INSTALL_HINT = "--engine ray needs Ray Data: pip install 'captionkit[ray]'"
 CAPTION_SHARDS_KIND = "caption-shards"  # the outputs.MARKER kind of a --jsonl OUT's OUT.shards folder
@@ -297,7 +296,7 @@ def build_features_ray(encoder_name: str, encoder_weights: str | None, paths: li
     from functools import partial
 
     from .encoders import create_encoder
-    from .features import ShardedFeatureStore, open_sharded, shard_file
+    from .features import ShardedFeatureStore, open_sharded, shard_file, write_shard
 
     encoder = create_encoder(encoder_name, weights=encoder_weights)  # its key, grid and preprocessing
     folder, shard_size = open_sharded(encoder, paths, root, opts.shard_size)
@@ -309,13 +308,8 @@ def build_features_ray(encoder_name: str, encoder_weights: str | None, paths: li
     load = partial(create_encoder, encoder_name, weights=encoder_weights)
     for s, cols in run_shards(paths, missing, shard_size, encoder.preprocess, FeatureReplica,
                               {"load": load, "shape": shape}, opts):
-        buf = io.BytesIO()
-        np.save(buf, cols["feats"])
-        atomic_write_bytes(shard_file(folder, s, ".npy"), buf.getvalue())
-        failed = {str(i): e for i, e in zip(cols["pos"], cols["error"]) if e}
-        # the .json is the shard's commit record: written last, so a shard with one is whole
-        atomic_write_text(shard_file(folder, s, ".json"), json.dumps(
-            {"paths": [str(paths[i]) for i in ranges[s]], "failed": failed}) + "\n")
+        failed = {int(i): e for i, e in zip(cols["pos"], cols["error"]) if e}
+        write_shard(folder, s, cols["feats"], [str(paths[i]) for i in ranges[s]], failed)
         for msg in failed.values():
             print(f"skipped: {msg}", file=sys.stderr)
     return ShardedFeatureStore(folder)
