@@ -164,3 +164,23 @@ def test_sharded_store_reads_lazily_and_splits_by_rank(tmp_path):
     assert store._arrays.keys() == {0, 2}  # shard 1 never opened
     mine = ShardedFeatureStore(folder, shards=shards_for_rank(store.num_shards, 1, 2))
     assert sorted(mine.index) == ["im2.jpg"] and mine.shard_names == [[], ["im2.jpg"], []]
+
+
+@pytest.mark.slow
+def test_trainer_reads_the_sharded_store(local_ray, tiny_config, tmp_path, monkeypatch):
+    """After features --engine ray, training takes its features from the sharded store."""
+    import captionkit.train
+    from captionkit.ray_engine import build_features_ray
+    from captionkit.train import train
+
+    real = captionkit.train.build_features
+    used = []
+
+    def ray_first(encoder, paths):
+        build_features_ray("efficientnet_lite0", "random", paths, None, RayOptions(batch_size=4, shard_size=6))
+        used.append(real(encoder, paths))
+        return used[-1]
+
+    monkeypatch.setattr(captionkit.train, "build_features", ray_first)
+    train(tiny_config, out=tmp_path / "run", max_steps=2, progress=False)
+    assert isinstance(used[0], ShardedFeatureStore) and (tmp_path / "run" / "last" / "config.json").exists()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -71,6 +72,7 @@ def init_ray(opts: RayOptions) -> None:
     if not ray.is_initialized():
         ray.init(address=opts.address, num_cpus=None if opts.address else opts.cpus, include_dashboard=False,
                  log_to_driver=False, configure_logging=False)
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # not a line per dataset executed
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # captionkit prints its own progress line
     ctx.print_on_execution_start = False
@@ -295,6 +297,7 @@ def build_features_ray(encoder_name: str, encoder_weights: str | None, paths: li
     single file; a rerun computes only the shards not on disk."""
     from functools import partial
 
+    from .batch import Progress
     from .encoders import create_encoder
     from .features import ShardedFeatureStore, open_sharded, shard_file, write_shard
 
@@ -306,11 +309,16 @@ def build_features_ray(encoder_name: str, encoder_weights: str | None, paths: li
     grid = encoder.grid()
     shape = (grid[0] * grid[1], encoder.dim)
     load = partial(create_encoder, encoder_name, weights=encoder_weights)
+    progress = Progress(sum(len(ranges[s]) for s in missing))
+    skipped: list[str] = []
     for s, cols in run_shards(paths, missing, shard_size, encoder.preprocess, FeatureReplica,
                               {"load": load, "shape": shape}, opts):
         failed = {int(i): e for i, e in zip(cols["pos"], cols["error"]) if e}
         write_shard(folder, s, cols["feats"], [str(paths[i]) for i in ranges[s]], failed)
-        for msg in failed.values():
-            print(f"skipped: {msg}", file=sys.stderr)
+        progress.update(len(ranges[s]), failed=len(failed))
+        skipped += failed.values()
+    progress.close()
+    for msg in skipped:  # as the local engine reports them
+        print(f"skipped: {msg}", file=sys.stderr)
     return ShardedFeatureStore(folder)
 
