@@ -37,7 +37,7 @@ def main() -> None:
     for name in list_encoders():
         try:
             enc = create_encoder(name, weights="random")
-        except Exception as e:  # an optional package missing: say so, go on with the others
+        except ImportError as e:  # an optional package missing: say so, go on with the others
             print(f"{name:<20} not measured: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
             continue
         h, w = enc.grid()

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import shape_image
 
 from captionkit import cli
 from captionkit.features import ShardedFeatureStore, build_features, shard_file, shards_for_rank
 from captionkit.ray_engine import RayOptions, caption_shards_folder, ray_missing
-
-from conftest import shape_image
 
 
 def test_shards_for_rank_splits_every_shard_once():
@@ -152,7 +151,7 @@ def test_sharded_store_reads_lazily_and_splits_by_rank(tmp_path):
 
     enc = create_encoder("patches", weights="random")
     paths = [tmp_path / f"im{i}.jpg" for i in range(5)]
-    folder, size = open_sharded(enc, paths, tmp_path / "cache", shard_size=2)
+    folder, _ = open_sharded(enc, paths, tmp_path / "cache", shard_size=2)
     L, D = enc.grid()[0] * enc.grid()[1], enc.dim
     rows = np.arange(5 * L * D, dtype=np.float32).reshape(5, L, D).astype(np.float16)
     for s in range(3):
