@@ -96,6 +96,11 @@ def test_caption_engine_ray_matches_local(local_ray, tiny_run, photos, tmp_path,
     records = {r["image"]: r for r in map(json.loads, ray_out.read_text().splitlines())}
     assert "caption" in records["broken.jpg"] and "error" in records["empty.png"] and len(records) == 7
 
+    # with OUT gone, the shards' own record of the settings still refuses other ones
+    ray_out.unlink()
+    assert cli.main(other) == 2
+    assert "other settings" in capsys.readouterr().err
+
 
 @pytest.mark.slow
 def test_features_engine_ray_matches_local_and_resumes_one_shard(local_ray, photos, tmp_path, capsys):
