@@ -87,7 +87,15 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
                 jsonl: str | None = None, csv_out: str | None = None, workers: int = 2,
                 onnx: str | None = None, overwrite: bool = False, retry_failed: bool = False,
                 verbose: bool = False, weights: list[float] | None = None, rerank: str | None = None,
-                nbest: int | None = None, candidates: str | None = None) -> int:
+                nbest: int | None = None, candidates: str | None = None, engine: str = "local",
+                address: str | None = None, replicas: int = 1, shard_size: int | None = None,
+                gpus_per_replica: float = 0, paths_from: str | None = None) -> int:
+    paths = [*paths, *_listed_paths(paths_from)]
+    if not paths:
+        raise UsageError("give image files or folders to caption, or --paths-from FILE")
+    if engine == "ray":
+        _check_ray_caption(jsonl or csv_out, onnx=onnx, attention=attention, rerank=rerank, nbest=nbest,
+                           candidates=candidates)
     if onnx and model:
         raise UsageError("give either --model or --onnx")
     _check_models(model, weights, rerank, nbest, candidates)
@@ -103,6 +111,9 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
         candidates_path = check_file_target(candidates, overwrite=overwrite)
     writer = _caption_writer("caption", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
                              attention=attention, overwrite=overwrite, retry_failed=retry_failed, verbose=verbose)
+    if engine == "ray":
+        return _caption_ray(writer, model, weights, beam, length_penalty, overwrite, retry_failed, jsonl or csv_out,
+                            _ray_options(address, replicas, gpus_per_replica, batch_size, shard_size))
     if onnx:
         from .onnx_runtime import load_onnx_captioner
         cap = load_onnx_captioner(onnx)
@@ -123,6 +134,58 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
         from .outputs import atomic_write_text
         atomic_write_text(candidates_path, json.dumps(lists, indent=1, ensure_ascii=False))
     return code
+
+
+def _listed_paths(listing: str | None) -> list[str]:
+    """The image paths of a --paths-from file: one a line; blank lines and # comments skipped."""
+    if not listing:
+        return []
+    try:
+        text = Path(listing).read_text(encoding="utf-8", errors="surrogateescape")
+    except OSError as e:
+        raise UsageError(f"{listing}: cannot read the list of images ({e.strerror})") from None
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _check_ray_caption(out: str | None, **unsupported) -> None:
+    """--engine ray's one-line refusals, before anything is read or loaded."""
+    from .ray_engine import ray_missing
+
+    if not out:
+        raise UsageError("--engine ray writes its shards beside a --jsonl or --csv file: give one")
+    given = [name for name, value in unsupported.items() if value]
+    if given:
+        raise UsageError(f"--engine ray does not support --{given[0]}; use the local engine for it")
+    if ray_missing():
+        raise UsageError(ray_missing())
+
+
+def _ray_options(address: str | None, replicas: int, gpus_per_replica: float, batch_size: int,
+                 shard_size: int | None):
+    from .ray_engine import DEFAULT_SHARD_SIZE, RayOptions
+
+    return RayOptions(address=address, cpus=None if address else os.cpu_count(), replicas=replicas,
+                      gpus_per_replica=gpus_per_replica, batch_size=batch_size,
+                      shard_size=shard_size or DEFAULT_SHARD_SIZE)
+
+
+def _caption_ray(writer, model: list[str] | None, weights: list[float] | None, beam: int,
+                 length_penalty: float | None, overwrite: bool, retry_failed: bool, out: str, opts) -> int:
+    """caption --engine ray: the images not yet in OUT captioned by Ray (captionkit.ray_engine),
+    in shards kept in OUT.shards, and written by the same writer as the local engine's."""
+    from functools import partial
+
+    from . import ray_engine
+
+    folder = ray_engine.caption_shards_folder(out)
+    shard_settings = {**writer.settings, "shard_size": opts.shard_size}
+    ray_engine.check_caption_shards(folder, shard_settings, overwrite)
+    preprocess = _load_captioner(model, weights).encoder.preprocess  # decode tasks need it; ~1 s
+    readable = [p for p in writer.keys if p not in writer.refused]
+    load = partial(_load_captioner, model, weights)
+    return writer.run(lambda todo: ray_engine.caption_with_ray(
+        readable, todo, folder, shard_settings, overwrite, retry_failed, load, preprocess, beam, length_penalty,
+        opts))
 
 
 def cmd_ensemble(model: list[str], weights: list[float] | None, length_penalty: float | None, combine: str,
@@ -409,7 +472,9 @@ def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool,
 
 
 def cmd_features(dataset: str, images: str | None, encoder: str,
-                 image_column: str, title_column: str, image_suffix: str) -> int:
+                 image_column: str, title_column: str, image_suffix: str, engine: str = "local",
+                 address: str | None = None, replicas: int = 1, shard_size: int | None = None,
+                 gpus_per_replica: float = 0, batch_size: int = 16) -> int:
     from .encoders import create_encoder, list_encoders
     from .features import build_features, default_cache_root
     from .outputs import check_writable_folder
@@ -417,8 +482,17 @@ def cmd_features(dataset: str, images: str | None, encoder: str,
     if encoder not in list_encoders():
         raise UsageError(f"--encoder: unknown encoder {encoder!r}; known: {', '.join(list_encoders())}")
     check_writable_folder(default_cache_root())
+    if engine == "ray":
+        from .ray_engine import build_features_ray, ray_missing
+        if ray_missing():
+            raise UsageError(ray_missing())
     ds = _load_dataset(dataset, images, image_column, title_column, image_suffix)
-    store = build_features(create_encoder(encoder), [it.path for it in ds.all_items()])
+    paths = [it.path for it in ds.all_items()]
+    if engine == "ray":
+        opts = _ray_options(address, replicas, gpus_per_replica, batch_size, shard_size)
+        store = build_features_ray(encoder, None, paths, None, opts)
+    else:
+        store = build_features(create_encoder(encoder), paths)
     print(f"{len(store.index)} images, grid {store.grid}: {store.folder}")
     return 0
 
@@ -479,6 +553,17 @@ def cmd_zero_shot(paths: list[str], model: str, prompts: str | None, template: s
             yield path, res
 
     return writer.run(answers)
+
+
+def _add_engine_opts(p: argparse.ArgumentParser) -> None:
+    """--engine ray and its options (captionkit.ray_engine; docs/scale.md)."""
+    p.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="local: this process; ray: Ray Data tasks and model replicas, shards resumable")
+    p.add_argument("--address", help="ray: a running Ray cluster (default: a local Ray on this machine's CPUs)")
+    p.add_argument("--replicas", type=positive_int, default=1, help="ray: model replicas (actors), one CPU each")
+    p.add_argument("--gpus-per-replica", type=float_at_least(0), default=0,
+                   help="ray: GPUs each replica holds (e.g. 1, or 0.5 for two replicas a GPU; default 0: CPU)")
+    p.add_argument("--shard-size", type=positive_int, help="ray: images per output shard (default 1000)")
 
 
 def _add_caption_outputs(p: argparse.ArgumentParser) -> None:
@@ -592,7 +677,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("caption", help="caption image files or folders (docs/captioning.md)")
-    c.add_argument("paths", nargs="+")
+    c.add_argument("paths", nargs="*", help="image files or folders (or none, with --paths-from)")
+    c.add_argument("--paths-from", metavar="FILE", help="also caption the images this file lists, one path a line")
     c.add_argument("--model", action="append", help="checkpoint or ensemble folder, or a shipped model by name: transformer-lite2-flickr8k (the default), sat-lite2-flickr8k, prefix-smollm2-lora-flickr8k; repeat for an ensemble (docs/ensembles.md)")
     _add_ensemble_opts(c)
     _add_candidates_opt(c)
@@ -604,6 +690,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--workers", type=positive_int, default=2, help="threads decoding images ahead of the model")
     c.add_argument("--onnx", metavar="DIR", help="caption with an ONNX export (captionkit export onnx) instead")
     _add_caption_outputs(c)
+    _add_engine_opts(c)
 
     e = sub.add_parser("evaluate", help="caption a dataset split and score it (coco-caption scorers)")
     e.add_argument("--model", action="append", help="as caption's --model; repeat for an ensemble")
@@ -650,6 +737,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--images")
     f.add_argument("--encoder", default="efficientnet_lite2")
     _add_csv_opts(f)
+    _add_engine_opts(f)
+    f.add_argument("--batch-size", type=positive_int, default=16, help="ray: images per model call")
 
     k = sub.add_parser("pack", help="copy a checkpoint without optimizer state, for shipping")
     k.add_argument("checkpoint")

@@ -5,11 +5,21 @@ Layout: ``ROOT/<encoder cache key>/<image-set hash>/`` holding ``feats.npy`` (N,
 ``meta.json`` (image paths, grid, encoder) and captionkit's folder marker. A folder of that
 name holding anything else is refused, never written into. The encoder key covers architecture, weights and
 preprocessing, so changing any of them never reuses stale features.
+
+The sharded layout (written by ``captionkit features --engine ray``, read by the same trainer):
+``ROOT/<encoder cache key>/<image-set hash>.shards/`` holding ``manifest.json`` (encoder, grid,
+dim, dtype, shard size, image count), and per shard ``shard-NNNNN.npy`` ((n, L, D) float16, a
+zero row for an unreadable image) and ``shard-NNNNN.json`` (its image paths and the unreadable
+ones with their message). The .json is written last, atomically: a shard with one is complete,
+and a rerun computes only the shards without one. :class:`ShardedFeatureStore` reads it lazily
+(one memory-mapped .npy per shard, opened on first use) and :func:`shards_for_rank` splits the
+shards among DDP ranks. See docs/scale.md for its size per encoder.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import sys
 import time
@@ -23,7 +33,7 @@ from .cache import cache_root
 from .encoders.base import Encoder
 from .errors import OutputError
 from .images import ImageError, load_rgb, to_tensor
-from .outputs import atomic_write_text, check_writable_folder, owner_kind, write_marker
+from .outputs import atomic_write_bytes, atomic_write_text, check_writable_folder, owner_kind, write_marker
 
 
 # the feature folders sit directly under the cache root (the layout existing caches use)
@@ -50,17 +60,119 @@ class FeatureStore:
         return self.feats[idx]  # (B, L, D)
 
 
+FEATURE_SHARDS_KIND = "feature-shards"  # the outputs.MARKER kind of a sharded store
+SHARDED_FORMAT = "captionkit-features-sharded"
+
+
+def shard_file(folder: Path, shard: int, suffix: str) -> Path:
+    return folder / f"shard-{shard:05d}{suffix}"
+
+
+class ShardedFeatureStore:
+    """The read side of the sharded layout, with :class:`FeatureStore`'s interface
+    (``grid``, ``encoder``, ``folder``, ``index``, ``in``, ``rows``). Only complete shards are
+    read; each shard's array is memory-mapped when a row of it is first asked for."""
+
+    def __init__(self, folder: Path, shards: list[int] | None = None):
+        """``shards``: index only these (a DDP rank's, :func:`shards_for_rank`); default all."""
+        manifest = json.loads((folder / "manifest.json").read_text())
+        self.folder = folder
+        self.grid: tuple[int, int] = tuple(manifest["grid"])
+        self.encoder: str = manifest["encoder"]
+        self.num_shards: int = manifest["shards"]
+        self.row_shape = (self.grid[0] * self.grid[1], int(manifest["dim"]))  # (L, D)
+        self.shard_names: list[list[str]] = []  # each shard's readable images, by file name
+        self.index: dict[str, tuple[int, int]] = {}  # file name -> (shard, row)
+        wanted = range(self.num_shards) if shards is None else set(shards)
+        for s in range(self.num_shards):  # a shard not wanted, or not written yet, reads as empty
+            record = shard_file(folder, s, ".json")
+            doc = json.loads(record.read_text()) if s in wanted and record.exists() else {"paths": [], "failed": {}}
+            start = s * manifest["shard_size"]
+            keep = [(i, Path(p).name) for i, p in enumerate(doc["paths"]) if str(start + i) not in doc["failed"]]
+            self.shard_names.append([name for _, name in keep])
+            self.index.update({name: (s, i) for i, name in keep})
+        self._arrays: dict[int, np.ndarray] = {}
+
+    @property
+    def complete(self) -> bool:
+        return all(shard_file(self.folder, s, ".json").exists() for s in range(self.num_shards))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.index
+
+    def _shard(self, s: int) -> np.ndarray:
+        if s not in self._arrays:
+            self._arrays[s] = np.load(shard_file(self.folder, s, ".npy"), mmap_mode="r")  # (n, L, D)
+        return self._arrays[s]
+
+    def rows(self, names: list[str]) -> np.ndarray:
+        out = np.empty((len(names), *self.row_shape), dtype=np.float16)  # (B, L, D)
+        for k, (s, i) in enumerate(self.index[n] for n in names):
+            out[k] = self._shard(s)[i]
+        return out
+
+
+def write_shard(folder: Path, shard: int, feats: np.ndarray, paths: list[str], failed: dict[int, str]) -> None:
+    """Write one shard of a sharded store: its rows (n, L, D) float16 (zeros for the unreadable
+    images), then its record (``paths``; ``failed``: global image position -> message), each
+    atomically and the record last, so a shard with a record is whole."""
+    buf = io.BytesIO()
+    np.save(buf, feats.astype(np.float16, copy=False))
+    atomic_write_bytes(shard_file(folder, shard, ".npy"), buf.getvalue())
+    atomic_write_text(shard_file(folder, shard, ".json"), json.dumps(
+        {"paths": paths, "failed": {str(i): msg for i, msg in failed.items()}}) + "\n")
+
+
+def shards_for_rank(num_shards: int, rank: int, world: int) -> list[int]:
+    """The shards DDP rank ``rank`` of ``world`` reads: every world-th one from ``rank`` (the
+    ranks' shard counts differ by at most one; the trainer evens out the steps)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in a world of {world}")
+    return list(range(rank, num_shards, world))
+
+
+def sharded_folder_for(root: Path, encoder: Encoder, paths: list[Path]) -> Path:
+    folder = _folder_for(root, encoder, paths)
+    return folder.with_name(folder.name + ".shards")
+
+
+def open_sharded(encoder: Encoder, paths: list[Path], root: Path | None, shard_size: int) -> tuple[Path, int]:
+    """The sharded store's folder for ``paths`` under ``root``, created (marker, manifest) if
+    new; its shard size (the one it was started with, when resumed). A folder of that name
+    holding files captionkit did not write is refused."""
+    root = check_writable_folder(root or default_cache_root())
+    folder = sharded_folder_for(root, encoder, paths)
+    manifest = folder / "manifest.json"
+    if folder.is_dir() and any(folder.iterdir()) and owner_kind(folder) != FEATURE_SHARDS_KIND:
+        raise OutputError(f"{folder}: holds files captionkit did not write; refusing to write features into it")
+    if manifest.exists():
+        return folder, int(json.loads(manifest.read_text())["shard_size"])
+    folder.mkdir(parents=True, exist_ok=True)
+    write_marker(folder, FEATURE_SHARDS_KIND)
+    grid = encoder.grid()
+    atomic_write_text(manifest, json.dumps({
+        "format": SHARDED_FORMAT, "encoder": encoder.cache_key(), "grid": list(grid), "dim": encoder.dim,
+        "dtype": "float16", "shard_size": shard_size, "images": len(paths),
+        "shards": -(-len(paths) // shard_size)}, indent=1) + "\n")
+    return folder, shard_size
+
+
 def _folder_for(root: Path, encoder: Encoder, paths: list[Path]) -> Path:
     h = hashlib.sha1("\n".join(str(p.resolve()) for p in paths).encode()).hexdigest()[:12]
     return root / encoder.cache_key() / h
 
 
 def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None,
-                   batch_size: int = 16, progress: bool = True) -> FeatureStore:
-    """Encode every image of ``paths`` once (resuming a partial build) and return the store.
+                   batch_size: int = 16, progress: bool = True) -> FeatureStore | ShardedFeatureStore:
+    """Encode every image of ``paths`` once (resuming a partial build) and return the store:
+    the complete sharded store of these images when ``--engine ray`` wrote one, else the
+    single memory-mapped file (built here).
 
     Unreadable images are reported on stderr and left out of the store."""
     root = check_writable_folder(root or default_cache_root())
+    sharded = sharded_folder_for(root, encoder, paths)
+    if (sharded / "manifest.json").exists() and (store := ShardedFeatureStore(sharded)).complete:
+        return store
     folder = _folder_for(root, encoder, paths)
     meta_path, feats_path, done_path = folder / "meta.json", folder / "feats.npy", folder / "done.npy"
     if folder.is_dir() and any(folder.iterdir()) and not meta_path.exists() and owner_kind(folder) != "features":

@@ -1,0 +1,190 @@
+"""--engine ray (captionkit.ray_engine) on a local Ray of 2 CPUs, against the local engine:
+the same captions and error records, the same features, and shard-level resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import shape_image
+
+from captionkit import cli
+from captionkit.features import ShardedFeatureStore, build_features, shard_file, shards_for_rank
+from captionkit.ray_engine import RayOptions, caption_shards_folder, ray_missing
+
+
+def test_shards_for_rank_splits_every_shard_once():
+    ranks = [shards_for_rank(7, r, 3) for r in range(3)]
+    assert ranks == [[0, 3, 6], [1, 4], [2, 5]]
+    with pytest.raises(ValueError):
+        shards_for_rank(7, 3, 3)
+
+
+def test_engine_ray_without_ray_says_how_to_install(monkeypatch, tmp_path, capsys):
+    import captionkit.ray_engine as engine
+
+    monkeypatch.setattr(engine, "ray_missing", lambda: engine.INSTALL_HINT)
+    code = cli.main(["caption", str(tmp_path), "--engine", "ray", "--jsonl", str(tmp_path / "o.jsonl")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "pip install 'captionkit[ray]'" in err[0]
+
+
+def test_engine_ray_refuses_what_it_cannot_do_before_loading(tmp_path, capsys, no_expensive_work):
+    code = cli.main(["caption", str(tmp_path), "--engine", "ray"])
+    assert code == 2 and "--jsonl or --csv" in capsys.readouterr().err
+    code = cli.main(["caption", str(tmp_path), "--engine", "ray", "--jsonl", str(tmp_path / "o.jsonl"),
+                     "--attention", str(tmp_path / "fig")])
+    assert code == 2 and "--attention" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """One local Ray of 2 CPUs for the whole session (starting one takes ~10 s)."""
+    if ray_missing():
+        pytest.skip(ray_missing())
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def photos(tmp_path) -> Path:
+    """Five shapes photos, a corrupt file and an empty one."""
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for i in range(5):
+        shape_image(i, jitter=i % 4).save(folder / f"p{i}.jpg", quality=95)
+    (folder / "broken.jpg").write_bytes(b"not a jpeg at all")
+    (folder / "empty.png").write_bytes(b"")
+    return folder
+
+
+@pytest.mark.slow
+def test_caption_engine_ray_matches_local(local_ray, tiny_run, photos, tmp_path, capsys):
+    model = str(tiny_run / "best")
+    common = ["caption", str(photos), "--model", model, "--beam", "2", "--batch-size", "2"]
+    assert cli.main([*common, "--jsonl", str(tmp_path / "local.jsonl")]) == 1  # 1: two unreadable files
+    ray_out = tmp_path / "ray.jsonl"
+    assert cli.main([*common, "--jsonl", str(ray_out), "--engine", "ray", "--shard-size", "3"]) == 1
+    local = (tmp_path / "local.jsonl").read_text()
+    assert ray_out.read_text() == local
+    records = [json.loads(line) for line in local.splitlines()]
+    assert sum("error" in r for r in records) == 2 and sum("caption" in r for r in records) == 5
+    shards = sorted(caption_shards_folder(ray_out).glob("part-*.jsonl"))
+    assert len(shards) == 3  # 7 images in shards of 3
+
+    # the shards are the resumable state: with OUT gone, a rerun rebuilds it from them, no Ray work
+    ray_out.unlink()
+    capsys.readouterr()
+    assert cli.main([*common, "--jsonl", str(ray_out), "--engine", "ray", "--shard-size", "3"]) == 1
+    assert "shards to compute" not in capsys.readouterr().err
+    assert ray_out.read_text() == local
+
+    # other settings are refused with one line, before any work
+    other = ["caption", str(photos), "--model", model, "--beam", "1", "--jsonl", str(ray_out), "--engine", "ray"]
+    assert cli.main(other) == 2
+    assert "--beam" in capsys.readouterr().err
+
+    # --retry-failed recomputes the shard that recorded the (now repaired) broken file, only it
+    shape_image(1).save(photos / "broken.jpg")
+    assert cli.main([*common, "--jsonl", str(ray_out), "--engine", "ray", "--shard-size", "3", "--retry-failed"]) == 1
+    assert "1 of 3 shards to compute" in capsys.readouterr().err
+    records = {r["image"]: r for r in map(json.loads, ray_out.read_text().splitlines())}
+    assert "caption" in records["broken.jpg"] and "error" in records["empty.png"] and len(records) == 7
+
+    # with OUT gone, the shards' own record of the settings still refuses other ones
+    ray_out.unlink()
+    assert cli.main(other) == 2
+    assert "other settings" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_features_engine_ray_matches_local_and_resumes_one_shard(local_ray, photos, tmp_path, capsys):
+    from captionkit.encoders import create_encoder
+    from captionkit.ray_engine import build_features_ray
+
+    paths = sorted(photos.iterdir())
+    root = tmp_path / "cache"
+    local = build_features(create_encoder("efficientnet_lite0", weights="random"), paths, root=root, progress=False)
+    opts = RayOptions(replicas=1, batch_size=2, shard_size=3)
+    store = build_features_ray("efficientnet_lite0", "random", paths, root, opts)
+    assert isinstance(store, ShardedFeatureStore) and store.complete and store.num_shards == 3
+    names = sorted(local.index)
+    assert sorted(store.index) == names and len(names) == 5  # the two unreadable files left out
+    np.testing.assert_allclose(store.rows(names).astype(np.float32), local.rows(names).astype(np.float32),
+                               rtol=1e-3, atol=1e-3)
+    assert "broken.jpg: cannot read image" in capsys.readouterr().err
+
+    # a rerun after one shard is removed computes that shard only
+    files = {s: (shard_file(store.folder, s, ".npy"), shard_file(store.folder, s, ".json")) for s in range(3)}
+    before = {s: [f.stat().st_mtime_ns for f in fs] for s, fs in files.items()}
+    for f in files[1]:
+        f.unlink()
+    assert not ShardedFeatureStore(store.folder).complete
+    again = build_features_ray("efficientnet_lite0", "random", paths, root, opts)
+    assert "1 of 3 shards to compute" in capsys.readouterr().err
+    assert [f.stat().st_mtime_ns for f in files[0]] == before[0]
+    assert [f.stat().st_mtime_ns for f in files[2]] == before[2]
+    assert all(f.exists() for f in files[1])
+    np.testing.assert_array_equal(again.rows(names), store.rows(names))
+
+    # the trainer's entry point now reads the complete sharded store
+    found = build_features(create_encoder("efficientnet_lite0", weights="random"), paths, root=root)
+    assert isinstance(found, ShardedFeatureStore) and found.folder == store.folder
+
+
+def test_paths_from_lists_images_for_either_engine(photos, tmp_path, capsys, no_expensive_work):
+    """--paths-from: the images are found (and a missing list is one line) before any model loads."""
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"# photos\n{photos / 'p0.jpg'}\n\n{photos / 'p1.jpg'}\n")
+    assert cli._listed_paths(str(listing)) == [str(photos / "p0.jpg"), str(photos / "p1.jpg")]
+    assert cli.main(["caption", "--paths-from", str(tmp_path / "nope.txt")]) == 2
+    assert "nope.txt: cannot read the list of images" in capsys.readouterr().err
+    assert cli.main(["caption"]) == 2
+    assert "--paths-from" in capsys.readouterr().err
+
+
+def test_sharded_store_reads_lazily_and_splits_by_rank(tmp_path):
+    """The sharded layout without Ray: shards written by write_shard, read by name, a rank's
+    store indexing only its shards, unreadable images left out."""
+    from captionkit.encoders import create_encoder
+    from captionkit.features import open_sharded, write_shard
+
+    enc = create_encoder("patches", weights="random")
+    paths = [tmp_path / f"im{i}.jpg" for i in range(5)]
+    folder, _ = open_sharded(enc, paths, tmp_path / "cache", shard_size=2)
+    L, D = enc.grid()[0] * enc.grid()[1], enc.dim
+    rows = np.arange(5 * L * D, dtype=np.float32).reshape(5, L, D).astype(np.float16)
+    for s in range(3):
+        part = range(2 * s, min(2 * s + 2, 5))
+        write_shard(folder, s, rows[list(part)], [str(paths[i]) for i in part], {3: "im3.jpg: empty file"} if s == 1 else {})
+    store = ShardedFeatureStore(folder)
+    assert store.complete and store.num_shards == 3 and "im3.jpg" not in store and len(store.index) == 4
+    np.testing.assert_array_equal(store.rows(["im4.jpg", "im0.jpg"]), rows[[4, 0]])
+    assert store._arrays.keys() == {0, 2}  # shard 1 never opened
+    mine = ShardedFeatureStore(folder, shards=shards_for_rank(store.num_shards, 1, 2))
+    assert sorted(mine.index) == ["im2.jpg"] and mine.shard_names == [[], ["im2.jpg"], []]
+
+
+@pytest.mark.slow
+def test_trainer_reads_the_sharded_store(local_ray, tiny_config, tmp_path, monkeypatch):
+    """After features --engine ray, training takes its features from the sharded store."""
+    import captionkit.train
+    from captionkit.ray_engine import build_features_ray
+    from captionkit.train import train
+
+    real = captionkit.train.build_features
+    used = []
+
+    def ray_first(encoder, paths):
+        build_features_ray("efficientnet_lite0", "random", paths, None, RayOptions(batch_size=4, shard_size=6))
+        used.append(real(encoder, paths))
+        return used[-1]
+
+    monkeypatch.setattr(captionkit.train, "build_features", ray_first)
+    train(tiny_config, out=tmp_path / "run", max_steps=2, progress=False)
+    assert isinstance(used[0], ShardedFeatureStore) and (tmp_path / "run" / "last" / "config.json").exists()
