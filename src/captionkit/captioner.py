@@ -21,12 +21,9 @@ from .images import ImageError, load_rgb, to_tensor
 from .models import CaptionModel, create_model
 from .models.base import view_attention
 from .rerank import RERANKERS, mbr_choice
+from .shipped import DEFAULT_MODEL, SHIPPED, shipped_models_text
 from .tokenizers import Tokenizer, load_tokenizer
 
-SHIPPED = Path(__file__).parent / "pretrained"
-# the best Flickr8k model we have (README, "The shipped model"); the Show, Attend and Tell LSTM
-# that was the default before it ships too, as --model sat-lite2-flickr8k
-DEFAULT_MODEL = SHIPPED / "transformer-lite2-flickr8k"
 
 
 def model_folder(path: str | Path | None) -> Path:
@@ -44,8 +41,7 @@ def existing_model_folder(path: str | Path | None) -> Path:
     """:func:`model_folder`, refused with one line (listing the shipped models) if missing."""
     folder = model_folder(path)
     if not folder.exists():
-        shipped = ", ".join(sorted(p.name for p in SHIPPED.iterdir() if p.is_dir()))
-        raise CheckpointError(f"{folder}: no such model folder (shipped models: {shipped})")
+        raise CheckpointError(f"{folder}: no such model folder (shipped models: {shipped_models_text()})")
     return folder
 
 
