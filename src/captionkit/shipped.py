@@ -23,3 +23,14 @@ def list_shipped_models() -> list[str]:
 def shipped_models_text() -> str:
     """The shipped models as a help text lists them: ``a (the default), b, c``."""
     return ", ".join(f"{n} (the default)" if n == DEFAULT_MODEL.name else n for n in list_shipped_models())
+
+
+def describe_shipped_model(name: str) -> str:
+    """One line about a shipped model, read from its folder: name, family, encoder, size."""
+    import json
+
+    folder = SHIPPED / name
+    cfg = json.loads((folder / "config.json").read_text())
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e6
+    default = "  (the default)" if name == DEFAULT_MODEL.name else ""
+    return f"{name}  {cfg['family']} on {cfg['encoder']['name']}, {size:.1f} MB{default}"
