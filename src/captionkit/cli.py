@@ -241,36 +241,53 @@ def cmd_export_hf(model: str, out: str, overwrite: bool) -> int:
     return 0
 
 
-def cmd_serve(model: list[str] | None, host: str, port: int, max_upload_mb: float, queue_size: int,
-              max_batch: int, threads: int | None, onnx: str | None, api_key: str | None = None,
-              rate_limit: float | None = None, max_pixels: int | None = None, decode_workers: int = 2,
-              decode_memory_mb: float = 512, decode_queue: int = 16, max_connections: int = 100,
-              header_timeout: float = 10.0, body_timeout: float = 30.0) -> int:
-    import re
-
-    from .serve.net import bind, exposure_warning
+def _check_serve_limits(port: int, **limits: float | None) -> None:
+    """serve's numeric options, each positive when given (by its option name in the message)."""
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be between 0 and 65535, got {port}")
-    for flag, value in [("--max-upload-mb", max_upload_mb), ("--queue-size", queue_size), ("--max-batch", max_batch),
-                        ("--threads", threads), ("--rate-limit", rate_limit), ("--max-pixels", max_pixels),
-                        ("--decode-workers", decode_workers), ("--decode-memory-mb", decode_memory_mb),
-                        ("--decode-queue", decode_queue), ("--max-connections", max_connections),
-                        ("--header-timeout", header_timeout), ("--body-timeout", body_timeout)]:
+    for name, value in limits.items():
         if value is not None and not value > 0:
-            raise UsageError(f"{flag} must be positive, got {value:g}")
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value:g}")
+
+
+def _serve_api_key(api_key: str | None) -> str | None:
+    """--api-key, or $CAPTIONKIT_API_KEY when it is not given; printable ASCII without spaces."""
+    import re
+
     if api_key is None:
         api_key = os.environ.get("CAPTIONKIT_API_KEY")
     if api_key is not None and not re.fullmatch(r"[!-~]+", api_key):
         raise UsageError("--api-key (or CAPTIONKIT_API_KEY) must be printable ASCII without spaces, and not empty")
-    if onnx and not (Path(onnx) / "manifest.json").exists():
-        raise UsageError(f"{onnx}: no manifest.json (make one with captionkit export onnx --out {onnx})")
+    return api_key
+
+
+def _listen(host: str, port: int, api_key: str | None):
+    """The server's listening socket; a warning on stderr when it is reachable without a key."""
+    from .serve.net import bind, exposure_warning
+
     try:
-        sock = bind(host, port)  # before anything heavy: a bad --host or --port fails at once
+        sock = bind(host, port)
     except OSError as e:
         raise UsageError(f"cannot listen on --host {host} --port {port}: {e.strerror or e}") from None
     warning = exposure_warning(sock, api_key)
     if warning:
         print(f"captionkit serve: {warning}", file=sys.stderr)
+    return sock
+
+
+def cmd_serve(model: list[str] | None, host: str, port: int, max_upload_mb: float, queue_size: int,
+              max_batch: int, threads: int | None, onnx: str | None, api_key: str | None = None,
+              rate_limit: float | None = None, max_pixels: int | None = None, decode_workers: int = 2,
+              decode_memory_mb: float = 512, decode_queue: int = 16, max_connections: int = 100,
+              header_timeout: float = 10.0, body_timeout: float = 30.0) -> int:
+    _check_serve_limits(port, max_upload_mb=max_upload_mb, queue_size=queue_size, max_batch=max_batch,
+                        threads=threads, rate_limit=rate_limit, max_pixels=max_pixels, decode_workers=decode_workers,
+                        decode_memory_mb=decode_memory_mb, decode_queue=decode_queue, max_connections=max_connections,
+                        header_timeout=header_timeout, body_timeout=body_timeout)
+    api_key = _serve_api_key(api_key)
+    if onnx and not (Path(onnx) / "manifest.json").exists():
+        raise UsageError(f"{onnx}: no manifest.json (make one with captionkit export onnx --out {onnx})")
+    sock = _listen(host, port, api_key)  # before anything heavy: a bad --host or --port fails at once
     try:
         from .serve.app import ServeConfig, serve
     except ImportError as e:
@@ -303,6 +320,19 @@ def _check_targets(*paths: str | None, overwrite: bool) -> None:
         raise UsageError(f"{given[0]}: given for two outputs; choose a file for each")
 
 
+def _caption_split(cap, items: list, split: str, **options) -> dict[str, str]:
+    """{image name: caption} of a dataset split; one line if any of its images cannot be read."""
+    captions, failed = {}, []
+    for path, res in cap.caption_files([it.path for it in items], **options):
+        if isinstance(res, ImageError):
+            failed.append(str(res))
+        else:
+            captions[path.name] = res.text
+    if failed:
+        raise UsageError(f"{len(failed)} {split} images could not be read, e.g. {failed[0]}")
+    return captions
+
+
 def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, split: str, beam: int,
                  out: str | None, batch_size: int, length_penalty: float | None,
                  tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str,
@@ -314,15 +344,8 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     _check_models(model, weights, rerank, nbest)
     items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
     cap = _load_captioner(model, weights)
-    captions, failed = {}, []
-    for path, res in cap.caption_files([it.path for it in items], beam=beam, batch_size=batch_size,
-                                       length_penalty=length_penalty, nbest=_nbest(rerank, nbest), rerank=rerank):
-        if isinstance(res, ImageError):
-            failed.append(str(res))
-        else:
-            captions[path.name] = res.text
-    if failed:
-        raise UsageError(f"{len(failed)} {split} images could not be read, e.g. {failed[0]}")
+    captions = _caption_split(cap, items, split, beam=beam, batch_size=batch_size, length_penalty=length_penalty,
+                              nbest=_nbest(rerank, nbest), rerank=rerank)
     rep = score_captions(captions, {it.name: it.raw for it in items}, source="the model's captions",
                          refs_source=f"{dataset} ({split} split)",
                          **_score_opts(tokenizer, meteor, no_brevity_penalty, metrics))
@@ -354,15 +377,9 @@ def _score_opts(tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: 
             "metrics": [m.strip() for m in metrics.split(",") if m.strip()]}
 
 
-def cmd_score(captions: str | None, refs: str | None, dataset: str | None, images: str | None, split: str,
-              out: str | None, per_image: str | None, bootstrap: int, compare: list[str] | None,
-              tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str, seed: int,
-              image_column: str, title_column: str, image_suffix: str, overwrite: bool = False) -> int:
-    from .evaluation import bootstrap as run_bootstrap
-    from .evaluation import paired_bootstrap, score_captions
-    from .score_inputs import read_captions, read_references
-
-    # what the user gave, checked before anything is read or scored
+def _check_score_inputs(captions: str | None, compare: list[str] | None, per_image: str | None,
+                        refs: str | None, dataset: str | None, bootstrap: int) -> None:
+    """score's options that do not fit together, refused before anything is read or scored."""
     if compare and captions:
         raise UsageError("give either --captions or --compare A.json B.json")
     if not compare and not captions:
@@ -375,33 +392,63 @@ def cmd_score(captions: str | None, refs: str | None, dataset: str | None, image
         raise UsageError("give the references: --refs R.json or --dataset D --split S")
     if bootstrap < 0:
         raise UsageError(f"--bootstrap must be 0 (no intervals) or a number of resamples, got {bootstrap}")
-    _check_targets(out, per_image, overwrite=overwrite)
+
+
+def _references(refs: str | None, dataset: str | None, images: str | None, split: str, image_column: str,
+                title_column: str, image_suffix: str) -> tuple[dict, str]:
+    """{image: [reference, ...]} from --refs or a --dataset split, and where they came from."""
     if refs:
-        ref, refs_source = read_references(refs), refs
-    else:
-        items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
-        ref, refs_source = {it.name: it.raw for it in items}, f"{dataset} ({split} split)"
+        from .score_inputs import read_references
+        return read_references(refs), refs
+    items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
+    return {it.name: it.raw for it in items}, f"{dataset} ({split} split)"
+
+
+def cmd_score(captions: str | None, refs: str | None, dataset: str | None, images: str | None, split: str,
+              out: str | None, per_image: str | None, bootstrap: int, compare: list[str] | None,
+              tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str, seed: int,
+              image_column: str, title_column: str, image_suffix: str, overwrite: bool = False) -> int:
+    _check_score_inputs(captions, compare, per_image, refs, dataset, bootstrap)
+    _check_targets(out, per_image, overwrite=overwrite)
+    ref, refs_source = _references(refs, dataset, images, split, image_column, title_column, image_suffix)
     opts = {**_score_opts(tokenizer, meteor, no_brevity_penalty, metrics), "refs_source": refs_source}
     if compare:
-        systems = [read_captions(path) for path in compare]  # both files checked before scoring either
-        reps = [score_captions(c, ref, source=path, **opts) for c, path in zip(systems, compare)]
-        rounds = bootstrap or 1000
-        result = paired_bootstrap(reps[0], reps[1], rounds=rounds, seed=seed)
-        print(f"A = {compare[0]}, B = {compare[1]}: {len(ref)} images, paired bootstrap, {rounds} resamples; x100")
-        for k, r in result.items():
-            verdict = ("A beats B" if r["p_A_not_better"] < 0.05 else
-                       "B beats A" if r["p_B_not_better"] < 0.05 else "no significant difference")
-            p = min(r["p_A_not_better"], r["p_B_not_better"])
-            print(f"  {k:8s} A {100 * r['A']:6.2f}  B {100 * r['B']:6.2f}  delta {100 * r['delta']:+6.2f}  "
-                  f"p = {p:.4f}  {verdict}")
-        for name, rep in zip("AB", reps):
-            for note in rep.notes:
-                print(f"note: {name}: {note}")
-        if out:
-            _write_json(out, {k: {**{x: round(100 * r[x], 4) for x in ("A", "B", "delta")},
-                                  "p_A_not_better": r["p_A_not_better"], "p_B_not_better": r["p_B_not_better"]}
-                              for k, r in result.items()})
-        return 0
+        return _score_compare(compare, ref, opts, bootstrap or 1000, seed, out)
+    return _score_one(captions, ref, opts, bootstrap, seed, out, per_image)
+
+
+def _score_compare(compare: list[str], ref: dict, opts: dict, rounds: int, seed: int, out: str | None) -> int:
+    """score --compare A B: a paired bootstrap test of two systems on the same references."""
+    from .evaluation import paired_bootstrap, score_captions
+    from .score_inputs import read_captions
+
+    systems = [read_captions(path) for path in compare]  # both files checked before scoring either
+    reps = [score_captions(c, ref, source=path, **opts) for c, path in zip(systems, compare)]
+    result = paired_bootstrap(reps[0], reps[1], rounds=rounds, seed=seed)
+    print(f"A = {compare[0]}, B = {compare[1]}: {len(ref)} images, paired bootstrap, {rounds} resamples; x100")
+    for k, r in result.items():
+        verdict = ("A beats B" if r["p_A_not_better"] < 0.05 else
+                   "B beats A" if r["p_B_not_better"] < 0.05 else "no significant difference")
+        p = min(r["p_A_not_better"], r["p_B_not_better"])
+        print(f"  {k:8s} A {100 * r['A']:6.2f}  B {100 * r['B']:6.2f}  delta {100 * r['delta']:+6.2f}  "
+              f"p = {p:.4f}  {verdict}")
+    for name, rep in zip("AB", reps):
+        for note in rep.notes:
+            print(f"note: {name}: {note}")
+    if out:
+        _write_json(out, {k: {**{x: round(100 * r[x], 4) for x in ("A", "B", "delta")},
+                              "p_A_not_better": r["p_A_not_better"], "p_B_not_better": r["p_B_not_better"]}
+                          for k, r in result.items()})
+    return 0
+
+
+def _score_one(captions: str, ref: dict, opts: dict, bootstrap: int, seed: int, out: str | None,
+               per_image: str | None) -> int:
+    """score --captions C: one system's scores, with bootstrap intervals when asked."""
+    from .evaluation import bootstrap as run_bootstrap
+    from .evaluation import score_captions
+    from .score_inputs import read_captions
+
     cand = read_captions(captions)
     rep = score_captions(cand, ref, source=captions, **opts)
     ci = run_bootstrap(rep, rounds=bootstrap, seed=seed) if bootstrap else None
@@ -411,11 +458,8 @@ def cmd_score(captions: str | None, refs: str | None, dataset: str | None, image
         doc = {k: round(100 * v, 4) for k, v in rep.scores.items()}
         if ci:
             doc["ci95"] = {k: [round(100 * lo, 4), round(100 * hi, 4)] for k, (lo, hi) in ci.items()}
-        doc["implementation"] = rep.implementation
-        doc["tokenizer"] = rep.tokenizer
-        doc["empty_captions"] = len(rep.empty)
-        doc["notes"] = rep.notes
-        _write_json(out, doc)
+        _write_json(out, {**doc, "implementation": rep.implementation, "tokenizer": rep.tokenizer,
+                          "empty_captions": len(rep.empty), "notes": rep.notes})
     if per_image:
         _write_per_image(per_image, rep, cand)
     return 0
