@@ -14,7 +14,7 @@ trainer's ``finetune_blocks`` adds the image encoder's last blocks. ``param_grou
 the groups, so each can have its own learning rate (``train.lr_groups``). The module's
 ``state_dict()`` holds only the trained tensors (:class:`~captionkit.models.base.TrainedTensorsMixin`):
 a checkpoint stores them and the LM's source, and loading rebuilds the frozen LM from that
-source and puts them on top. ``captionkit merge-lora`` writes the LM with LoRA merged as a
+source and puts them on top. ``captionkit export hf`` writes the LM with LoRA merged as a
 plain transformers folder (the exporter registered at the bottom).
 
 Token ids: the LM's own, numbered from 4 (:mod:`captionkit.models.lm_tokens`).
