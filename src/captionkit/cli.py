@@ -638,6 +638,13 @@ def _add_overwrite(p: argparse.ArgumentParser, what: str) -> None:
                    help=f"{what} (a folder captionkit did not write is never replaced; see docs/outputs.md)")
 
 
+def _add_export_hf_opts(p: argparse.ArgumentParser) -> None:
+    """The options of export hf and of merge-lora, its old name."""
+    p.add_argument("--model", required=True, help="a prefix_lm or vit_gpt2 checkpoint folder")
+    p.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
+    _add_overwrite(p, "replace OUT if it is a transformers export captionkit wrote")
+
+
 def _add_ensemble_opts(p: argparse.ArgumentParser) -> None:
     """Ensembles and consensus reranking (docs/ensembles.md), for caption and evaluate."""
     p.add_argument("--weights", type=positive_floats, metavar="W1,W2,..",
@@ -735,9 +742,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("merge-lora", help="the old name of export hf: a prefix_lm model's LM with LoRA merged")
     m.set_defaults(func=cmd_export_hf)
-    m.add_argument("--model", required=True, help="a prefix_lm checkpoint folder")
-    m.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
-    _add_overwrite(m, "replace OUT if it is a merged LM captionkit wrote")
+    _add_export_hf_opts(m)
 
     z = sub.add_parser("zero-shot", help="caption photos with an instruction-tuned vision-language model")
     z.set_defaults(func=cmd_zero_shot)
@@ -771,9 +776,7 @@ def build_parser() -> argparse.ArgumentParser:
     h = xf.add_parser("hf", help="a plain Hugging Face transformers folder (prefix_lm: its LM with LoRA merged; "
                       "vit_gpt2: a VisionEncoderDecoderModel)")
     h.set_defaults(func=cmd_export_hf)
-    h.add_argument("--model", required=True, help="a prefix_lm or vit_gpt2 checkpoint folder")
-    h.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
-    _add_overwrite(h, "replace OUT if it is a transformers export captionkit wrote")
+    _add_export_hf_opts(h)
 
     o = sub.add_parser("models", help="list the shipped models (any of them is a --model NAME)")
     o.set_defaults(func=cmd_models)
