@@ -17,6 +17,7 @@ from .decoding import Caption, beam_nbest, decode
 from .encoders import Encoder, create_encoder, load_finetuned
 from .ensemble import (COMBINE, ENSEMBLE_FILE, EnsembleDecoder, check_member_configs, check_member_encoders,
                        is_ensemble_folder, normalised_weights, read_ensemble)
+from .errors import UserError
 from .images import ImageError, load_rgb, to_tensor
 from .models import CaptionModel, create_model
 from .models.base import view_attention
@@ -125,7 +126,7 @@ class Captioner:
         ``source``: the ensemble folder they were named in, if any (for its errors)."""
         normalised_weights(weights, len(paths))  # a wrong weight is refused before anything loads
         if combine not in COMBINE:
-            raise ValueError(f"unknown combine {combine!r} (known: {', '.join(COMBINE)})")
+            raise UserError(f"unknown combine {combine!r} (known: {', '.join(COMBINE)})")
         folders = []
         for p in paths:
             folder = existing_model_folder(p)
@@ -224,9 +225,9 @@ class Captioner:
         ``rerank="mbr"``: choose the caption among them by consensus (:meth:`mbr`), batch by
         batch."""
         if rerank not in (None, *RERANKERS):
-            raise ValueError(f"unknown reranker {rerank!r} (known: {', '.join(RERANKERS)})")
+            raise UserError(f"unknown reranker {rerank!r} (known: {', '.join(RERANKERS)})")
         if rerank and not nbest:
-            raise ValueError("reranking chooses among the n best beams: give nbest")
+            raise UserError("reranking chooses among the n best beams: give nbest")
         if self.encoder is None:
             raise RuntimeError("this Captioner was loaded without its encoder")
         pre = self.encoder.preprocess
