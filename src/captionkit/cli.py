@@ -909,11 +909,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"captionkit {command}: error: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:  # until every user-facing ValueError is a UserError (see errors.py)
-        if os.environ.get("CAPTIONKIT_DEBUG"):
-            raise
-        print(f"captionkit {command}: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"captionkit {command}: interrupted", file=sys.stderr)
         return 130
