@@ -232,6 +232,9 @@ def cmd_export_onnx(model: str | None, out: str, int8: bool, int8_encoder: bool,
 def cmd_export_hf(model: str, out: str, overwrite: bool) -> int:
     """A checkpoint as a plain Hugging Face transformers folder (captionkit.export.export_transformers);
     ``captionkit merge-lora`` is its old name."""
+    from .outputs import check_folder_target
+
+    check_folder_target(out, overwrite=overwrite, kinds=("transformers",))  # before torch is imported
     from .export import export_transformers
 
     folder = export_transformers(model, out, overwrite=overwrite)
