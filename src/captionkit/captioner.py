@@ -17,16 +17,14 @@ from .decoding import Caption, beam_nbest, decode
 from .encoders import Encoder, create_encoder, load_finetuned
 from .ensemble import (COMBINE, ENSEMBLE_FILE, EnsembleDecoder, check_member_configs, check_member_encoders,
                        is_ensemble_folder, normalised_weights, read_ensemble)
+from .errors import UserError
 from .images import ImageError, load_rgb, to_tensor
 from .models import CaptionModel, create_model
 from .models.base import view_attention
 from .rerank import RERANKERS, mbr_choice
+from .shipped import DEFAULT_MODEL, SHIPPED, shipped_models_text
 from .tokenizers import Tokenizer, load_tokenizer
 
-SHIPPED = Path(__file__).parent / "pretrained"
-# the best Flickr8k model we have (its card: pretrained/transformer-lite2-flickr8k/README.md); the LSTM
-# that was the default before it ships too, as --model sat-lite2-flickr8k
-DEFAULT_MODEL = SHIPPED / "transformer-lite2-flickr8k"
 
 
 def model_folder(path: str | Path | None) -> Path:
@@ -44,8 +42,7 @@ def existing_model_folder(path: str | Path | None) -> Path:
     """:func:`model_folder`, refused with one line (listing the shipped models) if missing."""
     folder = model_folder(path)
     if not folder.exists():
-        shipped = ", ".join(sorted(p.name for p in SHIPPED.iterdir() if p.is_dir()))
-        raise CheckpointError(f"{folder}: no such model folder (shipped models: {shipped})")
+        raise CheckpointError(f"{folder}: no such model folder (shipped models: {shipped_models_text()})")
     return folder
 
 
@@ -129,7 +126,7 @@ class Captioner:
         ``source``: the ensemble folder they were named in, if any (for its errors)."""
         normalised_weights(weights, len(paths))  # a wrong weight is refused before anything loads
         if combine not in COMBINE:
-            raise ValueError(f"unknown combine {combine!r} (known: {', '.join(COMBINE)})")
+            raise UserError(f"unknown combine {combine!r} (known: {', '.join(COMBINE)})")
         folders = []
         for p in paths:
             folder = existing_model_folder(p)
@@ -228,9 +225,9 @@ class Captioner:
         ``rerank="mbr"``: choose the caption among them by consensus (:meth:`mbr`), batch by
         batch."""
         if rerank not in (None, *RERANKERS):
-            raise ValueError(f"unknown reranker {rerank!r} (known: {', '.join(RERANKERS)})")
+            raise UserError(f"unknown reranker {rerank!r} (known: {', '.join(RERANKERS)})")
         if rerank and not nbest:
-            raise ValueError("reranking chooses among the n best beams: give nbest")
+            raise UserError("reranking chooses among the n best beams: give nbest")
         if self.encoder is None:
             raise RuntimeError("this Captioner was loaded without its encoder")
         pre = self.encoder.preprocess

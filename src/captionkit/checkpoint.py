@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .errors import CheckpointError
+from .errors import CheckpointError, OutputError
 from .outputs import CHECKPOINT_FORMAT, write_marker
 
 FORMAT, VERSION = CHECKPOINT_FORMAT, 1
@@ -248,3 +248,23 @@ def load_into(module: torch.nn.Module, weights: dict[str, torch.Tensor], where: 
             f"shape {', '.join(shapes[:3])}" if shapes else ""]))
         raise CheckpointError(f"{where}: weights do not fit the model its config describes ({detail})")
     module.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.items()})
+
+
+def pack_checkpoint(checkpoint: str | Path, out: str | Path, *, fp16: bool = False, overwrite: bool = False) -> int:
+    """Copy a trained checkpoint without its optimizer state (optionally its decoder in float16)
+    to ``out``, for shipping; return the size of its tensors in bytes. Fine-tuned encoder blocks
+    stay float32, like the rest of the encoder. ``out`` is checked first (captionkit.outputs):
+    a new or empty folder, or with ``overwrite`` a checkpoint captionkit wrote."""
+    from .outputs import check_folder_target
+
+    if Path(out).resolve() == resolve(checkpoint).resolve():
+        raise OutputError(f"{out}: is the checkpoint being packed; choose another folder")
+    check_folder_target(out, overwrite=overwrite, kinds=("checkpoint",))
+    cfg = read_config(checkpoint)
+    cfg.pop("optimizer_groups", None)
+    weights = read_weights(checkpoint)
+    if fp16:
+        weights = {k: v.to(torch.float16) if v.is_floating_point() and not k.startswith(ENCODER_PREFIX) else v
+                   for k, v in weights.items()}
+    save_checkpoint(out, weights, cfg)
+    return sum(v.numel() * v.element_size() for v in weights.values())

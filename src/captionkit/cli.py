@@ -1,5 +1,7 @@
-"""The ``captionkit`` command line. Each subcommand is a typed function; errors a user can fix
-are printed as one line naming the file or field, never as a traceback."""
+"""The ``captionkit`` command line: it parses and calls the library. Each subcommand is a small
+typed function ``cmd_NAME``, bound to its parser by ``set_defaults(func=...)``. A user's mistake
+(:class:`captionkit.errors.UserError`) is printed as one line naming the file or field; any other
+exception is an internal error and keeps its traceback."""
 
 from __future__ import annotations
 
@@ -10,12 +12,13 @@ import sys
 from pathlib import Path
 
 from .argtypes import float_at_least, int_at_least, positive_floats, positive_int
-from .errors import CheckpointError, DatasetError, ImageError, OutputError, WeightsUnavailable
+from .errors import ImageError, UserError, WeightsUnavailable
+from .shipped import list_shipped_models, shipped_models_text
 from .vlm import DEFAULT_VLM, DTYPES
 
 
-class UsageError(ValueError):
-    pass
+class UsageError(UserError):
+    """Options that do not fit together, or a value the parser cannot check alone."""
 
 
 DEFAULT_NBEST = 5  # beams --rerank mbr chooses among when --nbest is not given
@@ -82,57 +85,41 @@ def _nbest(rerank: str | None, nbest: int | None) -> int | None:
     return nbest or (DEFAULT_NBEST if rerank else None)
 
 
-def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: str | None,
-                attention: str | None, batch_size: int, length_penalty: float | None,
-                jsonl: str | None = None, csv_out: str | None = None, workers: int = 2,
-                onnx: str | None = None, overwrite: bool = False, retry_failed: bool = False,
-                verbose: bool = False, weights: list[float] | None = None, rerank: str | None = None,
-                nbest: int | None = None, candidates: str | None = None, engine: str = "local",
-                address: str | None = None, replicas: int = 1, shard_size: int | None = None,
-                gpus_per_replica: float = 0, paths_from: str | None = None) -> int:
-    paths = [*paths, *_listed_paths(paths_from)]
-    if not paths:
-        raise UsageError("give image files or folders to caption, or --paths-from FILE")
-    if engine == "ray":
-        _check_ray_caption(jsonl or csv_out, onnx=onnx, attention=attention, rerank=rerank, nbest=nbest,
-                           candidates=candidates)
+def _check_caption_sources(model: list[str] | None, onnx: str | None, weights: list[float] | None,
+                           rerank: str | None, nbest: int | None, candidates: str | None) -> None:
+    """caption's model options that do not fit together, refused before anything loads."""
     if onnx and model:
         raise UsageError("give either --model or --onnx")
     _check_models(model, weights, rerank, nbest, candidates)
     if onnx and (rerank or nbest):
         raise UsageError("--rerank, --nbest and --candidates need a PyTorch model (--model), not --onnx")
+
+
+def _caption_settings(model: list[str] | None, weights: list[float] | None, onnx: str | None, beam: int,
+                      length_penalty: float | None, rerank: str | None, nbest: int | None) -> dict:
+    """What decides caption's captions, recorded beside resumable outputs (captionkit.batch)."""
     settings = {"model": None if onnx else _models_setting(model, weights),
                 "onnx": str(Path(onnx).resolve()) if onnx else None,
                 "beam": beam, "length_penalty": length_penalty}
     if rerank or nbest:  # recorded only when used: other runs' settings stay as they were
         settings.update(rerank=rerank, nbest=_nbest(rerank, nbest))
-    if candidates:
-        from .outputs import check_file_target
-        candidates_path = check_file_target(candidates, overwrite=overwrite)
-    writer = _caption_writer("caption", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
-                             attention=attention, overwrite=overwrite, retry_failed=retry_failed, verbose=verbose)
-    if engine == "ray":
-        return _caption_ray(writer, model, weights, beam, length_penalty, overwrite, retry_failed, jsonl or csv_out,
-                            _ray_options(address, replicas, gpus_per_replica, batch_size, shard_size))
-    if onnx:
-        from .onnx_runtime import load_onnx_captioner
-        cap = load_onnx_captioner(onnx)
-        return writer.run(lambda files: cap.caption_files(files, beam=beam, batch_size=batch_size,
-                                                          length_penalty=length_penalty, workers=workers))
-    cap = _load_captioner(model, weights)
+    return settings
+
+
+def _caption_with_candidates(writer, cap, candidates: Path | None, **options) -> int:
+    """Run the writer on a PyTorch captioner; with ``candidates``, also write each image's
+    n best beams there ({key: [caption, ...]}) at the end."""
     lists: dict[str, list[str]] = {}
 
     def results(files: list[Path]):
-        for path, res in cap.caption_files(files, beam=beam, batch_size=batch_size, length_penalty=length_penalty,
-                                           workers=workers, nbest=_nbest(rerank, nbest), rerank=rerank):
+        for path, res in cap.caption_files(files, **options):
             if not isinstance(res, ImageError) and res.candidates is not None:
                 lists[writer.keys[path]] = res.candidates
             yield path, res
 
     code = writer.run(results)
     if candidates:
-        from .outputs import atomic_write_text
-        atomic_write_text(candidates_path, json.dumps(lists, indent=1, ensure_ascii=False))
+        _write_json(candidates, lists)
     return code
 
 
@@ -188,6 +175,39 @@ def _caption_ray(writer, model: list[str] | None, weights: list[float] | None, b
         opts))
 
 
+def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: str | None,
+                attention: str | None, batch_size: int, length_penalty: float | None,
+                jsonl: str | None = None, csv_out: str | None = None, workers: int = 2,
+                onnx: str | None = None, overwrite: bool = False, retry_failed: bool = False,
+                verbose: bool = False, weights: list[float] | None = None, rerank: str | None = None,
+                nbest: int | None = None, candidates: str | None = None, engine: str = "local",
+                address: str | None = None, replicas: int = 1, shard_size: int | None = None,
+                gpus_per_replica: float = 0, paths_from: str | None = None) -> int:
+    from .outputs import check_file_target
+
+    paths = [*paths, *_listed_paths(paths_from)]
+    if not paths:
+        raise UsageError("give image files or folders to caption, or --paths-from FILE")
+    if engine == "ray":
+        _check_ray_caption(jsonl or csv_out, onnx=onnx, attention=attention, rerank=rerank, nbest=nbest,
+                           candidates=candidates)
+    _check_caption_sources(model, onnx, weights, rerank, nbest, candidates)
+    settings = _caption_settings(model, weights, onnx, beam, length_penalty, rerank, nbest)
+    candidates_path = check_file_target(candidates, overwrite=overwrite) if candidates else None
+    writer = _caption_writer("caption", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
+                             attention=attention, overwrite=overwrite, retry_failed=retry_failed, verbose=verbose)
+    if engine == "ray":
+        return _caption_ray(writer, model, weights, beam, length_penalty, overwrite, retry_failed, jsonl or csv_out,
+                            _ray_options(address, replicas, gpus_per_replica, batch_size, shard_size))
+    options = {"beam": beam, "batch_size": batch_size, "length_penalty": length_penalty, "workers": workers}
+    if onnx:
+        from .onnx_runtime import load_onnx_captioner
+        cap = load_onnx_captioner(onnx)
+        return writer.run(lambda files: cap.caption_files(files, **options))
+    return _caption_with_candidates(writer, _load_captioner(model, weights), candidates_path,
+                                    nbest=_nbest(rerank, nbest), rerank=rerank, **options)
+
+
 def cmd_ensemble(model: list[str], weights: list[float] | None, length_penalty: float | None, combine: str,
                  out: str, overwrite: bool) -> int:
     """Write an ensemble folder (captionkit.ensemble) naming the members, after loading them
@@ -216,24 +236,18 @@ def cmd_rerank(candidates: list[str], json_out: str | None, overwrite: bool) -> 
     return 0
 
 
-def cmd_export(format: str, model: str | None, out: str, int8: bool, int8_encoder: bool,
-               check: list[str] | None, check_beam: int, web: bool, overwrite: bool) -> int:
-    from .captioner import Captioner
-    from .outputs import check_folder_target
-    try:
-        from .export import export_onnx, web_demo_source
-        from .onnx_runtime import parity_check
-    except ImportError as e:
-        raise UsageError(f"ONNX export needs the onnx extra: pip install 'captionkit[onnx]' ({e})") from None
-    from .captioner import DEFAULT_MODEL, model_folder
+def _check_onnx_export(model: str | None, out: str, web: bool, check: list[str] | None,
+                       overwrite: bool) -> list[Path]:
+    """export onnx's inputs and target, refused before the model loads; -> the --check photos."""
+    from .captioner import model_folder
     from .ensemble import is_ensemble_folder
+    from .export import web_demo_source
+    from .images import find_images
+    from .outputs import check_folder_target
 
     if is_ensemble_folder(model_folder(model)):
         raise UsageError(f"{model}: is an ensemble; ONNX export takes one model: export a member")
-
-    from .images import find_images
-
-    check_folder_target(out, overwrite=overwrite, kinds=("onnx",))  # all before the model loads
+    check_folder_target(out, overwrite=overwrite, kinds=("onnx",))
     if web:
         try:
             web_demo_source()
@@ -242,6 +256,30 @@ def cmd_export(format: str, model: str | None, out: str, int8: bool, int8_encode
     files = find_images(check) if check else []
     if check and not files:
         raise UsageError(f"no image files found in {' '.join(check)}")
+    return files
+
+
+def _print_parity(rep: dict, variant: str, check_beam: int) -> None:
+    num = rep["numeric"]
+    print(f"{variant}: largest difference from PyTorch on a test input: features {num['features']:.2e}, "
+          f"log-probabilities {num['logprobs']:.2e}, attention {num['attention']:.2e}")
+    if rep["images"]:
+        print(f"{variant}: {rep['identical']} of {rep['images']} captions identical to PyTorch's "
+              f"(beam {check_beam})")
+        for d in rep["differ"][:5]:
+            print(f"  {d['image']}: pytorch {d['pytorch']!r} / onnx {d['onnx']!r}")
+
+
+def cmd_export_onnx(model: str | None, out: str, int8: bool, int8_encoder: bool,
+                    check: list[str] | None, check_beam: int, web: bool, overwrite: bool) -> int:
+    try:
+        from .export import export_onnx
+        from .onnx_runtime import parity_check
+    except ImportError as e:
+        raise UsageError(f"ONNX export needs the onnx extra: pip install 'captionkit[onnx]' ({e})") from None
+    from .captioner import DEFAULT_MODEL, Captioner
+
+    files = _check_onnx_export(model, out, web, check, overwrite)
     cap = Captioner.load(model)
     manifest = export_onnx(cap, out, int8=int8 or int8_encoder, int8_encoder=int8_encoder,
                            model_name=Path(model or DEFAULT_MODEL).name, overwrite=overwrite, web=web)
@@ -249,18 +287,58 @@ def cmd_export(format: str, model: str | None, out: str, int8: bool, int8_encode
         f"{p.name} {p.stat().st_size / 1e6:.1f} MB" for p in sorted(manifest.parent.glob("*.onnx"))))
     if web:
         print(f"in-browser demo: serve {out} with any static file server and open index.html")
-    variants = ["float32"] + (["int8"] if int8 or int8_encoder else [])
-    for variant in variants:
-        rep = parity_check(cap, out, files, beam=check_beam, variant=variant)
-        num = rep["numeric"]
-        print(f"{variant}: largest difference from PyTorch on a test input: features {num['features']:.2e}, "
-              f"log-probabilities {num['logprobs']:.2e}, attention {num['attention']:.2e}")
-        if files:
-            print(f"{variant}: {rep['identical']} of {rep['images']} captions identical to PyTorch's "
-                  f"(beam {check_beam})")
-            for d in rep["differ"][:5]:
-                print(f"  {d['image']}: pytorch {d['pytorch']!r} / onnx {d['onnx']!r}")
+    for variant in ["float32"] + (["int8"] if int8 or int8_encoder else []):
+        _print_parity(parity_check(cap, out, files, beam=check_beam, variant=variant), variant, check_beam)
     return 0
+
+
+def cmd_export_hf(model: str, out: str, overwrite: bool) -> int:
+    """A checkpoint as a plain Hugging Face transformers folder (captionkit.export.export_transformers);
+    ``captionkit merge-lora`` is its old name."""
+    from .outputs import check_folder_target
+
+    check_folder_target(out, overwrite=overwrite, kinds=("transformers",))  # before torch is imported
+    from .export import export_transformers
+
+    folder = export_transformers(model, out, overwrite=overwrite)
+    print(f"wrote {folder} (a transformers folder)"
+          + (f" and {folder / 'captioner'} (a captionkit checkpoint captioning with it)"
+             if (folder / "captioner").is_dir() else ""))
+    return 0
+
+
+def _check_serve_limits(port: int, **limits: float | None) -> None:
+    """serve's numeric options, each positive when given (by its option name in the message)."""
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port must be between 0 and 65535, got {port}")
+    for name, value in limits.items():
+        if value is not None and not value > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value:g}")
+
+
+def _serve_api_key(api_key: str | None) -> str | None:
+    """--api-key, or $CAPTIONKIT_API_KEY when it is not given; printable ASCII without spaces."""
+    import re
+
+    if api_key is None:
+        api_key = os.environ.get("CAPTIONKIT_API_KEY")
+    if api_key is not None and not re.fullmatch(r"[!-~]+", api_key):
+        raise UsageError("--api-key (or CAPTIONKIT_API_KEY) must be printable ASCII without spaces, and not empty")
+    return api_key
+
+
+def _listen(host: str, port: int, api_key: str | None):
+    """The server's listening socket; a warning on stderr when it is reachable without a key."""
+    from .serve.net import bind, exposure_warning
+
+    try:
+        sock = bind(host, port)
+    except OSError as e:
+        raise UsageError(f"cannot listen on --host {host} --port {port}: {e.strerror or e}") from None
+    warning = exposure_warning(sock, api_key)
+    if warning:
+        print(f"captionkit serve: {warning}", file=sys.stderr)
+    return sock
 
 
 def cmd_serve(model: list[str] | None, host: str, port: int, max_upload_mb: float, queue_size: int,
@@ -268,31 +346,14 @@ def cmd_serve(model: list[str] | None, host: str, port: int, max_upload_mb: floa
               rate_limit: float | None = None, max_pixels: int | None = None, decode_workers: int = 2,
               decode_memory_mb: float = 512, decode_queue: int = 16, max_connections: int = 100,
               header_timeout: float = 10.0, body_timeout: float = 30.0) -> int:
-    import re
-
-    from .serve.net import bind, exposure_warning
-    if not 0 <= port <= 65535:
-        raise UsageError(f"--port must be between 0 and 65535, got {port}")
-    for flag, value in [("--max-upload-mb", max_upload_mb), ("--queue-size", queue_size), ("--max-batch", max_batch),
-                        ("--threads", threads), ("--rate-limit", rate_limit), ("--max-pixels", max_pixels),
-                        ("--decode-workers", decode_workers), ("--decode-memory-mb", decode_memory_mb),
-                        ("--decode-queue", decode_queue), ("--max-connections", max_connections),
-                        ("--header-timeout", header_timeout), ("--body-timeout", body_timeout)]:
-        if value is not None and not value > 0:
-            raise UsageError(f"{flag} must be positive, got {value:g}")
-    if api_key is None:
-        api_key = os.environ.get("CAPTIONKIT_API_KEY")
-    if api_key is not None and not re.fullmatch(r"[!-~]+", api_key):
-        raise UsageError("--api-key (or CAPTIONKIT_API_KEY) must be printable ASCII without spaces, and not empty")
+    _check_serve_limits(port, max_upload_mb=max_upload_mb, queue_size=queue_size, max_batch=max_batch,
+                        threads=threads, rate_limit=rate_limit, max_pixels=max_pixels, decode_workers=decode_workers,
+                        decode_memory_mb=decode_memory_mb, decode_queue=decode_queue, max_connections=max_connections,
+                        header_timeout=header_timeout, body_timeout=body_timeout)
+    api_key = _serve_api_key(api_key)
     if onnx and not (Path(onnx) / "manifest.json").exists():
         raise UsageError(f"{onnx}: no manifest.json (make one with captionkit export onnx --out {onnx})")
-    try:
-        sock = bind(host, port)  # before anything heavy: a bad --host or --port fails at once
-    except OSError as e:
-        raise UsageError(f"cannot listen on --host {host} --port {port}: {e.strerror or e}") from None
-    warning = exposure_warning(sock, api_key)
-    if warning:
-        print(f"captionkit serve: {warning}", file=sys.stderr)
+    sock = _listen(host, port, api_key)  # before anything heavy: a bad --host or --port fails at once
     try:
         from .serve.app import ServeConfig, serve
     except ImportError as e:
@@ -325,6 +386,19 @@ def _check_targets(*paths: str | None, overwrite: bool) -> None:
         raise UsageError(f"{given[0]}: given for two outputs; choose a file for each")
 
 
+def _caption_split(cap, items: list, split: str, **options) -> dict[str, str]:
+    """{image name: caption} of a dataset split; one line if any of its images cannot be read."""
+    captions, failed = {}, []
+    for path, res in cap.caption_files([it.path for it in items], **options):
+        if isinstance(res, ImageError):
+            failed.append(str(res))
+        else:
+            captions[path.name] = res.text
+    if failed:
+        raise UsageError(f"{len(failed)} {split} images could not be read, e.g. {failed[0]}")
+    return captions
+
+
 def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, split: str, beam: int,
                  out: str | None, batch_size: int, length_penalty: float | None,
                  tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str,
@@ -336,15 +410,8 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     _check_models(model, weights, rerank, nbest)
     items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
     cap = _load_captioner(model, weights)
-    captions, failed = {}, []
-    for path, res in cap.caption_files([it.path for it in items], beam=beam, batch_size=batch_size,
-                                       length_penalty=length_penalty, nbest=_nbest(rerank, nbest), rerank=rerank):
-        if isinstance(res, ImageError):
-            failed.append(str(res))
-        else:
-            captions[path.name] = res.text
-    if failed:
-        raise UsageError(f"{len(failed)} {split} images could not be read, e.g. {failed[0]}")
+    captions = _caption_split(cap, items, split, beam=beam, batch_size=batch_size, length_penalty=length_penalty,
+                              nbest=_nbest(rerank, nbest), rerank=rerank)
     rep = score_captions(captions, {it.name: it.raw for it in items}, source="the model's captions",
                          refs_source=f"{dataset} ({split} split)",
                          **_score_opts(tokenizer, meteor, no_brevity_penalty, metrics))
@@ -376,15 +443,9 @@ def _score_opts(tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: 
             "metrics": [m.strip() for m in metrics.split(",") if m.strip()]}
 
 
-def cmd_score(captions: str | None, refs: str | None, dataset: str | None, images: str | None, split: str,
-              out: str | None, per_image: str | None, bootstrap: int, compare: list[str] | None,
-              tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str, seed: int,
-              image_column: str, title_column: str, image_suffix: str, overwrite: bool = False) -> int:
-    from .evaluation import bootstrap as run_bootstrap
-    from .evaluation import paired_bootstrap, score_captions
-    from .score_inputs import read_captions, read_references
-
-    # what the user gave, checked before anything is read or scored
+def _check_score_inputs(captions: str | None, compare: list[str] | None, per_image: str | None,
+                        refs: str | None, dataset: str | None, bootstrap: int) -> None:
+    """score's options that do not fit together, refused before anything is read or scored."""
     if compare and captions:
         raise UsageError("give either --captions or --compare A.json B.json")
     if not compare and not captions:
@@ -397,33 +458,63 @@ def cmd_score(captions: str | None, refs: str | None, dataset: str | None, image
         raise UsageError("give the references: --refs R.json or --dataset D --split S")
     if bootstrap < 0:
         raise UsageError(f"--bootstrap must be 0 (no intervals) or a number of resamples, got {bootstrap}")
-    _check_targets(out, per_image, overwrite=overwrite)
+
+
+def _references(refs: str | None, dataset: str | None, images: str | None, split: str, image_column: str,
+                title_column: str, image_suffix: str) -> tuple[dict, str]:
+    """{image: [reference, ...]} from --refs or a --dataset split, and where they came from."""
     if refs:
-        ref, refs_source = read_references(refs), refs
-    else:
-        items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
-        ref, refs_source = {it.name: it.raw for it in items}, f"{dataset} ({split} split)"
+        from .score_inputs import read_references
+        return read_references(refs), refs
+    items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
+    return {it.name: it.raw for it in items}, f"{dataset} ({split} split)"
+
+
+def cmd_score(captions: str | None, refs: str | None, dataset: str | None, images: str | None, split: str,
+              out: str | None, per_image: str | None, bootstrap: int, compare: list[str] | None,
+              tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str, seed: int,
+              image_column: str, title_column: str, image_suffix: str, overwrite: bool = False) -> int:
+    _check_score_inputs(captions, compare, per_image, refs, dataset, bootstrap)
+    _check_targets(out, per_image, overwrite=overwrite)
+    ref, refs_source = _references(refs, dataset, images, split, image_column, title_column, image_suffix)
     opts = {**_score_opts(tokenizer, meteor, no_brevity_penalty, metrics), "refs_source": refs_source}
     if compare:
-        systems = [read_captions(path) for path in compare]  # both files checked before scoring either
-        reps = [score_captions(c, ref, source=path, **opts) for c, path in zip(systems, compare)]
-        rounds = bootstrap or 1000
-        result = paired_bootstrap(reps[0], reps[1], rounds=rounds, seed=seed)
-        print(f"A = {compare[0]}, B = {compare[1]}: {len(ref)} images, paired bootstrap, {rounds} resamples; x100")
-        for k, r in result.items():
-            verdict = ("A beats B" if r["p_A_not_better"] < 0.05 else
-                       "B beats A" if r["p_B_not_better"] < 0.05 else "no significant difference")
-            p = min(r["p_A_not_better"], r["p_B_not_better"])
-            print(f"  {k:8s} A {100 * r['A']:6.2f}  B {100 * r['B']:6.2f}  delta {100 * r['delta']:+6.2f}  "
-                  f"p = {p:.4f}  {verdict}")
-        for name, rep in zip("AB", reps):
-            for note in rep.notes:
-                print(f"note: {name}: {note}")
-        if out:
-            _write_json(out, {k: {**{x: round(100 * r[x], 4) for x in ("A", "B", "delta")},
-                                  "p_A_not_better": r["p_A_not_better"], "p_B_not_better": r["p_B_not_better"]}
-                              for k, r in result.items()})
-        return 0
+        return _score_compare(compare, ref, opts, bootstrap or 1000, seed, out)
+    return _score_one(captions, ref, opts, bootstrap, seed, out, per_image)
+
+
+def _score_compare(compare: list[str], ref: dict, opts: dict, rounds: int, seed: int, out: str | None) -> int:
+    """score --compare A B: a paired bootstrap test of two systems on the same references."""
+    from .evaluation import paired_bootstrap, score_captions
+    from .score_inputs import read_captions
+
+    systems = [read_captions(path) for path in compare]  # both files checked before scoring either
+    reps = [score_captions(c, ref, source=path, **opts) for c, path in zip(systems, compare)]
+    result = paired_bootstrap(reps[0], reps[1], rounds=rounds, seed=seed)
+    print(f"A = {compare[0]}, B = {compare[1]}: {len(ref)} images, paired bootstrap, {rounds} resamples; x100")
+    for k, r in result.items():
+        verdict = ("A beats B" if r["p_A_not_better"] < 0.05 else
+                   "B beats A" if r["p_B_not_better"] < 0.05 else "no significant difference")
+        p = min(r["p_A_not_better"], r["p_B_not_better"])
+        print(f"  {k:8s} A {100 * r['A']:6.2f}  B {100 * r['B']:6.2f}  delta {100 * r['delta']:+6.2f}  "
+              f"p = {p:.4f}  {verdict}")
+    for name, rep in zip("AB", reps):
+        for note in rep.notes:
+            print(f"note: {name}: {note}")
+    if out:
+        _write_json(out, {k: {**{x: round(100 * r[x], 4) for x in ("A", "B", "delta")},
+                              "p_A_not_better": r["p_A_not_better"], "p_B_not_better": r["p_B_not_better"]}
+                          for k, r in result.items()})
+    return 0
+
+
+def _score_one(captions: str, ref: dict, opts: dict, bootstrap: int, seed: int, out: str | None,
+               per_image: str | None) -> int:
+    """score --captions C: one system's scores, with bootstrap intervals when asked."""
+    from .evaluation import bootstrap as run_bootstrap
+    from .evaluation import score_captions
+    from .score_inputs import read_captions
+
     cand = read_captions(captions)
     rep = score_captions(cand, ref, source=captions, **opts)
     ci = run_bootstrap(rep, rounds=bootstrap, seed=seed) if bootstrap else None
@@ -433,11 +524,8 @@ def cmd_score(captions: str | None, refs: str | None, dataset: str | None, image
         doc = {k: round(100 * v, 4) for k, v in rep.scores.items()}
         if ci:
             doc["ci95"] = {k: [round(100 * lo, 4), round(100 * hi, 4)] for k, (lo, hi) in ci.items()}
-        doc["implementation"] = rep.implementation
-        doc["tokenizer"] = rep.tokenizer
-        doc["empty_captions"] = len(rep.empty)
-        doc["notes"] = rep.notes
-        _write_json(out, doc)
+        _write_json(out, {**doc, "implementation": rep.implementation, "tokenizer": rep.tokenizer,
+                          "empty_captions": len(rep.empty), "notes": rep.notes})
     if per_image:
         _write_per_image(per_image, rep, cand)
     return 0
@@ -498,37 +586,19 @@ def cmd_features(dataset: str, images: str | None, encoder: str,
 
 
 def cmd_pack(checkpoint: str, out: str, fp16: bool, overwrite: bool) -> int:
-    """Copy a trained checkpoint without its optimizer state (optionally its decoder in float16)
-    for shipping; fine-tuned encoder blocks stay float32, like the rest of the encoder."""
-    from .checkpoint import resolve
-    from .outputs import check_folder_target
+    from .checkpoint import pack_checkpoint
 
-    if Path(out).resolve() == resolve(checkpoint).resolve():
-        raise UsageError(f"{out}: is the checkpoint being packed; choose another folder")
-    check_folder_target(out, overwrite=overwrite, kinds=("checkpoint",))
-    import torch
-
-    from .checkpoint import ENCODER_PREFIX, read_config, read_weights, save_checkpoint
-
-    cfg = read_config(checkpoint)
-    cfg.pop("optimizer_groups", None)
-    w = read_weights(checkpoint)
-    if fp16:
-        w = {k: v.to(torch.float16) if v.is_floating_point() and not k.startswith(ENCODER_PREFIX) else v
-             for k, v in w.items()}
-    save_checkpoint(out, w, cfg)
-    print(f"wrote {out} ({sum(v.numel() * v.element_size() for v in w.values()) / 1e6:.1f} MB)")
+    size = pack_checkpoint(checkpoint, out, fp16=fp16, overwrite=overwrite)
+    print(f"wrote {out} ({size / 1e6:.1f} MB)")
     return 0
 
 
-def cmd_merge_lora(model: str, out: str, overwrite: bool) -> int:
-    """Export a prefix_lm checkpoint's LM with its LoRA adapters merged (see
-    captionkit.export.export_transformers)."""
-    from .export import export_transformers
+def cmd_models() -> int:
+    """The shipped models, one line each: name, family, encoder (read from their config.json)."""
+    from .shipped import describe_shipped_model
 
-    folder = export_transformers(model, out, overwrite=overwrite)
-    print(f"wrote {folder} (the merged LM, a transformers folder) and {folder / 'captioner'} "
-          f"(a captionkit checkpoint captioning with it)")
+    for name in list_shipped_models():
+        print(describe_shipped_model(name))
     return 0
 
 
@@ -656,6 +726,13 @@ def _add_overwrite(p: argparse.ArgumentParser, what: str) -> None:
                    help=f"{what} (a folder captionkit did not write is never replaced; see docs/outputs.md)")
 
 
+def _add_export_hf_opts(p: argparse.ArgumentParser) -> None:
+    """The options of export hf and of merge-lora, its old name."""
+    p.add_argument("--model", required=True, help="a prefix_lm or vit_gpt2 checkpoint folder")
+    p.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
+    _add_overwrite(p, "replace OUT if it is a transformers export captionkit wrote")
+
+
 def _add_ensemble_opts(p: argparse.ArgumentParser) -> None:
     """Ensembles and consensus reranking (docs/ensembles.md), for caption and evaluate."""
     p.add_argument("--weights", type=positive_floats, metavar="W1,W2,..",
@@ -674,17 +751,20 @@ def _add_candidates_opt(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="captionkit", description="Image captioning: caption, train, evaluate.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}",
+                   help="print captionkit's version and exit")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("caption", help="caption image files or folders (docs/captioning.md)")
-    c.add_argument("paths", nargs="*", help="image files or folders (or none, with --paths-from)")
+    c.set_defaults(func=cmd_caption)
+    c.add_argument("paths", nargs="*", metavar="PATH", help="image files, or folders to caption every image in (or none, with --paths-from)")
     c.add_argument("--paths-from", metavar="FILE", help="also caption the images this file lists, one path a line")
-    c.add_argument("--model", action="append", help="checkpoint or ensemble folder, or a shipped model by name: transformer-lite2-flickr8k (the default), sat-lite2-flickr8k, prefix-smollm2-lora-flickr8k; repeat for an ensemble (docs/ensembles.md)")
+    c.add_argument("--model", action="append", help=f"checkpoint or ensemble folder, or a shipped model by name: {shipped_models_text()}; repeat for an ensemble (docs/ensembles.md)")
     _add_ensemble_opts(c)
     _add_candidates_opt(c)
-    c.add_argument("--beam", type=positive_int, default=3)
+    c.add_argument("--beam", type=positive_int, default=3, help="beam width (1: greedy; default 3)")
     c.add_argument("--attention", metavar="DIR", help="write one attention figure per image here (x.jpg -> DIR/x.jpg.png)")
-    c.add_argument("--batch-size", type=positive_int, default=16)
+    c.add_argument("--batch-size", type=positive_int, default=16, help="images captioned together (default 16)")
     c.add_argument("--length-penalty", type=float_at_least(0), default=None,
                    help="rank beams by logprob / (words + 1) ** this (0: plain sum; default: the model's)")
     c.add_argument("--workers", type=positive_int, default=2, help="threads decoding images ahead of the model")
@@ -693,39 +773,43 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_opts(c)
 
     e = sub.add_parser("evaluate", help="caption a dataset split and score it (coco-caption scorers)")
+    e.set_defaults(func=cmd_evaluate)
     e.add_argument("--model", action="append", help="as caption's --model; repeat for an ensemble")
     _add_ensemble_opts(e)
-    e.add_argument("--dataset", required=True)
+    e.add_argument("--dataset", required=True, help="a Flickr8k or Kaggle folder, a Karpathy or COCO JSON file, or a title CSV")
     e.add_argument("--images", help="image folder of a JSON or CSV dataset")
-    e.add_argument("--split", default="test")
-    e.add_argument("--beam", type=positive_int, default=3)
+    e.add_argument("--split", default="test", help="the split to caption and score (default test)")
+    e.add_argument("--beam", type=positive_int, default=3, help="beam width (1: greedy; default 3)")
     e.add_argument("--out", help="write scores and every caption to this JSON")
-    e.add_argument("--batch-size", type=int, default=16)
-    e.add_argument("--length-penalty", type=float, default=None)
+    e.add_argument("--batch-size", type=int, default=16, help="images captioned together (default 16)")
+    e.add_argument("--length-penalty", type=float, default=None,
+                   help="rank beams by logprob / (words + 1) ** this (0: plain sum; default: the model's)")
     _add_overwrite(e, "replace the --out file if it exists")
     _add_score_opts(e)
     _add_csv_opts(e)
 
     s = sub.add_parser("score", help="score a {image: caption} JSON against references")
+    s.set_defaults(func=cmd_score)
     s.add_argument("--captions", help="{image: caption} JSON (or coco-caption's [{\"image_id\": ..., \"caption\": ...}] list)")
     s.add_argument("--refs", help="{image: [reference, ...]} JSON")
     s.add_argument("--dataset", help="take the references from this dataset instead")
-    s.add_argument("--images")
-    s.add_argument("--split", default="test")
+    s.add_argument("--images", help="image folder of a JSON or CSV --dataset")
+    s.add_argument("--split", default="test", help="the --dataset split whose references to use (default test)")
     s.add_argument("--json", dest="out", help="write the scores (x100) here")
     s.add_argument("--per-image", help="write every image's caption and scores to this CSV")
     s.add_argument("--bootstrap", type=int, default=0, metavar="N", help="95%% intervals from N resamples")
     s.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
                    help="paired bootstrap test: does system A beat system B?")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resampling")
     _add_overwrite(s, "replace the --json and --per-image files if they exist")
     _add_score_opts(s)
     _add_csv_opts(s)
 
     t = sub.add_parser("train", help="train a decoder from a TOML config")
-    t.add_argument("--config", required=True)
+    t.set_defaults(func=cmd_train)
+    t.add_argument("--config", required=True, help="the run's TOML config (configs/ has examples)")
     t.add_argument("--out", help="run folder (default runs/<config name>); a new run needs a new or empty one")
-    t.add_argument("--max-steps", type=positive_int)
+    t.add_argument("--max-steps", type=positive_int, help="stop after this many optimizer steps (a quick check)")
     t.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/last")
     t.add_argument("--init", metavar="DIR", help="start from this checkpoint (replaces the config's train.init)")
     _add_overwrite(t, "start the run in OUT again, replacing the run captionkit wrote there")
@@ -733,32 +817,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write TensorBoard event files here (replaces the config's train.tensorboard)")
 
     f = sub.add_parser("features", help="compute and cache a dataset's encoder features")
-    f.add_argument("--dataset", required=True)
-    f.add_argument("--images")
-    f.add_argument("--encoder", default="efficientnet_lite2")
+    f.set_defaults(func=cmd_features)
+    f.add_argument("--dataset", required=True, help="a Flickr8k or Kaggle folder, a Karpathy or COCO JSON file, or a title CSV")
+    f.add_argument("--images", help="image folder of a JSON or CSV dataset")
+    f.add_argument("--encoder", default="efficientnet_lite2", help="the image encoder (default efficientnet_lite2)")
     _add_csv_opts(f)
     _add_engine_opts(f)
     f.add_argument("--batch-size", type=positive_int, default=16, help="ray: images per model call")
 
     k = sub.add_parser("pack", help="copy a checkpoint without optimizer state, for shipping")
-    k.add_argument("checkpoint")
-    k.add_argument("out")
-    k.add_argument("--fp16", action="store_true")
+    k.set_defaults(func=cmd_pack)
+    k.add_argument("checkpoint", help="the checkpoint folder to copy (e.g. runs/NAME/best)")
+    k.add_argument("out", help="the folder to write")
+    k.add_argument("--fp16", action="store_true", help="store the decoder's weights in float16 (half the size)")
     _add_overwrite(k, "replace OUT if it is a checkpoint captionkit wrote")
 
-    m = sub.add_parser("merge-lora", help="write a prefix_lm model's LM with LoRA merged, as a transformers folder")
-    m.add_argument("--model", required=True, help="a prefix_lm checkpoint folder")
-    m.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
-    _add_overwrite(m, "replace OUT if it is a merged LM captionkit wrote")
+    m = sub.add_parser("merge-lora", help="the old name of export hf: a prefix_lm model's LM with LoRA merged")
+    m.set_defaults(func=cmd_export_hf)
+    _add_export_hf_opts(m)
 
     z = sub.add_parser("zero-shot", help="caption photos with an instruction-tuned vision-language model")
-    z.add_argument("paths", nargs="+")
+    z.set_defaults(func=cmd_zero_shot)
+    z.add_argument("paths", nargs="+", metavar="PATH", help="image files, or folders to caption every image in")
     z.add_argument("--model", default=DEFAULT_VLM,
                    help=f"a transformers model: Hub name or folder (default {DEFAULT_VLM})")
     z.add_argument("--prompts",
                    help="TOML file of prompt templates (default: the shipped captionkit/vlm_prompts.toml)")
     z.add_argument("--template", help="the template to use (default: the file's default)")
-    z.add_argument("--batch-size", type=positive_int, default=4)
+    z.add_argument("--batch-size", type=positive_int, default=4, help="images answered together (default 4)")
     z.add_argument("--max-new-tokens", type=positive_int, default=32, help="the longest answer, in the model's tokens")
     z.add_argument("--download", action="store_true",
                    help="fetch the weights from the Hugging Face Hub when they are not in its cache")
@@ -766,19 +852,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: the checkpoint's own (bfloat16 for Qwen2.5-VL)")
     _add_caption_outputs(z)
 
-    x = sub.add_parser("export", help="export a model for other runtimes (ONNX)")
-    x.add_argument("format", choices=["onnx"])
-    x.add_argument("--model", help="checkpoint folder, or a shipped model by name: transformer-lite2-flickr8k (the default), sat-lite2-flickr8k, prefix-smollm2-lora-flickr8k")
+    xs = sub.add_parser("export", help="export a model for other runtimes: onnx, hf (Hugging Face transformers)")
+    xf = xs.add_subparsers(dest="subcommand", required=True, metavar="FORMAT")
+    x = xf.add_parser("onnx", help="ONNX graphs and a manifest, for onnxruntime and the in-browser demo")
+    x.set_defaults(func=cmd_export_onnx)
+    x.add_argument("--model", help=f"checkpoint folder, or a shipped model by name: {shipped_models_text()}")
     x.add_argument("--out", required=True, help="folder for manifest.json and the graphs")
     x.add_argument("--int8", action="store_true", help="also write dynamically int8-quantised decoder graphs")
     x.add_argument("--int8-encoder", action="store_true", help="quantise the encoder's convolutions too")
     x.add_argument("--check", nargs="+", metavar="PATH",
                    help="photos or folders to caption with PyTorch and onnxruntime and compare")
-    x.add_argument("--check-beam", type=positive_int, default=3)
+    x.add_argument("--check-beam", type=positive_int, default=3, help="beam width of the --check captions")
     x.add_argument("--web", action="store_true", help="copy the in-browser demo page into OUT")
     _add_overwrite(x, "replace OUT if it is an ONNX export captionkit wrote")
+    h = xf.add_parser("hf", help="a plain Hugging Face transformers folder (prefix_lm: its LM with LoRA merged; "
+                      "vit_gpt2: a VisionEncoderDecoderModel)")
+    h.set_defaults(func=cmd_export_hf)
+    _add_export_hf_opts(h)
+
+    o = sub.add_parser("models", help="list the shipped models (any of them is a --model NAME)")
+    o.set_defaults(func=cmd_models)
 
     n = sub.add_parser("ensemble", help="write an ensemble folder: several models decoded as one (docs/ensembles.md)")
+    n.set_defaults(func=cmd_ensemble)
     n.add_argument("--model", action="append", required=True,
                    help="a member: checkpoint folder or shipped model name; repeat for each member")
     n.add_argument("--weights", type=positive_floats, metavar="W1,W2,..", help="one per --model (default: equal)")
@@ -791,16 +887,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overwrite(n, "replace the ensemble.json of an existing ensemble folder")
 
     r = sub.add_parser("rerank", help="choose each image's caption among several files' candidates by consensus (MBR)")
+    r.set_defaults(func=cmd_rerank)
     r.add_argument("candidates", nargs="+", metavar="FILE",
                    help="JSON {image: [caption, ...]} or {image: caption}, one per model; all cover the same images")
     r.add_argument("--json", dest="json_out", metavar="OUT", help="write {image: caption} here")
     _add_overwrite(r, "replace an existing OUT")
 
     v = sub.add_parser("serve", help="HTTP API and web page (FastAPI)")
-    v.add_argument("--model", action="append", help="checkpoint folder or shipped model name; repeat for several (default: transformer-lite2-flickr8k)")
-    v.add_argument("--host", default="127.0.0.1")
-    v.add_argument("--port", type=int, default=8000)
-    v.add_argument("--max-upload-mb", type=float, default=10.0)
+    v.set_defaults(func=cmd_serve)
+    v.add_argument("--model", action="append", help=f"checkpoint folder or shipped model name ({shipped_models_text()}); repeat for several")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    v.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
+    v.add_argument("--max-upload-mb", type=float, default=10.0, help="largest upload accepted (default 10)")
     v.add_argument("--queue-size", type=int, default=32, help="requests waiting per model before 503")
     v.add_argument("--max-batch", type=int, default=8, help="queued requests captioned together")
     v.add_argument("--threads", type=int, help="torch threads (default: torch's)")
@@ -818,6 +916,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--body-timeout", type=float, default=30.0, help="longest silence while a request body arrives")
 
     w = sub.add_parser("sweep", help="train a grid (or a random sample) of config variations; see docs/experiments.md")
+    w.set_defaults(func=cmd_sweep)
     w.add_argument("--config", required=True, help="the base TOML config")
     w.add_argument("--set", dest="sets", action="append", metavar="TABLE.FIELD=V1,V2",
                    help="values to sweep (repeat for a grid over several fields); "
@@ -835,7 +934,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--grace-epochs", type=int, default=1, help="ray: epochs before ASHA may stop a trial")
 
     g = sub.add_parser("plot", help="training curves of runs and sweeps, one panel per metric")
-    g.add_argument("runs", nargs="+", metavar="RUN_OR_SWEEP")
+    g.set_defaults(func=cmd_plot)
+    g.add_argument("runs", nargs="+", metavar="RUN_OR_SWEEP", help="run folders (captionkit train --out) or sweep folders")
     g.add_argument("--out", required=True, help="the PNG to write")
     g.add_argument("--metrics", help="comma-separated history fields, e.g. loss,val_loss,CIDEr,lr "
                    "(default: loss, val_loss and the runs' train.val_metric)")
@@ -844,14 +944,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overwrite(g, "replace existing output files")
 
     r = sub.add_parser("report", help="one self-contained HTML page comparing runs and sweeps")
-    r.add_argument("runs", nargs="+", metavar="RUN_OR_SWEEP")
+    r.set_defaults(func=cmd_report)
+    r.add_argument("runs", nargs="+", metavar="RUN_OR_SWEEP", help="run folders (captionkit train --out) or sweep folders")
     r.add_argument("--out", required=True, help="the HTML file to write")
     r.add_argument("--split", default="dev", help="the split to caption and score (dev; test for final numbers)")
     r.add_argument("--images", type=int, default=10, help="images in the captions table")
-    r.add_argument("--beam", type=positive_int, default=3)
+    r.add_argument("--beam", type=positive_int, default=3, help="beam width (1: greedy; default 3)")
     r.add_argument("--bootstrap", type=int, default=1000, metavar="N",
                    help="resamples for the 95%% intervals (0: none)")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resampling")
     _add_overwrite(r, "replace an existing report")
     _add_score_opts(r)
     return p
@@ -874,17 +975,28 @@ def tune_allocator() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, 256 << 20)
 
 
+def package_version() -> str:
+    """captionkit's version as installed (the package metadata, from pyproject.toml)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("captionkit")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from . import __version__
+        return f"{__version__} (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Parse, call the command's function; a user's mistake (UserError, WeightsUnavailable) is one
+    line on stderr and exit status 2, anything else an internal error with its traceback
+    (CAPTIONKIT_DEBUG=1 shows the user's mistakes with theirs too)."""
     args = vars(build_parser().parse_args(argv))
     tune_allocator()
-    command = args.pop("command")
-    fn = globals()[f"cmd_{command.replace('-', '_')}"]
+    command, func = args.pop("command"), args.pop("func")
+    args.pop("subcommand", None)  # export's format: its func already says which
     try:
-        return fn(**args)
-    except (UsageError, ImageError, DatasetError, CheckpointError, OutputError, WeightsUnavailable) as e:
-        print(f"captionkit {command}: error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # config and dataset validation errors carry their file/field
+        return func(**args)
+    except (UserError, WeightsUnavailable) as e:
         if os.environ.get("CAPTIONKIT_DEBUG"):
             raise
         print(f"captionkit {command}: error: {e}", file=sys.stderr)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .cache import cache_dir
-from .errors import DatasetError
+from .errors import DatasetError, UserError
 from .outputs import atomic_write_text
 
 _PUNCT = str.maketrans("", "", string.punctuation)
@@ -59,7 +59,7 @@ class ImageItem:
     def words(self, style: str = "karpathy") -> list[list[str]]:
         """The reference captions as training words, in one of WORD_STYLES."""
         if style not in WORD_STYLES:
-            raise ValueError(f"word style must be one of {', '.join(WORD_STYLES)}, not {style!r}")
+            raise UserError(f"word style must be one of {', '.join(WORD_STYLES)}, not {style!r}")
         return self.tokens if style == "karpathy" else [cased_words(c) for c in self.raw]
 
 

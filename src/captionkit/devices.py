@@ -16,6 +16,8 @@ import re
 
 import torch
 
+from .errors import UserError
+
 DEVICE_HELP = "auto (a GPU when there is one), cpu, cuda, cuda:N or mps"
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -25,7 +27,7 @@ def check_device_name(spec: str) -> str:
     """The spelling alone (no hardware probe): config loading and argparse call this so a typo is
     reported before any work."""
     if not isinstance(spec, str) or not _DEVICE_RE.match(spec):
-        raise ValueError(f"device must be {DEVICE_HELP}, not {spec!r}")
+        raise UserError(f"device must be {DEVICE_HELP}, not {spec!r}")
     return spec
 
 
@@ -44,11 +46,11 @@ def resolve_device(spec: str = "auto") -> torch.device:
     device = torch.device(spec)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {spec!r}: no CUDA GPU is visible here (torch.cuda.is_available() is False)")
+            raise UserError(f"device {spec!r}: no CUDA GPU is visible here (torch.cuda.is_available() is False)")
         index = 0 if device.index is None else device.index
         if index >= torch.cuda.device_count():
-            raise ValueError(f"device {spec!r}: only {torch.cuda.device_count()} CUDA GPU(s) are visible")
+            raise UserError(f"device {spec!r}: only {torch.cuda.device_count()} CUDA GPU(s) are visible")
         return torch.device("cuda", index)
     if device.type == "mps" and not _mps_available():
-        raise ValueError(f"device {spec!r}: MPS is not available here")
+        raise UserError(f"device {spec!r}: MPS is not available here")
     return device

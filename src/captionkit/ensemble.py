@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from .checkpoint import atomic_folder
-from .errors import CheckpointError
+from .errors import CheckpointError, UserError
 from .outputs import atomic_write_text, owner_kind, write_marker
 
 ENSEMBLE_FILE = "ensemble.json"
@@ -78,10 +78,10 @@ def normalised_weights(weights: Sequence[float] | None, n: int) -> list[float]:
         return [1.0 / n] * n
     weights = list(weights)
     if len(weights) != n:
-        raise ValueError(f"{len(weights)} weights for {n} members: give one weight per member")
+        raise UserError(f"{len(weights)} weights for {n} members: give one weight per member")
     for i, w in enumerate(weights):
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
-            raise ValueError(f"weight {i + 1} is {w!r}: weights must be finite positive numbers")
+            raise UserError(f"weight {i + 1} is {w!r}: weights must be finite positive numbers")
     total = float(sum(weights))
     return [float(w) / total for w in weights]
 
@@ -95,7 +95,7 @@ def combine_logprobs(logprobs: Sequence[torch.Tensor], weights: Sequence[float],
         return mixed - torch.logsumexp(mixed, dim=-1, keepdim=True)
     if combine == "linear":
         return torch.logsumexp(stacked + w.log(), dim=0)
-    raise ValueError(f"unknown combine {combine!r} (known: {', '.join(COMBINE)})")
+    raise UserError(f"unknown combine {combine!r} (known: {', '.join(COMBINE)})")
 
 
 class EnsembleDecoder(nn.Module):
@@ -105,12 +105,12 @@ class EnsembleDecoder(nn.Module):
                  combine: str = "loglinear"):
         super().__init__()
         if not members:
-            raise ValueError("an ensemble needs at least one member")
+            raise UserError("an ensemble needs at least one member")
         if combine not in COMBINE:
-            raise ValueError(f"unknown combine {combine!r} (known: {', '.join(COMBINE)})")
+            raise UserError(f"unknown combine {combine!r} (known: {', '.join(COMBINE)})")
         sizes = {(m.cfg.vocab_size, m.cfg.feat_dim) for m in members}
         if len(sizes) != 1:
-            raise ValueError(f"ensemble members differ in (vocab_size, feat_dim): {sorted(sizes)}")
+            raise UserError(f"ensemble members differ in (vocab_size, feat_dim): {sorted(sizes)}")
         self.members = nn.ModuleList(members)
         self.weights = normalised_weights(weights, len(members))
         self.combine = combine

@@ -22,6 +22,7 @@ from typing import Iterable
 import numpy as np
 
 from . import metrics as M
+from .errors import UserError
 from .score_inputs import check_captions, check_references
 from .tokenize import java_available, tokenize_sets
 
@@ -78,7 +79,7 @@ def _wordnet():
         pass
     debian = Path("/usr/share/wordnet")
     if not (debian / "data.noun").is_file():
-        raise ValueError("nltk METEOR needs WordNet: install nltk's wordnet data or Debian's "
+        raise UserError("nltk METEOR needs WordNet: install nltk's wordnet data or Debian's "
                          "wordnet-base and wordnet-sense-index")
     root = default_cache_root() / "wordnet"
     if not (root / "lexnames").is_file():  # copied once: nltk refuses links out of its root
@@ -189,12 +190,12 @@ def score_captions(captions: dict[str, str], refs: dict[str, list[str]],
     refs = check_references(refs, refs_source)
     only_c, only_r = sorted(set(captions) - set(refs)), sorted(set(refs) - set(captions))
     if only_c or only_r:
-        raise ValueError(f"captions and references cover different images: {len(only_c)} only in "
+        raise UserError(f"captions and references cover different images: {len(only_c)} only in "
                          f"{source} (e.g. {only_c[:3]}), {len(only_r)} only in {refs_source} (e.g. {only_r[:3]})")
     wanted = set(metrics)
     unknown = wanted - {"bleu", "meteor", "rouge", "cider", "spice"}
     if unknown:
-        raise ValueError(f"unknown metric(s): {', '.join(sorted(unknown))}")
+        raise UserError(f"unknown metric(s): {', '.join(sorted(unknown))}")
     keys = list(refs)
     # as coco-caption: the references and the captions are tokenised as two texts, in image order
     (gts, res_lists), tok_name = tokenize_sets([{k: refs[k] for k in keys}, {k: [captions[k]] for k in keys}],
@@ -216,9 +217,9 @@ def score_captions(captions: dict[str, str], refs: dict[str, list[str]],
     if "meteor" in wanted:
         kind = meteor if meteor != "auto" else ("jar" if java_available() else "nltk")
         if kind == "jar" and not java_available():
-            raise ValueError("METEOR 1.5 needs Java (apt-get install default-jre), or use --meteor nltk")
+            raise UserError("METEOR 1.5 needs Java (apt-get install default-jre), or use --meteor nltk")
         if kind not in ("jar", "nltk", "none"):
-            raise ValueError(f"unknown METEOR implementation {meteor!r} (jar, nltk, none or auto)")
+            raise UserError(f"unknown METEOR implementation {meteor!r} (jar, nltk, none or auto)")
         got = None
         if kind == "jar":
             res_m, gts_m, cut = _cut_for_meteor(res, gts)

@@ -39,6 +39,7 @@ from torch import nn
 
 from .captioner import Captioner
 from .checkpoint import ENCODER_PREFIX, CheckpointError, atomic_folder, read_weights, save_checkpoint
+from .errors import UserError
 from .kernels import plain_pytorch
 from .models.base import DecoderExport
 from .outputs import ONNX_FORMAT, check_folder_target
@@ -53,7 +54,7 @@ GRAPHS = ("encoder", "init", "step")
 def decoder_export(family: str, decoder: nn.Module) -> DecoderExport:
     """The ONNX export spec of a decoder, from its family's registered exporter."""
     if family not in EXPORTERS["onnx"]:
-        raise ValueError(f"model family {family!r} cannot be exported to ONNX yet "
+        raise UserError(f"model family {family!r} cannot be exported to ONNX yet "
                          f"(exportable: {', '.join(list_exporters('onnx'))})")
     return EXPORTERS["onnx"].get(family)(decoder)
 

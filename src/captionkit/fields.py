@@ -22,8 +22,10 @@ import typing
 from dataclasses import MISSING, dataclass
 from typing import Any
 
+from .errors import UserError
 
-class FieldError(ValueError):
+
+class FieldError(UserError):
     """A field holds a value its declaration refuses. ``owner.path message``, e.g.
     ``train.lr must be a number, got 'fast'``; the config reader puts the file in front and the
     section it read in place of ``owner``."""

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import UserError
 from .vocab import SPECIALS, Vocab
 
 
@@ -49,7 +50,7 @@ def read_vectors(path: str | Path, words: set[str]) -> tuple[dict[str, torch.Ten
     Errors name the file and line."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{path}: no such word-vector file")
+        raise UserError(f"{path}: no such word-vector file")
     vectors: dict[str, torch.Tensor] = {}
     dim = 0
     with open(path, encoding="utf-8", errors="replace") as fh:
@@ -59,27 +60,27 @@ def read_vectors(path: str | Path, words: set[str]) -> tuple[dict[str, torch.Ten
                 continue  # word2vec's header line: "count dim"
             if len(parts) < 2:
                 if line.strip():
-                    raise ValueError(f"{path}:{lineno}: expected a word and its numbers")
+                    raise UserError(f"{path}:{lineno}: expected a word and its numbers")
                 continue
             if not dim:
                 dim = len(parts) - 1
             elif len(parts) - 1 != dim and parts[0] in words:
-                raise ValueError(f"{path}:{lineno}: {len(parts) - 1} numbers, the file's first vector has {dim}")
+                raise UserError(f"{path}:{lineno}: {len(parts) - 1} numbers, the file's first vector has {dim}")
             if parts[0] not in words or parts[0] in vectors:  # the first vector of a word wins
                 continue
             try:
                 vectors[parts[0]] = torch.tensor([float(x) for x in parts[1:]])
             except ValueError:
-                raise ValueError(f"{path}:{lineno}: not a number in the vector of {parts[0]!r}") from None
+                raise UserError(f"{path}:{lineno}: not a number in the vector of {parts[0]!r}") from None
     if not dim:
-        raise ValueError(f"{path}: no word vectors in the file")
+        raise UserError(f"{path}: no word vectors in the file")
     return vectors, dim
 
 
 def glove_embedding(vocab: Vocab, path: str | Path, seed: int = 0) -> tuple[torch.Tensor, Coverage]:
     """(len(vocab), dim) initial embedding for ``vocab`` from the file, and its coverage."""
     if getattr(vocab, "kind", "word") != "word":
-        raise ValueError(f"word vectors need a word tokenizer (data.tokenizer = \"word\"), not {vocab.kind!r}")
+        raise UserError(f"word vectors need a word tokenizer (data.tokenizer = \"word\"), not {vocab.kind!r}")
     words = vocab.words[len(SPECIALS):]
     found, dim = read_vectors(path, set(words))
     gen = torch.Generator().manual_seed(seed)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .cache import cache_dir
-from .errors import WeightsUnavailable
+from .errors import UserError, WeightsUnavailable
 
 DEFAULT_LM = "smollm2-135m"  # the lm tokenizer's and the prefix_lm family's default
 # built-in sources: (Python package holding the GGUF file, file name)
@@ -171,7 +171,7 @@ def gpt2_config(source: str):
     """A language model's config, if it is a GPT-2's; else a one-line error."""
     config = load_pretrained(_vit_gpt2_transformers().AutoConfig, source, "language model", lm_location)
     if config.model_type != "gpt2":
-        raise ValueError(f"language model {source!r} is a {config.model_type} model; the vit_gpt2 family needs "
+        raise UserError(f"language model {source!r} is a {config.model_type} model; the vit_gpt2 family needs "
                          f"a GPT-2 (gpt2, distilgpt2, ...): its blocks take cross-attention")
     return config
 
@@ -223,11 +223,11 @@ def vit_geometry(config, source: str) -> tuple[int, int, int]:
     if isinstance(patch, (list, tuple)):
         patch = patch[0] if len(set(patch)) == 1 else None
     if not isinstance(size, int) or not isinstance(patch, int) or size % patch:
-        raise ValueError(f"vision model {source!r} ({config.model_type}) is not a ViT of square patches "
+        raise UserError(f"vision model {source!r} ({config.model_type}) is not a ViT of square patches "
                          f"(image_size {getattr(config, 'image_size', None)}, patch_size "
                          f"{getattr(config, 'patch_size', None)})")
     if channels != 3:
-        raise ValueError(f"vision model {source!r} takes {channels} channels, not RGB")
+        raise UserError(f"vision model {source!r} takes {channels} channels, not RGB")
     return size, patch, channels
 
 

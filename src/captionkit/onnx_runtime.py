@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .captioner import Captioner
+from .errors import UserError
 from .export import FORMAT
 from .images import Preprocess
 from .tokenizers import load_tokenizer
@@ -97,7 +98,7 @@ def read_manifest(folder: str | Path) -> dict:
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no ONNX export here (run `captionkit export onnx --out {folder}`)") from None
     if manifest.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a captionkit ONNX export")
+        raise UserError(f"{path}: not a captionkit ONNX export")
     return manifest
 
 
@@ -106,7 +107,7 @@ def load_onnx_captioner(folder: str | Path, variant: str = "float32", threads: i
     folder = Path(folder)
     manifest = read_manifest(folder)
     if variant not in manifest["graphs"]:
-        raise ValueError(f"{folder}: no {variant} graphs (have {', '.join(manifest['graphs'])})")
+        raise UserError(f"{folder}: no {variant} graphs (have {', '.join(manifest['graphs'])})")
     cfg = manifest["config"]
     tokenizer = load_tokenizer(manifest.get("tokenizer", manifest["vocab"]))
     return Captioner(OrtDecoder(manifest, folder, variant, threads), tokenizer, cfg,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import math
 
+from .errors import UserError
 from .evaluation import METRICS
 from .runs import Run, seen
 
@@ -34,10 +35,10 @@ def curve_series(runs: list[Run], metrics: list[str], x: str = "captions") -> di
     every run's values of each metric at the epochs that recorded it (scores x100). x: captions
     seen so far (images for self-critical runs), or the epoch."""
     if x not in XS:
-        raise ValueError(f"--x must be one of {', '.join(XS)}, not {x!r}")
+        raise UserError(f"--x must be one of {', '.join(XS)}, not {x!r}")
     uncounted = [r for r in runs if x == "captions" and not counts_captions(r)]
     if uncounted:
-        raise ValueError(f"{uncounted[0].path}: its history.jsonl does not count the captions seen "
+        raise UserError(f"{uncounted[0].path}: its history.jsonl does not count the captions seen "
                          f"(written by an older captionkit); plot it with --x epochs")
     panels = []
     for metric in metrics:
@@ -55,7 +56,7 @@ def curve_series(runs: list[Run], metrics: list[str], x: str = "captions") -> di
         if not lines:
             recorded = sorted({k for r in runs for e in r.history for k, v in e.items()
                                if isinstance(v, (int, float)) and k not in ("epoch", "step")})
-            raise ValueError(f"no run recorded {metric!r} (they recorded: {', '.join(recorded)})")
+            raise UserError(f"no run recorded {metric!r} (they recorded: {', '.join(recorded)})")
         title = _TITLES.get(metric, f"dev {metric} (x100)" if metric in METRICS else metric)
         panels.append({"metric": metric, "title": title, "lines": lines})
     return {"x": x, "panels": panels}

@@ -18,6 +18,8 @@ from typing import ContextManager
 
 import torch
 
+from .errors import UserError
+
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _NATIVE_BF16_FLAGS = {"amx_bf16", "avx512_bf16", "bf16"}  # x86 flags; "bf16" in Arm's Features
@@ -45,14 +47,14 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
     checked and returned. fp16 is a CUDA format (trained under a gradient scaler, see
     :func:`grad_scaler`); on the CPU or MPS it is refused rather than emulated."""
     if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+        raise UserError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
     kind = torch.device(device).type
     if kind == "cuda":
         if precision == "auto":
             return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
         return precision
     if precision == "fp16":
-        raise ValueError(f"precision fp16 needs a CUDA device (this one is {kind}); use bf16, fp32 or auto")
+        raise UserError(f"precision fp16 needs a CUDA device (this one is {kind}); use bf16, fp32 or auto")
     if precision == "auto":
         return "bf16" if kind == "cpu" and native_bf16() else "fp32"
     return precision

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import MISSING, fields
 from typing import Any, Generic, TypeVar
 
+from .errors import UserError
+
 T = TypeVar("T")
 
 
@@ -41,7 +43,7 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> T:
         if name not in self._items:
-            raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}")
+            raise UserError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}")
         return self._items[name]
 
     def names(self) -> list[str]:
@@ -81,7 +83,7 @@ def family_config(family: str, cfg: dict) -> Any:
     config_cls = FAMILIES.get(family)[0]
     unknown = sorted(set(cfg) - family_fields(family))
     if unknown:
-        raise ValueError(f"model config for {family!r} has unknown fields: {', '.join(unknown)}")
+        raise UserError(f"model config for {family!r} has unknown fields: {', '.join(unknown)}")
     return config_cls(**cfg)
 
 

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from .errors import UserError
 from .evaluation import bootstrap, score_captions
 from .plot import counts_captions, curve_series, default_metrics, draw_curves
 from .runs import Run, best_entry, differing_settings, flatten, format_value, seen, trained_parameters
@@ -45,7 +46,7 @@ def _same_data(runs: list[Run]) -> dict:
         other = {k: r.config["data"].get(k, defaults[k]) for k in keys}
         if other != first:
             k = next(k for k in keys if other[k] != first[k])
-            raise ValueError(f"{r.path}: trained with data.{k} = {other[k]!r}, {runs[0].path} with {first[k]!r}; "
+            raise UserError(f"{r.path}: trained with data.{k} = {other[k]!r}, {runs[0].path} with {first[k]!r}; "
                              f"a report compares runs on one dataset")
     return first
 
@@ -101,7 +102,7 @@ def build_report(runs: list[Run], split: str = "dev", images: int = 10, beam: in
     items = load_dataset(data["dataset"], data["images"] or None, data["image_column"], data["title_column"],
                          data["image_suffix"]).split(split)
     if not items:
-        raise ValueError(f"{data['dataset']}: the {split} split is empty")
+        raise UserError(f"{data['dataset']}: the {split} split is empty")
     refs = {it.name: it.raw for it in items}
     shown_items = items[:images]
     shown = {it.name for it in shown_items}

@@ -23,6 +23,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from . import metrics as M
+from .errors import UserError
 from .tokenize import tokenize_python
 
 RERANKERS = ("mbr",)
@@ -82,16 +83,16 @@ def read_candidates(path: str | Path) -> dict[str, list[str]]:
     try:
         doc = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise ValueError(f"{path}: no such candidates file") from None
+        raise UserError(f"{path}: no such candidates file") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+        raise UserError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
     if not isinstance(doc, dict):
-        raise ValueError(f"{path}: expected a JSON object {{image: [caption, ...]}}")
+        raise UserError(f"{path}: expected a JSON object {{image: [caption, ...]}}")
     out = {}
     for k, v in doc.items():
         v = [v] if isinstance(v, str) else v
         if not isinstance(v, list) or not all(isinstance(c, str) for c in v):
-            raise ValueError(f"{path}: {k!r} must map to a caption or a list of captions")
+            raise UserError(f"{path}: {k!r} must map to a caption or a list of captions")
         out[k] = v
     return out
 
@@ -103,7 +104,7 @@ def union_candidates(lists: Sequence[dict[str, list[str]]], names: Sequence[str]
     for src, name in zip(lists[1:], names[1:]):
         if set(src) != keys:
             only = sorted(set(src) ^ keys)
-            raise ValueError(f"{name}: covers other images than {names[0]} (e.g. {only[:3]})")
+            raise UserError(f"{name}: covers other images than {names[0]} (e.g. {only[:3]})")
     return {k: [c for src in lists for c in src[k]] for k in lists[0]}
 
 
@@ -119,7 +120,7 @@ def rerank_files(paths: Sequence[str], out: str | None, overwrite: bool) -> dict
     chosen = {k: union[k][i] for k, i in choice.items() if i >= 0}
     if len(chosen) != len(union):
         empty = sorted(set(union) - set(chosen))
-        raise ValueError(f"{paths[0]}: {len(empty)} images have no candidate (e.g. {empty[:3]})")
+        raise UserError(f"{paths[0]}: {len(empty)} images have no candidate (e.g. {empty[:3]})")
     if target:
         atomic_write_text(target, json.dumps(chosen, indent=1, ensure_ascii=False))
     return chosen

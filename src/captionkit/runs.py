@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import read_config, resolve
+from .errors import UserError
 from .outputs import owner_kind
 
 
@@ -68,7 +69,7 @@ def load_run(folder: str | Path) -> Run:
     for name in ("last", "best"):
         if (resolve(folder / name) / "config.json").is_file():
             return Run(folder, read_config(folder / name)["train"], read_history(folder))
-    raise ValueError(f"{folder}: not a training run (no best/ or last/ checkpoint; "
+    raise UserError(f"{folder}: not a training run (no best/ or last/ checkpoint; "
                      f"give run folders written by captionkit train, or sweep folders)")
 
 
@@ -85,7 +86,7 @@ def sweep_trial_folders(sweep_folder: Path) -> list[Path]:
     captionkit.sweep, which imports this module)."""
     path = sweep_folder / SWEEP_FILE
     if not path.is_file():
-        raise ValueError(f"{sweep_folder}: not a captionkit sweep folder (no {SWEEP_FILE})")
+        raise UserError(f"{sweep_folder}: not a captionkit sweep folder (no {SWEEP_FILE})")
     return [trial_folder(sweep_folder, t["name"]) for t in json.loads(path.read_text())["trials"]]
 
 
@@ -96,12 +97,12 @@ def find_runs(paths: list[str | Path]) -> list[Run]:
     for p in paths:
         p = Path(p)
         if not p.is_dir():
-            raise ValueError(f"{p}: no such run or sweep folder")
+            raise UserError(f"{p}: no such run or sweep folder")
         if owner_kind(p) == "sweep":
             started = sweep_trial_folders(p)
             started = [r for r in started if (resolve(r / "last") / "config.json").is_file()]
             if not started:
-                raise ValueError(f"{p}: no trial of this sweep has a checkpoint yet")
+                raise UserError(f"{p}: no trial of this sweep has a checkpoint yet")
             runs += [load_run(r) for r in started]
         else:
             runs.append(load_run(p))

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .decoding import allowed_words, greedy, select_rows
+from .errors import UserError
 from .metrics import CiderD
 from .vocab import Vocab
 
@@ -100,9 +101,9 @@ class SelfCritical:
     def __init__(self, refs: dict, vocab: Vocab, samples: int = 5, max_len: int = 20,
                  baseline: str = "greedy"):
         if baseline not in BASELINES:
-            raise ValueError(f"self-critical baseline must be one of {', '.join(BASELINES)}, not {baseline!r}")
+            raise UserError(f"self-critical baseline must be one of {', '.join(BASELINES)}, not {baseline!r}")
         if baseline == "mean" and samples < 2:
-            raise ValueError("the mean baseline needs at least 2 samples per image")
+            raise UserError("the mean baseline needs at least 2 samples per image")
         self.cider = CiderD(refs)
         self.vocab, self.samples, self.max_len, self.baseline = vocab, samples, max_len, baseline
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import OutputError
+from .errors import OutputError, UserError
 from .evaluation import METRICS
 from .outputs import atomic_write_text, check_folder_target, owner_kind, write_marker
 from .runs import (LOSS_METRIC, SWEEP_FILE, best_entry, flatten, format_value, read_history, seen, short_keys,
@@ -92,19 +92,19 @@ def parse_set(text: str) -> Axis:
     if text.lstrip().startswith("{"):  # fields varying together
         tables = [parse_value(v) for v in _split_top(text.strip())]
         if not all(isinstance(t, dict) and t for t in tables):
-            raise ValueError(f"--set {text}: expected inline tables of TABLE.FIELD = VALUE, e.g. "
+            raise UserError(f"--set {text}: expected inline tables of TABLE.FIELD = VALUE, e.g. "
                              f"{{model.lm_training = \"lora\", train.lr_groups.lora = 5e-4}},{{model.lm_training = \"frozen\"}}")
         return Axis(ROOT, values=tables)
     key, eq, values = text.partition("=")
     key = key.strip()
     if not eq or not values.strip() or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", key):
-        raise ValueError(f"--set {text}: expected TABLE.FIELD=VALUE[,VALUE...], e.g. train.lr=1e-4,3e-5")
+        raise UserError(f"--set {text}: expected TABLE.FIELD=VALUE[,VALUE...], e.g. train.lr=1e-4,3e-5")
     m = re.fullmatch(r"(\w+)\((.*)\)", values.strip())
     if m and m.group(1) in _DISTRIBUTIONS:
         bounds = [parse_value(v) for v in _split_top(m.group(2))]
         if len(bounds) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds) \
                 or not bounds[0] < bounds[1] or (m.group(1) == "loguniform" and bounds[0] <= 0):
-            raise ValueError(f"--set {text}: {m.group(1)}(LOW,HIGH) needs two numbers, 0 < LOW < HIGH for loguniform")
+            raise UserError(f"--set {text}: {m.group(1)}(LOW,HIGH) needs two numbers, 0 < LOW < HIGH for loguniform")
         return Axis(key, dist={"dist": m.group(1), "low": float(bounds[0]), "high": float(bounds[1])})
     return Axis(key, values=[parse_value(v) for v in _split_top(values)])
 
@@ -121,10 +121,10 @@ def trial_overrides(axes: list[Axis], random_count: int | None = None, seed: int
     distribution."""
     keys = [a.key for a in axes]
     if len(set(keys)) != len(keys):
-        raise ValueError(f"--set {next(k for k in keys if keys.count(k) > 1) or '{...}'} is given twice")
+        raise UserError(f"--set {next(k for k in keys if keys.count(k) > 1) or '{...}'} is given twice")
     if any(a.dist for a in axes):
         if not random_count:
-            raise ValueError(f"--set {next(a.key for a in axes if a.dist)}=...(LOW,HIGH) needs --random N")
+            raise UserError(f"--set {next(a.key for a in axes if a.dist)}=...(LOW,HIGH) needs --random N")
         rng = random.Random(seed)
         return [{a.key: _draw(a.dist, rng) if a.dist else rng.choice(a.values) for a in axes}
                 for _ in range(random_count)]
@@ -132,7 +132,7 @@ def trial_overrides(axes: list[Axis], random_count: int | None = None, seed: int
     if random_count is None:
         return grid
     if not 1 <= random_count <= len(grid):
-        raise ValueError(f"--random {random_count}: the grid has {len(grid)} combinations; "
+        raise UserError(f"--random {random_count}: the grid has {len(grid)} combinations; "
                          f"ask for 1 to {len(grid)}, or give a value as loguniform(LOW,HIGH)")
     picked = sorted(random.Random(seed).sample(range(len(grid)), random_count))
     return [grid[i] for i in picked]
@@ -171,16 +171,16 @@ def apply_overrides(base: dict, overrides: dict[str, Any], where: str) -> dict:
         for t in tables:
             node = node.setdefault(t, {})
             if not isinstance(node, dict):
-                raise ValueError(f"{where}: --set {key}: {t} is a value, not a table")
+                raise UserError(f"{where}: --set {key}: {t} is a value, not a table")
         node[name] = value
     try:
         cfg = RunConfig.from_dict(d, where)
     except ValueError as e:  # the field checks of the config's tables do not know the file
-        raise ValueError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
+        raise UserError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
     if "family" in cfg.model:  # the [model] table's fields are otherwise checked when the model is built
         unknown = sorted(set(cfg.model) - {"family"} - family_fields(cfg.model["family"]))
         if unknown:
-            raise ValueError(f"{where}: unknown field(s) in [model] for family {cfg.model['family']!r}: "
+            raise UserError(f"{where}: unknown field(s) in [model] for family {cfg.model['family']!r}: "
                              f"{', '.join(unknown)}")
     return d
 
@@ -258,10 +258,10 @@ def define(config: str | Path, sets: list[str], out: str | Path, metric: str | N
     if metric is None:
         metric = base_cfg.train.val_metric
     if metric not in (*VAL_METRICS, LOSS_METRIC):
-        raise ValueError(f"--metric must be one of {', '.join((*VAL_METRICS, LOSS_METRIC))}, not {metric!r}")
+        raise UserError(f"--metric must be one of {', '.join((*VAL_METRICS, LOSS_METRIC))}, not {metric!r}")
     fixed = {"train.val_metric": metric} if metric != LOSS_METRIC and metric != base_cfg.train.val_metric else {}
     if any(a.key == "train.val_metric" for a in axes) and metric != LOSS_METRIC:
-        raise ValueError("--set train.val_metric: the sweep's --metric sets every trial's train.val_metric")
+        raise UserError("--set train.val_metric: the sweep's --metric sets every trial's train.val_metric")
     overrides = trial_overrides(axes, random_count, seed)
     names = trial_names(overrides)
     trials = []
@@ -301,7 +301,7 @@ def load_sweep(folder: str | Path) -> Sweep:
     folder = Path(folder)
     path = folder / SWEEP_FILE
     if owner_kind(folder) != "sweep" or not path.is_file():
-        raise ValueError(f"{folder}: not a captionkit sweep folder (no {SWEEP_FILE})")
+        raise UserError(f"{folder}: not a captionkit sweep folder (no {SWEEP_FILE})")
     return Sweep(folder, json.loads(path.read_text()))
 
 

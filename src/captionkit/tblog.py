@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from .errors import UserError
 from .evaluation import METRICS
 
 _TAGS = {"loss": "loss/train", "val_loss": "loss/dev"}
@@ -39,7 +40,7 @@ class TensorBoardLog:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ValueError("--tensorboard / train.tensorboard needs the tensorboard package: "
+            raise UserError("--tensorboard / train.tensorboard needs the tensorboard package: "
                              "pip install 'captionkit[tensorboard]'") from None
         self.folder = Path(folder)
         self._writer_cls = SummaryWriter

@@ -24,6 +24,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from .errors import UserError
 from .ptb import tokenize_lines
 
 PUNCTUATIONS = {"''", "'", "``", "`", "-LRB-", "-RRB-", "-LCB-", "-RCB-",
@@ -110,7 +111,7 @@ def resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "java" if java_available() else "python"
     if backend not in ("java", "python"):
-        raise ValueError(f"unknown tokenizer {backend!r} (java, python or auto)")
+        raise UserError(f"unknown tokenizer {backend!r} (java, python or auto)")
     return backend
 
 

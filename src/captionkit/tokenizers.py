@@ -33,6 +33,7 @@ import re
 from collections import Counter
 from typing import Iterable
 
+from .errors import UserError
 from .vocab import SPECIALS, UNK, Vocab, content_positions as _content
 
 KINDS = ("word", "char", "bpe")  # learnt from the training captions
@@ -126,7 +127,7 @@ class BPETokenizer:
         try:
             import tokenizers
         except ImportError:  # a ValueError, so the command line prints it as one line
-            raise ValueError("the bpe tokenizer needs the 'tokenizers' package "
+            raise UserError("the bpe tokenizer needs the 'tokenizers' package "
                              "(pip install 'captionkit[bpe]' or pip install tokenizers)") from None
         return tokenizers
 
@@ -233,7 +234,7 @@ class LMTokenizer:
     def from_json(cls, obj: dict) -> "LMTokenizer":
         tok = cls.build(obj["source"])
         if len(tok) != obj["size"]:
-            raise ValueError(f"the tokenizer of {obj['source']!r} now has {len(tok)} ids, the model was trained "
+            raise UserError(f"the tokenizer of {obj['source']!r} now has {len(tok)} ids, the model was trained "
                              f"with {obj['size']}")
         return tok
 
@@ -253,7 +254,7 @@ def build_tokenizer(kind: str, captions: list[list[str]], min_count: int = 5, to
         return BPETokenizer.build(captions, vocab_size, min_count)
     if kind == "lm":
         return LMTokenizer.build(lm)
-    raise ValueError(f"data.tokenizer must be one of {', '.join(KINDS + PRETRAINED_KINDS)}, not {kind!r}")
+    raise UserError(f"data.tokenizer must be one of {', '.join(KINDS + PRETRAINED_KINDS)}, not {kind!r}")
 
 
 def load_tokenizer(obj) -> Tokenizer:
@@ -268,5 +269,5 @@ def load_tokenizer(obj) -> Tokenizer:
     if isinstance(obj, dict) and obj.get("kind") == "lm":
         return LMTokenizer.from_json(obj)
     kind = obj.get("kind") if isinstance(obj, dict) else type(obj).__name__
-    raise ValueError(f"unknown tokenizer {kind!r} (known: {', '.join(KINDS + PRETRAINED_KINDS)})")
+    raise UserError(f"unknown tokenizer {kind!r} (known: {', '.join(KINDS + PRETRAINED_KINDS)})")
 

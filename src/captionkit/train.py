@@ -38,7 +38,7 @@ from .config import (TRAINER_SET, VAL_METRICS, ConfigError, DataConfig, EncoderC
                      RunConfig, TrainConfig)  # config classes are imported from here by tests and benchmarks)
 from .data import ImageItem, load_dataset
 from .encoders import create_encoder, load_finetuned
-from .errors import OutputError
+from .errors import OutputError, UserError
 from .evaluation import coco_scores, format_scores
 from .features import build_features
 from .glove import glove_embedding
@@ -130,7 +130,7 @@ class Trainer:
         if tc.val_max_images:
             self.val_items = self.val_items[:tc.val_max_images]
         if not self.train_items:
-            raise ValueError(f"{cfg.data.dataset}: the {cfg.data.train_split} split is empty")
+            raise UserError(f"{cfg.data.dataset}: the {cfg.data.train_split} split is empty")
         self.bf16 = resolve_precision(tc.precision) == "bf16"
         print(f"precision {tc.precision}: {'bf16 mixed precision' if self.bf16 else 'float32'} matmuls", file=sys.stderr)
         # dev scores are taken with the model's own length normalisation: a run from a tuned
@@ -139,7 +139,7 @@ class Trainer:
         self.length_penalty = float(self.init_cfg["decoding"].get("length_penalty", 0.0)) if tc.init else 0.0
         enc_cfg = self.init_cfg["encoder"] if self.init_cfg else {}
         if enc_cfg and enc_cfg["name"] != cfg.encoder.name:
-            raise ValueError(f"train.init {tc.init} was trained on {enc_cfg['name']}, the config names {cfg.encoder.name}")
+            raise UserError(f"train.init {tc.init} was trained on {enc_cfg['name']}, the config names {cfg.encoder.name}")
         self.encoder = create_encoder(cfg.encoder.name, weights=cfg.encoder.weights or None)
         tuned = {k[len(ENCODER_PREFIX):]: v for k, v in self.init_weights.items() if k.startswith(ENCODER_PREFIX)}
         if tuned:
@@ -148,7 +148,7 @@ class Trainer:
         # output is computed once below). Everything before them comes from the cache.
         inherited = int(enc_cfg.get("finetuned_blocks", 0))
         if tc.finetune_blocks and tc.finetune_blocks < inherited:
-            raise ValueError(f"train.finetune_blocks must be 0 or at least the {inherited} blocks {tc.init} tuned")
+            raise UserError(f"train.finetune_blocks must be 0 or at least the {inherited} blocks {tc.init} tuned")
         self.tuned_blocks = max(tc.finetune_blocks, inherited)
         self.tail = None
         source = self.encoder
@@ -174,7 +174,7 @@ class Trainer:
     def _load_feats(store, items: list[ImageItem]) -> torch.Tensor:
         missing = [it.name for it in items if it.name not in store]
         if missing:
-            raise ValueError(f"{len(missing)} images have no features (unreadable?), e.g. {missing[0]}")
+            raise UserError(f"{len(missing)} images have no features (unreadable?), e.g. {missing[0]}")
         return torch.from_numpy(np.ascontiguousarray(store.rows([it.name for it in items])))
 
     @torch.no_grad()
@@ -214,20 +214,20 @@ class Trainer:
         if vectors is not None:
             embedding = self.model.word_embedding()
             if embedding is None:
-                raise ValueError(f"train.glove: the {self.family} family has no word embedding of its own to fill")
+                raise UserError(f"train.glove: the {self.family} family has no word embedding of its own to fill")
             if embedding.embedding_dim != vectors.shape[1]:
-                raise ValueError(f"model.embed_dim is {embedding.embedding_dim} but {tc.glove} holds "
+                raise UserError(f"model.embed_dim is {embedding.embedding_dim} but {tc.glove} holds "
                                  f"{vectors.shape[1]}-d vectors (leave embed_dim out to use the file's)")
             with torch.no_grad():
                 embedding.weight.copy_(vectors)
             embedding.weight.requires_grad_(not tc.freeze_embeddings)
         if tc.batching == "image" and not self.model.image_batching:
-            raise ValueError(f"train.batching = \"image\" needs a family that shares the image side between "
+            raise UserError(f"train.batching = \"image\" needs a family that shares the image side between "
                              f"captions; {self.family} trains on batches of one caption length (\"length\")")
         named = self.model.param_groups()  # each named group at its own learning rate
         unknown = sorted(set(tc.lr_groups) - set(named))
         if unknown:
-            raise ValueError(f"train.lr_groups: {self.family} trains no group {unknown[0]!r} here "
+            raise UserError(f"train.lr_groups: {self.family} trains no group {unknown[0]!r} here "
                              f"(its groups: {', '.join(named) or 'none'})")
         groups = [{"params": ps, "lr": tc.lr_groups.get(name, tc.lr)} for name, ps in named.items()]
         if tc.finetune_blocks:
@@ -245,7 +245,7 @@ class Trainer:
         longest = max((len(ids) - 1 for _, ids in self.examples), default=0)
         limit = self.model.max_positions
         if limit is not None and max(longest, tc.max_len + 1) > limit:
-            raise ValueError(f"model.max_positions is {limit}, but training captions need {longest} positions "
+            raise UserError(f"model.max_positions is {limit}, but training captions need {longest} positions "
                              f"and decoding (train.max_len + 1) {tc.max_len + 1}")
         self.scst = None
         if tc.objective == "scst":  # CIDEr-D document frequencies from the training references
@@ -608,7 +608,7 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
     ``resume`` continues the run in ``out``, ``overwrite`` replaces a run there. ``on_epoch``:
     see Trainer.run; ``tensorboard``: a folder for event files (replaces train.tensorboard)."""
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
-        raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+        raise UserError(f"max_steps must be a positive integer, got {max_steps!r}")
     cfg = RunConfig.load(config, init)
     out = Path(out) if out else Path("runs") / Path(config).stem
     check_run_folder(out, resume, overwrite)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ImageError, WeightsUnavailable
+from .errors import ImageError, UserError, WeightsUnavailable
 from .hf import require_transformers
 
 DEFAULT_VLM = "Qwen/Qwen2.5-VL-7B-Instruct"
@@ -41,7 +41,7 @@ class Prompts:
     def get(self, name: str | None = None) -> str:
         name = name or self.default
         if name not in self.templates:
-            raise ValueError(f"{self.path}: no template {name!r} (it has: {', '.join(self.templates)})")
+            raise UserError(f"{self.path}: no template {name!r} (it has: {', '.join(self.templates)})")
         return self.templates[name]
 
 
@@ -51,27 +51,27 @@ def load_prompts(path: str | Path | None = None) -> Prompts:
     try:
         doc = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"{path}: no such prompt file") from None
+        raise UserError(f"{path}: no such prompt file") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: invalid TOML ({e})") from None
+        raise UserError(f"{path}: invalid TOML ({e})") from None
     unknown = sorted(set(doc) - {"default", "templates"})
     if unknown:
-        raise ValueError(f"{path}: unknown field(s) {', '.join(unknown)} (expected default and [templates.NAME])")
+        raise UserError(f"{path}: unknown field(s) {', '.join(unknown)} (expected default and [templates.NAME])")
     tables = doc.get("templates")
     if not isinstance(tables, dict) or not tables:
-        raise ValueError(f"{path}: no [templates.NAME] tables")
+        raise UserError(f"{path}: no [templates.NAME] tables")
     templates = {}
     for name, table in tables.items():
         text = table.get("text") if isinstance(table, dict) else None
         if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"{path}: templates.{name} needs a non-empty text")
+            raise UserError(f"{path}: templates.{name} needs a non-empty text")
         extra = sorted(set(table) - {"text"})
         if extra:
-            raise ValueError(f"{path}: unknown field(s) in templates.{name}: {', '.join(extra)}")
+            raise UserError(f"{path}: unknown field(s) in templates.{name}: {', '.join(extra)}")
         templates[name] = text.strip()
     default = doc.get("default", next(iter(templates)))
     if default not in templates:
-        raise ValueError(f"{path}: default names {default!r}, which is not a template")
+        raise UserError(f"{path}: default names {default!r}, which is not a template")
     return Prompts(path, templates, default)
 
 
@@ -152,7 +152,7 @@ class ZeroShotCaptioner:
         Hub when ``download``). ``dtype``: "auto" keeps the checkpoint's (bfloat16 for
         Qwen2.5-VL: 16 GB for the 7B model, where float32 would need 30 GB)."""
         if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+            raise UserError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
         tf = _transformers()
         import torch
 
@@ -171,10 +171,10 @@ class ZeroShotCaptioner:
                                          "cache (--download fetches them from the Hub)") from None
             raise WeightsUnavailable(f"{model}: weights could not be downloaded ({str(e).splitlines()[0]})") from None
         except ValueError as e:  # e.g. a text-only model: no image-text-to-text class for its config
-            raise ValueError(f"{model}: not a vision-language model transformers can caption with "
+            raise UserError(f"{model}: not a vision-language model transformers can caption with "
                              f"({str(e).splitlines()[0]})") from None
         if not getattr(processor, "chat_template", None):
-            raise ValueError(f"{model}: its processor has no chat template (not an instruction-tuned model?)")
+            raise UserError(f"{model}: its processor has no chat template (not an instruction-tuned model?)")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         return cls(vlm.to(device).eval(), processor)
 

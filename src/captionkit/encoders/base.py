@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import CheckpointError, WeightsUnavailable  # noqa: F401  (re-exported for the encoder modules)
+from ..errors import CheckpointError, UserError, WeightsUnavailable  # noqa: F401  (re-exported for the encoder modules)
 from ..images import Preprocess
 from ..registry import ENCODERS, list_encoders, register_encoder  # noqa: F401  (re-exported for the encoder modules)
 
@@ -57,7 +57,7 @@ class Encoder(nn.Module):
         """(trunk, tail) for fine-tuning the last ``blocks`` blocks: the trunk is a frozen
         encoder of its own (its output can be cached), the tail maps the trunk's (B, L, C)
         to this encoder's (B, L, D) and shares this encoder's parameters."""
-        raise ValueError(f"encoder {self.name!r} does not support fine-tuning its last blocks")
+        raise UserError(f"encoder {self.name!r} does not support fine-tuning its last blocks")
 
     def cache_key(self) -> str:
         """A short stable id of (architecture, weights, preprocessing) for feature caches."""

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import UserError
 from .base import Encoder, Preprocess, WeightsUnavailable, load_state_file, register_encoder
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -92,10 +93,10 @@ def create_clip_encoder(model: str, tag: str | None = None, weights: str | None 
     open_clip = _open_clip()
     model_cfg = open_clip.get_model_config(model)
     if not model_cfg:
-        raise ValueError(f"open_clip knows no model {model!r}")
+        raise UserError(f"open_clip knows no model {model!r}")
     if "timm_model_name" in model_cfg["vision_cfg"] or "layers" not in model_cfg["vision_cfg"] \
             or isinstance(model_cfg["vision_cfg"]["layers"], (list, tuple)):
-        raise ValueError(f"open_clip model {model!r}: only its own vision transformers give a grid of patch tokens")
+        raise UserError(f"open_clip model {model!r}: only its own vision transformers give a grid of patch tokens")
     path = None
     if weights != "random":
         path = Path(weights) if weights else _weights_file(open_clip, model, tag)
@@ -112,12 +113,12 @@ def create_clip_encoder(model: str, tag: str | None = None, weights: str | None 
         try:
             sd = load_state_file(str(path))
         except Exception as e:  # e.g. OpenAI's TorchScript archives, which are not state dicts
-            raise ValueError(f"{path}: not an open_clip state dict ({type(e).__name__})") from None
+            raise UserError(f"{path}: not an open_clip state dict ({type(e).__name__})") from None
         sd = {k[len("visual."):]: v for k, v in sd.items() if k.startswith("visual.")}
         try:
             visual.load_state_dict(sd)
         except RuntimeError as e:
-            raise ValueError(f"{path}: not {model} weights ({str(e).splitlines()[0]})") from None
+            raise UserError(f"{path}: not {model} weights ({str(e).splitlines()[0]})") from None
         weights_id = f"{tag}:{path.name}" if tag and not weights else path.name
     enc = CLIPGrid(visual, pcfg.get("mean", CLIP_MEAN), pcfg.get("std", CLIP_STD))
     enc.weights_id = weights_id

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import UserError
 from .base import Encoder, Preprocess, WeightsUnavailable, load_state_file, register_encoder
 
 # (expand ratio, kernel, stride, out channels, repeats) of EfficientNet-B0; lite scales them.
@@ -109,7 +110,7 @@ class EfficientNetLite(Encoder):
 
     def split(self, blocks: int) -> tuple[Encoder, nn.Module]:
         if not 1 <= blocks <= len(self._blocks):
-            raise ValueError(f"{self.name}: can fine-tune 1..{len(self._blocks)} blocks, not {blocks}")
+            raise UserError(f"{self.name}: can fine-tune 1..{len(self._blocks)} blocks, not {blocks}")
         return _Trunk(self, len(self._blocks) - blocks), _Tail(self, len(self._blocks) - blocks)
 
 
@@ -195,7 +196,7 @@ def _build(variant: str, weights: str | None) -> EfficientNetLite:
         missing, unexpected = model.load_state_dict(sd, strict=False)
         missing = [k for k in missing if not k.endswith("num_batches_tracked")]
         if missing or unexpected:
-            raise ValueError(f"{path}: not efficientnet-{variant} weights "
+            raise UserError(f"{path}: not efficientnet-{variant} weights "
                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
         model.weights_id = path.name
     model.eval()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UserError
 from .base import Encoder, Preprocess, register_encoder
 
 
@@ -36,5 +37,5 @@ class Patches(Encoder):
 @register_encoder("patches")
 def patches(weights: str | None = None) -> Encoder:
     if weights not in (None, "random"):
-        raise ValueError(f"the patches encoder has no weights to load (encoder.weights = {weights!r})")
+        raise UserError(f"the patches encoder has no weights to load (encoder.weights = {weights!r})")
     return Patches()

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..errors import UserError
 from .base import IMAGENET, Encoder, Preprocess, WeightsUnavailable, load_state_file, register_encoder
 
 
@@ -54,7 +55,7 @@ def _build(name: str, make: Callable[[], nn.Module], weights_enum, cut: Callable
         try:
             net.load_state_dict(sd)
         except RuntimeError as e:
-            raise ValueError(f"{weights or name}: not {name} weights ({str(e).splitlines()[0]})") from None
+            raise UserError(f"{weights or name}: not {name} weights ({str(e).splitlines()[0]})") from None
         weights_id = Path(weights).name if weights else weights_enum.url.rsplit("/", 1)[-1]
     enc = TorchvisionGrid(cut(net), dim)
     enc.weights_id = weights_id

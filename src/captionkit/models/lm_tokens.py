@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import UserError
 from ..vocab import SPECIALS, Vocab
 from .base import token_cross_entropy
 
@@ -25,7 +26,7 @@ IGNORE = -100  # a target the cross-entropy skips
 def special_ids(tok) -> tuple[int, int]:
     """(the LM id <start> is embedded as, the LM id that is <end>)."""
     if tok.eos_token_id is None:
-        raise ValueError(f"the LM tokenizer {tok.name_or_path!r} has no end-of-sequence token")
+        raise UserError(f"the LM tokenizer {tok.name_or_path!r} has no end-of-sequence token")
     bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
     return int(bos), int(tok.eos_token_id)
 
@@ -47,7 +48,7 @@ class LMTokens:
         self.bos_id, self.eos_id = special_ids(tok)
         self.n_lm = len(tok)  # logits beyond the tokenizer (padded embedding rows) are never used
         if self.n_lm > lm.get_output_embeddings().out_features:
-            raise ValueError(f"{source!r}: the tokenizer has more tokens ({self.n_lm}) than the LM's output layer")
+            raise UserError(f"{source!r}: the tokenizer has more tokens ({self.n_lm}) than the LM's output layer")
 
     def lm_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """captionkit ids -> LM ids: words shift down by 4, <start> is BOS, <end> EOS; <pad> and

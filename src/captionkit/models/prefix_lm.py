@@ -14,7 +14,7 @@ trainer's ``finetune_blocks`` adds the image encoder's last blocks. ``param_grou
 the groups, so each can have its own learning rate (``train.lr_groups``). The module's
 ``state_dict()`` holds only the trained tensors (:class:`~captionkit.models.base.TrainedTensorsMixin`):
 a checkpoint stores them and the LM's source, and loading rebuilds the frozen LM from that
-source and puts them on top. ``captionkit merge-lora`` writes the LM with LoRA merged as a
+source and puts them on top. ``captionkit export hf`` writes the LM with LoRA merged as a
 plain transformers folder (the exporter registered at the bottom).
 
 Token ids: the LM's own, numbered from 4 (:mod:`captionkit.models.lm_tokens`).
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import CheckpointError, WeightsUnavailable
+from ..errors import CheckpointError, UserError, WeightsUnavailable
 from ..fields import check_fields, field_error, spec
 from ..hf import DEFAULT_LM, load_lm, load_lm_tokenizer
 from ..registry import register_exporter, register_family
@@ -131,7 +131,7 @@ class Projector(nn.Module):
             self.net = nn.Sequential(nn.Linear(cfg.feat_dim, hidden), nn.GELU(), nn.Linear(hidden, out))
         else:
             if width % cfg.mapper_heads:
-                raise ValueError(f"PrefixLMConfig.mapper_heads ({cfg.mapper_heads}) must divide the LM width {width}")
+                raise UserError(f"PrefixLMConfig.mapper_heads ({cfg.mapper_heads}) must divide the LM width {width}")
             self.net = nn.Linear(cfg.feat_dim, width)
             self.cell_pos = nn.Parameter(torch.randn(cfg.n_cells, width) * 0.02)
             self.queries = nn.Parameter(torch.randn(cfg.mapper_tokens, width) * 0.02)
@@ -176,7 +176,7 @@ class PrefixLMCaptioner(TrainedTensorsMixin, LMTokens, CaptionModel):
         self.cfg = cfg
         tok = load_lm_tokenizer(cfg.lm)
         if cfg.vocab_size != len(tok) + N_SPECIAL:
-            raise ValueError(f"PrefixLMConfig.vocab_size is {cfg.vocab_size}, but the tokenizer of {cfg.lm!r} has "
+            raise UserError(f"PrefixLMConfig.vocab_size is {cfg.vocab_size}, but the tokenizer of {cfg.lm!r} has "
                              f"{len(tok)} tokens + {N_SPECIAL} specials (train with data.tokenizer = \"lm\")")
         lm = load_lm(cfg.lm)
         self.bind_tokenizer(tok, lm, cfg.lm)
@@ -185,7 +185,7 @@ class PrefixLMCaptioner(TrainedTensorsMixin, LMTokens, CaptionModel):
         decoder = lm.get_decoder()  # the LLaMA transformer: embeddings, blocks, final norm
         if cfg.lm_training == "blocks":
             if cfg.unfreeze_after >= len(decoder.layers):
-                raise ValueError(f"PrefixLMConfig.unfreeze_after ({cfg.unfreeze_after}) must be below the LM's "
+                raise UserError(f"PrefixLMConfig.unfreeze_after ({cfg.unfreeze_after}) must be below the LM's "
                                  f"{len(decoder.layers)} blocks")
             for p in [*decoder.layers[cfg.unfreeze_after:].parameters(), *decoder.norm.parameters()]:
                 p.requires_grad_(True)
@@ -202,7 +202,7 @@ class PrefixLMCaptioner(TrainedTensorsMixin, LMTokens, CaptionModel):
                     warnings.simplefilter("ignore", FutureWarning)
                     lm = peft.get_peft_model(lm, lora)  # freezes everything but the adapters
             except ValueError as e:
-                raise ValueError(f"PrefixLMConfig.lora_targets {cfg.lora_targets}: {str(e).splitlines()[0]}") from None
+                raise UserError(f"PrefixLMConfig.lora_targets {cfg.lora_targets}: {str(e).splitlines()[0]}") from None
         self.lm = lm
         width = self.core.get_input_embeddings().embedding_dim
         self.projector = Projector(cfg, width)

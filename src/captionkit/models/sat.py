@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import UserError
 from ..fields import check_fields, spec
 from ..kernels import EnergyContext
 from ..registry import register_exporter, register_family
@@ -232,12 +233,12 @@ class SoftAttentionDecoder(CaptionModel):
         dtype; the losses are taken in float32. No ``image_index``: see ``image_batching``."""
         cfg = self.cfg
         if image_index is not None:
-            raise ValueError("the sat family trains on batches of one caption length, not shared images")
+            raise UserError("the sat family trains on batches of one caption length, not shared images")
         if cfg.attention == "soft":
             logits, alphas = self(feats, inputs)
             return caption_loss(logits.float(), targets, alphas, alpha_c, label_smoothing=label_smoothing)
         if label_smoothing:
-            raise ValueError("train.label_smoothing applies to the cross-entropy objective, "
+            raise UserError("train.label_smoothing applies to the cross-entropy objective, "
                              "not hard attention's lower bound")
         B = inputs.shape[0]
         sampled = torch.rand(B) >= cfg.expected_prob  # (B,) captions trained on drawn locations
@@ -317,5 +318,5 @@ class _ONNXStep(nn.Module):
 @register_exporter("onnx", "sat")
 def onnx_export(decoder: SoftAttentionDecoder) -> DecoderExport:
     if decoder.cfg.attention == "hard" and decoder.cfg.decode_context == "argmax":
-        raise ValueError("hard attention with decode_context='argmax' cannot be exported yet")
+        raise UserError("hard attention with decode_context='argmax' cannot be exported yet")
     return DecoderExport(_ONNXInit(decoder), _ONNXStep(decoder), memory=["proj"], state=["h", "c"])

@@ -63,6 +63,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import UserError
 from ..fields import check_fields, spec
 from ..hf import (DEFAULT_VIT, gpt2_config, is_cross_attention, load_gpt2, load_image_processor_dict,
                   load_lm_tokenizer, load_vit, require_transformers, vit_geometry)
@@ -86,7 +87,7 @@ def _block_list(model: nn.Module, source: str, what: str) -> str:
                 return name
         except AttributeError:
             continue
-    raise ValueError(f"{what} {source!r} ({type(model).__name__}): no list of transformer blocks to freeze")
+    raise UserError(f"{what} {source!r} ({type(model).__name__}): no list of transformer blocks to freeze")
 
 
 # ---- the model ----------------------------------------------------------------------------------
@@ -186,7 +187,7 @@ class ViTGPT2Captioner(TrainedTensorsMixin, LMTokens, CaptionModel):
         gpt2_config(cfg.lm)  # a LLaMA named here fails in one line, before its tokenizer is read
         tok = load_lm_tokenizer(cfg.lm)
         if cfg.vocab_size != len(tok) + N_SPECIAL:
-            raise ValueError(f"ViTGPT2Config.vocab_size is {cfg.vocab_size}, but the tokenizer of {cfg.lm!r} has "
+            raise UserError(f"ViTGPT2Config.vocab_size is {cfg.vocab_size}, but the tokenizer of {cfg.lm!r} has "
                              f"{len(tok)} tokens + {N_SPECIAL} specials (train with data.tokenizer = \"lm\" and "
                              f"[model] lm naming the same model)")
         vit, lm = load_vit(cfg.vit), load_gpt2(cfg.lm)
@@ -194,7 +195,7 @@ class ViTGPT2Captioner(TrainedTensorsMixin, LMTokens, CaptionModel):
         size, self.patch, _ = vit_geometry(vit.config, cfg.vit)
         side = size // self.patch
         if cfg.feat_dim != 3 * self.patch ** 2 or cfg.grid != [side, side]:
-            raise ValueError(f"the image rows are {cfg.grid[0]}x{cfg.grid[1]} x {cfg.feat_dim}, but {cfg.vit!r} takes "
+            raise UserError(f"the image rows are {cfg.grid[0]}x{cfg.grid[1]} x {cfg.feat_dim}, but {cfg.vit!r} takes "
                              f"{side}x{side} patches of 3x{self.patch}x{self.patch} pixels: train on [encoder] "
                              f"name = \"vit_pixels\" with weights = {cfg.vit!r}")
         processor = load_image_processor_dict(cfg.vit)
@@ -215,7 +216,7 @@ class ViTGPT2Captioner(TrainedTensorsMixin, LMTokens, CaptionModel):
                  ("decoder", cfg.freeze_decoder_blocks, cfg.lm, len(lm.get_submodule(lm_blocks))))
         for what, freeze, source, n in sides:
             if freeze != ALL and freeze > n:
-                raise ValueError(f"ViTGPT2Config.freeze_{what}_blocks is {freeze}, but {source!r} has {n} blocks "
+                raise UserError(f"ViTGPT2Config.freeze_{what}_blocks is {freeze}, but {source!r} has {n} blocks "
                                  f"(\"all\" freezes all of it)")
         groups: dict[str, str] = {}  # trained parameter name -> its group
         for name, p in self.named_parameters():
