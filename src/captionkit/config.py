@@ -222,6 +222,8 @@ class RunConfig:
             raise ConfigError(f"{where}: train.glove: word vectors need a word tokenizer (data.tokenizer = "
                               f"\"word\"), not {data.tokenizer!r}")
         model = {} if train.init else read_model(d.get("model", {}), where)
+        if model:
+            check_model_fits_training(model, train, where)
         return cls(data, encoder, model, train)
 
     @classmethod
@@ -284,6 +286,31 @@ def read_section(cls: type, table: Any, where: str) -> Any:
         raise ConfigError(f"{where}: {section}.{e.path} {e.message}") from None
 
 
+def check_model_fits_training(model: dict, train: TrainConfig, where: str) -> None:
+    """What the [model] and [train] tables must agree on, known from the family's declarations
+    before any model exists: train.lr_groups names the family's parameter groups, and decoding
+    (train.max_len words and <start>) fits in the family's positions."""
+    from .models import family_config, model_class
+
+    cls = model_class(model["family"])
+    unknown = sorted(set(train.lr_groups) - set(cls.GROUPS))
+    if unknown:
+        raise ConfigError(f"{where}: train.lr_groups: the {model['family']} family has no parameter group "
+                          f"{unknown[0]!r} (its groups: {', '.join(cls.GROUPS)})")
+    fields = family_config(model["family"], {**_stand_ins(model["family"]), **{k: v for k, v in model.items() if k != "family"}})
+    limit = cls.position_limit(fields)
+    if limit is not None and train.max_len + 1 > limit:
+        raise ConfigError(f"{where}: train.max_len is {train.max_len}, but decoding needs max_len + 1 = "
+                          f"{train.max_len + 1} positions and model.max_positions is {limit}")
+
+
+def _stand_ins(family: str) -> dict:
+    from .models import family_fields
+
+    known = family_fields(family)
+    return {k: v for k, v in _STAND_INS.items() if k in known}
+
+
 def read_model(table: Any, where: str) -> dict:
     """The [model] table, checked against its family's config dataclass (with stand-ins for
     the fields the trainer fills in); returned as given, with the family named."""
@@ -305,7 +332,7 @@ def read_model(table: Any, where: str) -> dict:
     rest = {k: v for k, v in table.items() if k != "family"}
     _check_keys(rest, settable, where, "model")
     try:
-        family_config(family, {**{k: v for k, v in _STAND_INS.items() if k in known}, **rest})
+        family_config(family, {**_stand_ins(family), **rest})
     except FieldError as e:
         raise ConfigError(f"{where}: model.{e.path} {e.message}") from None
     return {"family": family, **rest}
