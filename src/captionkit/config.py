@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from .data import WORD_STYLES
+from .devices import DEVICE_HELP, check_device_name
 from .errors import ConfigError
 from .evaluation import METRICS
 from .models import DEFAULT_FAMILY
@@ -92,8 +93,12 @@ class EncoderConfig:
 class TrainConfig:
     """optimizer: adam, adamw (decoupled weight decay on matrices, embeddings and positions,
         not on biases and norms) or rmsprop.
-    precision: bf16 (mixed precision matmuls), fp32, or auto: bf16 where the CPU multiplies
-        bf16 natively, else fp32 (see captionkit.precision).
+    device: where training runs: auto (a GPU when there is one), cpu, cuda, cuda:N or mps;
+        under torchrun each process takes the GPU of its local rank (see captionkit.devices,
+        docs/distributed-training.md). ``captionkit train --device`` replaces it.
+    precision: bf16 (mixed precision matmuls), fp16 (CUDA only, with a gradient scaler), fp32,
+        or auto: on CUDA bf16 where the GPU has it, else fp16; on the CPU bf16 where it
+        multiplies bf16 natively, else fp32 (see captionkit.precision).
     schedule: "plateau" (lr *= lr_decay after lr_patience epochs without dev gain), "cosine"
         (from lr down to 0 over the epochs) or "inverse_sqrt" (lr * sqrt(warmup_steps / step));
         each after a linear warm-up over warmup_steps steps (inverse_sqrt needs one).
@@ -145,6 +150,7 @@ class TrainConfig:
     weight_decay: float = spec(0.0, ge=0)
     grad_clip: float = spec(5.0, ge=0)  # 0: no clipping
     alpha_c: float = spec(1.0, ge=0)
+    device: str = "auto"
     precision: str = spec("auto", choices=PRECISIONS)
     seed: int = spec(0, ge=0, le=2 ** 32 - 1)
     val_beam: int = spec(3, ge=1)
@@ -176,6 +182,10 @@ class TrainConfig:
 
     def __post_init__(self):
         check_fields(self)
+        try:
+            check_device_name(self.device)
+        except ValueError:
+            raise field_error(self, "device", f"must be {DEVICE_HELP}, not {show(self.device)}") from None
         if self.schedule == "inverse_sqrt" and self.warmup_steps < 1:
             raise field_error(self, "warmup_steps", "must be >= 1 for the inverse_sqrt schedule")
         if self.freeze_embeddings and not self.glove:

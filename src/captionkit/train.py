@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from .captioner import Captioner
 from .checkpoint import (
@@ -50,16 +51,32 @@ from .checkpoint import (
     restore_optimizer,
     save_checkpoint,
 )
-from .config import (  # noqa: F401  (the
+
+# the config classes are imported from here by tests and benchmarks
+from .config import (  # noqa: F401
     TRAINER_SET,
     VAL_METRICS,
     ConfigError,
     DataConfig,
     EncoderConfig,
-    RunConfig,  # config classes are imported from here by tests and benchmarks)
+    RunConfig,
     TrainConfig,
 )
 from .data import ImageItem, load_dataset
+from .devices import resolve_device
+from .distributed import (
+    SINGLE,
+    World,
+    barrier,
+    broadcast_json,
+    device_for,
+    main_first,
+    mean_figures,
+    shard,
+    start,
+    stop,
+    world_from_env,
+)
 from .encoders import Encoder, create_encoder, load_finetuned
 from .errors import OutputError
 from .evaluation import coco_scores, format_scores
@@ -73,13 +90,16 @@ from .models import (
     model_class,
 )
 from .outputs import MARKER, atomic_write_text, check_folder_target, write_marker
-from .precision import resolve_precision
+from .precision import autocast, grad_scaler, resolve_precision
 from .scst import SelfCritical
 from .tokenizers import Tokenizer, load_tokenizer
 from .tokenizers import build_tokenizer as new_tokenizer
 from .vocab import Vocab
 
 _SCORER = {"METEOR": "meteor", "ROUGE_L": "rouge"}  # validation scores BLEU and CIDEr, and these when chosen
+CPU = torch.device("cpu")
+PRECISION_NAMES = {"bf16": "bf16 mixed precision matmuls", "fp32": "float32 matmuls",
+                   "fp16": "fp16 mixed precision matmuls with a gradient scaler"}
 
 
 def make_optimizer(groups: list[dict], tc: TrainConfig) -> torch.optim.Optimizer:
@@ -248,9 +268,10 @@ def load_init(cfg: RunConfig) -> InitCheckpoint | None:
     return init
 
 
-def prepare_data(cfg: RunConfig) -> TrainData:
+def prepare_data(cfg: RunConfig, device: torch.device = CPU) -> TrainData:
     """Stage 1: the dataset's splits, the encoder (with the init checkpoint's tuned blocks) and
-    the cached features of every image (computed once per encoder, see captionkit.features)."""
+    the cached features of every image (computed once per encoder, see captionkit.features).
+    The features stay in memory on the CPU; tuned encoder blocks go to ``device``."""
     tc = cfg.train
     torch.manual_seed(tc.seed)  # the encoder's random weights (tests) and everything after
     init = load_init(cfg)  # before the dataset: a bad folder costs nothing
@@ -278,6 +299,7 @@ def prepare_data(cfg: RunConfig) -> TrainData:
         data.train_feats, data.val_feats = _run_tail(tail, data.train_feats, store.grid), _run_tail(tail, data.val_feats, store.grid)
         data.source_grid = data.grid
     elif tail is not None:
+        tail.to(device)
         data.tail_params = list(tail.parameters())
         for p in data.tail_params:
             p.requires_grad_(True)
@@ -320,9 +342,9 @@ class BuiltModel:
     glove_coverage: Coverage | None = None
 
 
-def build_model(cfg: RunConfig, data: TrainData, vocab: Tokenizer) -> BuiltModel:
+def build_model(cfg: RunConfig, data: TrainData, vocab: Tokenizer, device: torch.device = CPU) -> BuiltModel:
     """Stage 3: the model the config (or the init checkpoint) describes, its word embedding
-    filled from train.glove, checked against what training needs of it."""
+    filled from train.glove, checked against what training needs of it, on ``device``."""
     tc = cfg.train
     vectors, coverage = None, None
     if data.init:
@@ -347,7 +369,7 @@ def build_model(cfg: RunConfig, data: TrainData, vocab: Tokenizer) -> BuiltModel
         raise ValueError(f"train.batching = \"image\" needs a family that shares the image side between "
                          f"captions; {family} trains on batches of one caption length (\"length\")")
     length_penalty = float(data.init.config["decoding"].get("length_penalty", 0.0)) if data.init else 0.0
-    return BuiltModel(family, model_cfg, model, length_penalty, coverage)
+    return BuiltModel(family, model_cfg, model.to(device), length_penalty, coverage)
 
 
 def _fill_embedding(model: CaptionModel, vectors: torch.Tensor, tc: TrainConfig) -> None:
@@ -418,7 +440,8 @@ class Trainer:
     stopping, checkpoints), then picks the decoding settings."""
 
     def __init__(self, cfg: RunConfig, out: Path, data: TrainData, vocab: Tokenizer, built: BuiltModel,
-                 optim: BuiltOptimizer, state: TrainState | None = None):
+                 optim: BuiltOptimizer, state: TrainState | None = None, device: torch.device = CPU,
+                 world: World = SINGLE):
         tc = cfg.train
         self.cfg, self.out, self.data, self.vocab = cfg, out, data, vocab
         self.family, self.model_cfg, self.model = built.family, built.config, built.model
@@ -426,8 +449,20 @@ class Trainer:
         self.opt, self.lr_scales = optim.opt, optim.lr_scales
         self.trained_parameters, self.params = optim.trained_parameters, optim.params
         self.state = state or TrainState(lr=tc.lr)
-        self.bf16 = resolve_precision(tc.precision) == "bf16"
-        print(f"precision {tc.precision}: {'bf16 mixed precision' if self.bf16 else 'float32'} matmuls", file=sys.stderr)
+        self.device, self.world = device, world
+        self.precision = resolve_precision(tc.precision, device)  # "bf16", "fp16" or "fp32"
+        self.scaler = grad_scaler(device, self.precision)  # enabled for fp16 only
+        if world.main:
+            where = "" if device == CPU else f" on {device}"
+            where += f", {world.size} processes (DDP)" if world.distributed else ""
+            print(f"precision {tc.precision}: {PRECISION_NAMES[self.precision]}{where}", file=sys.stderr)
+        # the module whose forward is a batch's loss: DistributedDataParallel wraps it (and
+        # averages the gradients of its parameters across processes in backward)
+        self.loss_module: torch.nn.Module = _BatchLoss(self)
+        if world.distributed:
+            self.loss_module = DistributedDataParallel(self.loss_module,
+                                                       device_ids=[device] if device.type == "cuda" else None)
+            torch.manual_seed(tc.seed + 1000003 * world.rank)  # each rank its own draws (rank 0 keeps the seed's)
         self.examples, self.image_examples = encode_captions(data.train_items, vocab, cfg.data)
         longest = max((len(ids) - 1 for _, ids in self.examples), default=0)
         limit = self.model.max_positions
@@ -445,7 +480,14 @@ class Trainer:
         they are being trained. Call under the training autocast."""
         if self.cfg.train.finetune_blocks:
             return self.data.tail(feats.float(), self.data.source_grid)
-        return feats.to(torch.bfloat16) if self.bf16 else feats.float()
+        return feats.to(torch.bfloat16) if self.precision == "bf16" else feats.float()
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A batch's tensor built on the CPU -> the training device (through pinned memory,
+        without waiting for the copy, on CUDA)."""
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """xe: caption indices, one length per batch; scst: image rows."""
@@ -468,9 +510,10 @@ class Trainer:
     def batch_loss(self, idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
         """-> (loss to minimise, figures to report: the cross-entropy, or scst's rewards)."""
         tc = self.cfg.train
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+        with autocast(self.device, self.precision):
             if self.scst is not None:
-                feats = self.features(self.data.train_feats.index_select(0, torch.tensor(idx)))  # (B, L, D)
+                rows = self.data.train_feats.index_select(0, torch.tensor(idx))
+                feats = self.features(self.to_device(rows))  # (B, L, D)
                 loss, stats = self.scst.loss(self.model, feats, idx)
                 figures = {"reward": stats.sample_reward}
                 if stats.greedy_reward is not None:
@@ -483,7 +526,9 @@ class Trainer:
             image_index = None
             if tc.batching == "image":  # each image once, indexed per caption
                 rows, image_index = torch.unique(rows, return_inverse=True)  # (U,), (B,)
-            feats = self.features(self.data.train_feats.index_select(0, rows))  # (B or U, L, D)
+                image_index = self.to_device(image_index)
+            feats = self.features(self.to_device(self.data.train_feats.index_select(0, rows)))  # (B or U, L, D)
+            ids = self.to_device(ids)
             loss, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], alpha_c=tc.alpha_c,
                                                 label_smoothing=tc.label_smoothing, image_index=image_index)
             return loss, {"loss": float(ce.detach())}
@@ -493,11 +538,14 @@ class Trainer:
             on_epoch: Callable[[dict], None] | None = None) -> TrainState:
         """Train to the end (or ``max_steps``). ``on_epoch`` is called with each epoch's history
         entry (dev scores and ``val_loss`` when validated) once it is logged and saved."""
-        tc, st = self.cfg.train, self.state
-        self.set_lr(st.lr)
-        if self.data.init and st.best_score is None:  # the starting point is the score to beat
+        tc = self.cfg.train
+        progress = progress and self.world.main
+        on_epoch = on_epoch if self.world.main else None
+        self.set_lr(self.state.lr)
+        if self.data.init and self.state.best_score is None:  # the starting point is the score to beat
             self.score_start(on_epoch)
-        while st.epoch < tc.epochs and st.bad_epochs < tc.patience:  # (a resumed early stop stays stopped)
+        while self.state.epoch < tc.epochs and self.state.bad_epochs < tc.patience:  # (a resumed early stop stays stopped)
+            st = self.state
             batches = self.epoch_batches(st.epoch)
             self.model.train(tc.objective == "xe")  # self-critical training samples without dropout (see scst)
             if not st.batch_in_epoch or st.epoch_progress is None:
@@ -516,26 +564,35 @@ class Trainer:
             if progress:
                 print(file=sys.stderr)
             self.end_epoch(clock, on_epoch)
-            if st.bad_epochs >= tc.patience:
+            if self.state.bad_epochs >= tc.patience and self.world.main:
                 gain = f" above {100 * tc.min_delta:g} (x100)" if tc.min_delta else ""
                 span = "epochs" if tc.val_every == 1 else f"validations (every {tc.val_every} epochs)"
                 print(f"early stop: no {tc.val_metric} gain{gain} for {tc.patience} {span}", file=sys.stderr)
-                break
-        self.tune_decoding()
-        return st
+        if self.world.main:
+            self.tune_decoding()
+        barrier(self.world)
+        return self.state
 
     def train_step(self, batch: list[int], bi: int, n_batches: int) -> None:
-        """One optimizer step on one batch, at the schedule's learning rate for this step."""
+        """One optimizer step on one global batch, at the schedule's learning rate for this step.
+        Under DDP each process takes its shard of the batch; its loss is weighted by its share
+        so that the gradients DDP averages are those of the whole batch."""
         tc, st = self.cfg.train, self.state
         self.set_lr(st.lr * lr_factor(tc, st.step, (st.epoch + bi / n_batches) / tc.epochs))
-        loss, figures = self.batch_loss(batch)
+        part, weight = self.shard(batch)
+        loss, figures = self.loss_module(part)
         if not math.isfinite(float(loss.detach())):
             raise FloatingPointError(f"loss became {float(loss.detach())} at step {st.step}")
+        if self.world.distributed:  # DDP averages over the processes: weight * world size each
+            loss = loss * (weight * self.world.size)
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        self.scaler.scale(loss).backward()
         if tc.grad_clip:
+            self.scaler.unscale_(self.opt)  # (fp16: clip the true gradients)
             torch.nn.utils.clip_grad_norm_(self.params, tc.grad_clip)
-        self.opt.step()
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        figures = mean_figures(self.world, figures, weight, self.device)
         st.step += 1
         st.batch_in_epoch = bi + 1
         prog = st.epoch_progress
@@ -543,6 +600,20 @@ class Trainer:
         prog.batches += 1
         for k, v in figures.items():  # means over this epoch so far
             prog.sums[k] = prog.sums.get(k, 0.0) + v
+
+    def shard(self, batch: list[int]) -> tuple[list[int], float]:
+        """This process's part of a global batch and its share of it (1 for one process): by
+        target tokens for cross-entropy (the loss is a mean over them), by images for SCST.
+        Image batching keeps each image's captions on one process."""
+        if not self.world.distributed:
+            return batch, 1.0
+        if self.scst is not None:
+            part, real = shard(batch, self.world)
+            return part, (len(part) / len(batch) if real else 0.0)
+        key = [row for row, _ in self.examples] if self.cfg.train.batching == "image" else None
+        part, real = shard(batch, self.world, key)
+        tokens = [len(self.examples[i][1]) - 1 for i in batch]  # targets: the words and <end>
+        return part, (sum(len(self.examples[i][1]) - 1 for i in part) / sum(tokens) if real else 0.0)
 
     def log(self, bi: int, n_batches: int, clock: _Clock) -> None:
         """The progress line: epoch, batch, the epoch's mean figures, this process's rate."""
@@ -557,12 +628,16 @@ class Trainer:
 
     def end_epoch(self, clock: _Clock, on_epoch: Callable[[dict], None] | None) -> None:
         """Close an epoch: its history entry (with dev scores when it is validated), the
-        early-stopping and plateau bookkeeping, history.jsonl and the ``last`` checkpoint."""
+        early-stopping and plateau bookkeeping, history.jsonl and the ``last`` checkpoint.
+        Under DDP, rank 0 does it and the others take its state."""
         tc, st = self.cfg.train, self.state
         prog = st.epoch_progress
         st.epoch += 1
         st.batch_in_epoch = 0
         st.epoch_progress = None
+        if not self.world.main:
+            self.receive_state()
+            return
         entry = {"epoch": st.epoch, "step": st.step, **{k: v / max(prog.batches, 1) for k, v in prog.sums.items()},
                  "lr": self.opt.param_groups[0]["lr"], "seconds": clock.seconds(), self.unit: prog.seen}
         if st.epoch % tc.val_every and st.epoch < tc.epochs:  # no dev scoring after this epoch
@@ -578,20 +653,30 @@ class Trainer:
                   f"lr {self.opt.param_groups[0]['lr']:.2e})", file=sys.stderr)
         self.log_history()
         self.save("last", with_optimizer=True)
+        self.receive_state()
         if on_epoch:
             on_epoch(st.history[-1])
+
+    def receive_state(self) -> None:
+        """Under DDP: every process takes rank 0's state (its dev scores decide early stopping
+        and the plateau schedule for all); nothing for one process."""
+        if self.world.distributed:
+            self.state = TrainState.from_json(broadcast_json(self.world, self.state.to_json(), self.device), "rank 0")
+            self.set_lr(self.state.lr)
 
     def score_start(self, on_epoch: Callable[[dict], None] | None) -> None:
         """A run from train.init: the starting checkpoint's dev score is the one to beat."""
         tc, st = self.cfg.train, self.state
-        scores, val_loss = self.validate(), self.validation_loss()
-        st.best_score, st.best_epoch = scores[tc.val_metric], 0
-        st.history.append({"epoch": 0, "step": 0, **scores, "val_loss": val_loss})
-        print(f"epoch 0 ({tc.init}): dev {format_scores(scores)} loss {val_loss:.3f}", file=sys.stderr)
-        self.log_history()
-        self.save("best", with_optimizer=False)
+        if self.world.main:
+            scores, val_loss = self.validate(), self.validation_loss()
+            st.best_score, st.best_epoch = scores[tc.val_metric], 0
+            st.history.append({"epoch": 0, "step": 0, **scores, "val_loss": val_loss})
+            print(f"epoch 0 ({tc.init}): dev {format_scores(scores)} loss {val_loss:.3f}", file=sys.stderr)
+            self.log_history()
+            self.save("best", with_optimizer=False)
+        self.receive_state()
         if on_epoch:
-            on_epoch(st.history[-1])
+            on_epoch(self.state.history[-1])
 
     def set_lr(self, lr: float) -> None:
         for pg, scale in zip(self.opt.param_groups, self.lr_scales):
@@ -621,8 +706,8 @@ class Trainer:
         cap = Captioner(self.model, self.vocab, self.checkpoint_config())
         captions = {}
         for i in range(0, len(data.val_items), 100):
-            feats = data.val_feats[i:i + 100]
-            feats = data.tail(feats.float(), data.source_grid) if tc.finetune_blocks else feats.float()
+            feats = self.to_device(data.val_feats[i:i + 100]).float()
+            feats = data.tail(feats, data.source_grid) if tc.finetune_blocks else feats
             for it, c in zip(data.val_items[i:i + 100],
                              cap.decode_features(feats, beam=tc.val_beam, length_penalty=length_penalty)):
                 captions[it.name] = " ".join(self.vocab.decode(c.ids))
@@ -642,9 +727,9 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):
             for idx in length_batches([len(ids) for _, ids in examples], tc.batch_size, seed=0):
                 rows = torch.tensor([examples[i][0] for i in idx])
-                ids = torch.tensor([examples[i][1] for i in idx])  # (B, T+1), one length per batch
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
-                    feats = self.features(self.data.val_feats.index_select(0, rows))
+                ids = self.to_device(torch.tensor([examples[i][1] for i in idx]))  # (B, T+1), one length per batch
+                with autocast(self.device, self.precision):
+                    feats = self.features(self.to_device(self.data.val_feats.index_select(0, rows)))
                     _, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], alpha_c=tc.alpha_c)
                 total += float(ce) * ids[:, 1:].numel()
                 tokens += ids[:, 1:].numel()
@@ -709,12 +794,20 @@ class Trainer:
         return out
 
     def save(self, name: str, with_optimizer: bool) -> None:
+        """Write the checkpoint ``name`` (rank 0 only: the processes hold the same weights);
+        save_checkpoint copies every tensor to the CPU, so it loads on any device."""
+        if not self.world.main:
+            return
         optim = None
         cfg = self.checkpoint_config()
         if with_optimizer:
             optim, groups = optimizer_tensors(self.opt)
             optim["rng.torch"] = torch.get_rng_state()
+            if self.device.type == "cuda":  # SCST's sampling draws from the GPU's generator
+                optim["rng.cuda"] = torch.cuda.get_rng_state(self.device)
             cfg["optimizer_groups"] = groups
+            if self.scaler.is_enabled():
+                cfg["grad_scaler"] = self.scaler.state_dict()
         save_checkpoint(self.out / name, self.weights(), cfg, optim)
 
     def load_weights(self, folder: Path) -> dict[str, torch.Tensor]:
@@ -729,16 +822,39 @@ class Trainer:
         """Continue from the checkpoint ``folder`` (its config ``saved``): weights, optimizer,
         random state and training state."""
         self.load_weights(folder)
-        optim = read_weights(folder, "optimizer.safetensors")
-        torch.set_rng_state(optim.pop("rng.torch"))
+        optim = read_weights(folder, "optimizer.safetensors")  # on the CPU; restored onto the parameters' device
+        rng, rng_cuda = optim.pop("rng.torch"), optim.pop("rng.cuda", None)
+        if self.world.main:  # (the other ranks keep their own draws, seeded by rank)
+            torch.set_rng_state(rng)
+            if rng_cuda is not None and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng_cuda, self.device)
         restore_optimizer(self.opt, optim, saved["optimizer_groups"])
+        if self.scaler.is_enabled() and "grad_scaler" in saved:
+            self.scaler.load_state_dict(saved["grad_scaler"])
         self.state = TrainState.from_json(saved["state"], folder / "config.json")
+        if not self.world.main:
+            return
         # the checkpoint's history is the run's: epochs logged after it (by a run killed before
         # its next save) are run again, so their lines go rather than appear twice
         atomic_write_text(self.out / "history.jsonl", "".join(json.dumps(h) + "\n" for h in self.state.history))
         print(f"resuming from {folder} (epoch {self.state.epoch}, step {self.state.step})", file=sys.stderr)
         for name in ("last", "best"):  # what killed saves left
             remove_leftovers(self.out / name)
+
+
+class _BatchLoss(torch.nn.Module):
+    """The trained modules (the model, and the tuned encoder blocks) behind one forward that
+    returns a batch's (loss, figures): what DistributedDataParallel wraps, so that its
+    gradient averaging sees every step, whatever the objective."""
+
+    def __init__(self, trainer: Trainer):
+        super().__init__()
+        self.model = trainer.model
+        self.tail = trainer.data.tail if trainer.cfg.train.finetune_blocks else None
+        self.batch_loss = trainer.batch_loss
+
+    def forward(self, batch: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.batch_loss(batch)
 
 
 class _Clock:
@@ -761,18 +877,25 @@ class _Clock:
 
 
 def build_trainer(cfg: RunConfig, out: Path, data: TrainData | None = None, vocab: Tokenizer | None = None,
-                  saved: dict | None = None) -> Trainer:
+                  saved: dict | None = None, device: torch.device = CPU, world: World = SINGLE) -> Trainer:
     """The stages in order: data, tokenizer, model, optimizer, then the Trainer. ``vocab``
     replaces the built tokenizer; ``saved``: the config of a checkpoint to resume (its
-    tokenizer, and its model config checked against the one built)."""
-    data = data or prepare_data(cfg)
+    tokenizer, and its model config checked against the one built). Under DDP rank 0 fills the
+    feature cache before the others read it, and its tokenizer is every rank's."""
+    if data is None:
+        with main_first(world):
+            data = prepare_data(cfg, device)
     if saved is not None:
         vocab = load_tokenizer(saved["vocab"])
-    vocab = vocab or build_tokenizer(cfg, data)
-    built = build_model(cfg, data, vocab)
+    if vocab is None:
+        vocab = build_tokenizer(cfg, data) if world.main else None
+        if world.distributed:
+            shared = broadcast_json(world, vocab.to_json() if world.main else None, device)
+            vocab = vocab or load_tokenizer(shared)
+    built = build_model(cfg, data, vocab, device)
     if saved is not None and (saved["model"] != built.config or saved["family"] != built.family):
         raise CheckpointError(f"{out / 'last'}: saved with a different model config than {cfg.model}")
-    return Trainer(cfg, out, data, vocab, built, build_optimizer(cfg, data, built.model))
+    return Trainer(cfg, out, data, vocab, built, build_optimizer(cfg, data, built.model), device=device, world=world)
 
 
 def check_run_folder(out: Path, resume: bool, overwrite: bool) -> None:
@@ -839,37 +962,65 @@ def start_run_folder(out: Path, replace: bool) -> None:
 
 def train(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,
           resume: bool = False, progress: bool = True, init: str | None = None, overwrite: bool = False,
-          on_epoch: Callable[[dict], None] | None = None, tensorboard: str | None = None) -> dict:
+          on_epoch: Callable[[dict], None] | None = None, tensorboard: str | None = None,
+          device: str | None = None) -> TrainState:
     """Train from a TOML config into the run folder ``out`` (default runs/<config name>).
     Everything the user gave is checked first (the config, the folder, the files it names);
     ``resume`` continues the run in ``out``, ``overwrite`` replaces a run there. ``on_epoch``:
-    see Trainer.run; ``tensorboard``: a folder for event files (replaces train.tensorboard)."""
+    see Trainer.fit; ``tensorboard``: a folder for event files (replaces train.tensorboard);
+    ``device`` replaces train.device. Under torchrun (RANK/WORLD_SIZE in the environment) this
+    process is one rank of a DDP run (see captionkit.distributed)."""
+    world = world_from_env()
+    cfg, out, run_device = check_run(config, out, max_steps, resume, init, overwrite, device)
+    run_device = device_for(world, run_device)
+    tensorboard = tensorboard or cfg.train.tensorboard
+    if tensorboard and world.main:  # its package is checked before the expensive work
+        from .tblog import TensorBoardLog
+        tb = TensorBoardLog(tensorboard)
+        on_epoch = tb.chain(on_epoch)
+    start(world, run_device)
+    try:
+        barrier(world)  # every rank has checked the folder before rank 0 writes into it
+        if resume:
+            saved = read_config(resolve(out / "last"))
+            trainer = build_trainer(cfg, out, saved=saved, device=run_device, world=world)
+            if world.main and not (out / MARKER).is_file():  # a run written before folders were marked
+                write_marker(out, "run")
+            trainer.restore(resolve(out / "last"), saved)
+        else:
+            trainer = build_trainer(cfg, out, device=run_device, world=world)
+            if world.main:
+                start_run_folder(out, replace=overwrite)
+        if trainer.glove_coverage is not None and world.main:
+            atomic_write_text(out / "glove_coverage.json", json.dumps(trainer.glove_coverage.to_json(), indent=1))
+        barrier(world)  # the run folder exists before any rank goes on
+        return trainer.fit(max_steps=max_steps, progress=progress, on_epoch=on_epoch)
+    finally:
+        if tensorboard and world.main:
+            tb.close()
+        stop(world)
+
+
+def check_run(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,
+              resume: bool = False, init: str | None = None, overwrite: bool = False,
+              device: str | None = None) -> tuple[RunConfig, Path, torch.device]:
+    """Everything the user gave, checked before any expensive work (also by ``--nproc`` before
+    it starts the processes): -> (the config, the run folder, the training device)."""
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
         raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
     cfg = RunConfig.load(config, init)
+    run_device = _training_device(cfg, config, device)
     out = Path(out) if out else Path("runs") / Path(config).stem
     check_run_folder(out, resume, overwrite)
     if resume:
         check_resumable(cfg, out)
     check_inputs(cfg, config)
-    tensorboard = tensorboard or cfg.train.tensorboard
-    if tensorboard:  # its package is checked before the expensive work
-        from .tblog import TensorBoardLog
-        tb = TensorBoardLog(tensorboard)
-        on_epoch = tb.chain(on_epoch)
-    if resume:
-        saved = read_config(resolve(out / "last"))
-        trainer = build_trainer(cfg, out, saved=saved)
-        if not (out / MARKER).is_file():  # a run written before folders were marked
-            write_marker(out, "run")
-        trainer.restore(resolve(out / "last"), saved)
-    else:
-        trainer = build_trainer(cfg, out)
-        start_run_folder(out, replace=overwrite)
-    if trainer.glove_coverage is not None:
-        atomic_write_text(out / "glove_coverage.json", json.dumps(trainer.glove_coverage.to_json(), indent=1))
+    return cfg, out, run_device
+
+
+def _training_device(cfg: RunConfig, config: str | Path, device: str | None) -> torch.device:
+    """``--device`` or train.device as a device this machine has (one line naming the field if not)."""
     try:
-        return trainer.fit(max_steps=max_steps, progress=progress, on_epoch=on_epoch)
-    finally:
-        if tensorboard:
-            tb.close()
+        return resolve_device(device or cfg.train.device)
+    except ValueError as e:
+        raise ConfigError(f"--device: {e}" if device else f"{config}: train.device: {e}") from None
