@@ -52,4 +52,4 @@ def test_self_critical_steps_on_cuda(tiny_run, tiny_config, tmp_path):
                   drop_model=True)
     out = tmp_path / "scst"
     train(cfg, out=out, max_steps=2, progress=False, device="cuda")
-    assert read_config(out / "last")["state"]["epoch_progress"]["sums"]["reward"] >= 0
+    assert read_config(out / "last")["state"]["history"][-1]["reward"] >= 0  # 2 steps: the 9 images' epoch
