@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import TINY_CONFIG
 
 from captionkit.checkpoint import CheckpointError, read_config
@@ -95,3 +96,18 @@ def test_a_run_resumes_from_a_checkpoint_of_the_old_state_format(tiny_config, tm
     assert set(saved["state"]) == set(OLD_STATE)  # the JSON keys did not change
     st = train(tiny_config, out=out, resume=True, max_steps=7, progress=False)
     assert st.step == 7
+
+
+def test_the_training_device_is_checked_before_any_data(tmp_path, flickr_dir, tiny_config, no_expensive_work,
+                                                       monkeypatch, capsys):
+    cfg = _write(tmp_path, 'device = "gpu"', flickr_dir)
+    with pytest.raises(ConfigError, match=f"^{cfg}: train.device must be auto .*, not 'gpu'$"):
+        RunConfig.load(cfg)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["train", "--config", str(tiny_config), "--out", str(tmp_path / "a"), "--device", "cuda"]) == 2
+    assert capsys.readouterr().err == ("captionkit train: error: --device: device 'cuda': no CUDA GPU is visible "
+                                       "here (torch.cuda.is_available() is False)\n")
+    cuda = _write(tmp_path, 'device = "cuda:1"', flickr_dir)
+    assert main(["train", "--config", cuda, "--out", str(tmp_path / "b")]) == 2
+    assert capsys.readouterr().err.startswith(f"captionkit train: error: {cuda}: train.device: device 'cuda:1': ")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
