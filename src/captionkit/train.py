@@ -78,7 +78,7 @@ from .distributed import (
     world_from_env,
 )
 from .encoders import Encoder, create_encoder, load_finetuned
-from .errors import OutputError
+from .errors import DatasetError, OutputError
 from .evaluation import coco_scores, format_scores
 from .features import build_features
 from .glove import Coverage, glove_embedding, vector_dim
@@ -264,7 +264,7 @@ def load_init(cfg: RunConfig) -> InitCheckpoint | None:
     init = InitCheckpoint(tc.init, read_config(tc.init), read_weights(tc.init))
     trained_on = init.config["encoder"]["name"]
     if trained_on != cfg.encoder.name:
-        raise ValueError(f"train.init {tc.init} was trained on {trained_on}, the config names {cfg.encoder.name}")
+        raise ConfigError(f"train.init {tc.init} was trained on {trained_on}, the config names {cfg.encoder.name}")
     return init
 
 
@@ -281,7 +281,7 @@ def prepare_data(cfg: RunConfig, device: torch.device = CPU) -> TrainData:
     if tc.val_max_images:
         val_items = val_items[:tc.val_max_images]
     if not train_items:
-        raise ValueError(f"{cfg.data.dataset}: the {cfg.data.train_split} split is empty")
+        raise DatasetError(f"{cfg.data.dataset}: the {cfg.data.train_split} split is empty")
     encoder = create_encoder(cfg.encoder.name, weights=cfg.encoder.weights or None)
     if init and init.encoder_weights:
         load_finetuned(encoder, init.encoder_weights, tc.init)
@@ -289,7 +289,7 @@ def prepare_data(cfg: RunConfig, device: torch.device = CPU) -> TrainData:
     # computed once below). Everything before them comes from the cache.
     inherited = int(init.config["encoder"].get("finetuned_blocks", 0)) if init else 0
     if tc.finetune_blocks and tc.finetune_blocks < inherited:
-        raise ValueError(f"train.finetune_blocks must be 0 or at least the {inherited} blocks {tc.init} tuned")
+        raise ConfigError(f"train.finetune_blocks must be 0 or at least the {inherited} blocks {tc.init} tuned")
     tuned_blocks = max(tc.finetune_blocks, inherited)
     source, tail = (encoder.split(tuned_blocks) if tuned_blocks else (encoder, None))
     store = build_features(source, [it.path for it in ds.all_items()])
@@ -309,7 +309,7 @@ def prepare_data(cfg: RunConfig, device: torch.device = CPU) -> TrainData:
 def _load_feats(store, items: list[ImageItem]) -> torch.Tensor:
     missing = [it.name for it in items if it.name not in store]
     if missing:
-        raise ValueError(f"{len(missing)} images have no features (unreadable?), e.g. {missing[0]}")
+        raise DatasetError(f"{len(missing)} images have no features (unreadable?), e.g. {missing[0]}")
     return torch.from_numpy(np.ascontiguousarray(store.rows([it.name for it in items])))
 
 
@@ -366,8 +366,8 @@ def build_model(cfg: RunConfig, data: TrainData, vocab: Tokenizer, device: torch
     if vectors is not None:
         _fill_embedding(model, vectors, tc)
     if tc.batching == "image" and not model.image_batching:
-        raise ValueError(f"train.batching = \"image\" needs a family that shares the image side between "
-                         f"captions; {family} trains on batches of one caption length (\"length\")")
+        raise ConfigError(f"train.batching = \"image\" needs a family that shares the image side between "
+                          f"captions; {family} trains on batches of one caption length (\"length\")")
     length_penalty = float(data.init.config["decoding"].get("length_penalty", 0.0)) if data.init else 0.0
     return BuiltModel(family, model_cfg, model.to(device), length_penalty, coverage)
 
@@ -375,10 +375,10 @@ def build_model(cfg: RunConfig, data: TrainData, vocab: Tokenizer, device: torch
 def _fill_embedding(model: CaptionModel, vectors: torch.Tensor, tc: TrainConfig) -> None:
     embedding = model.word_embedding()
     if embedding is None:
-        raise ValueError(f"train.glove: the {model.family} family has no word embedding of its own to fill")
+        raise ConfigError(f"train.glove: the {model.family} family has no word embedding of its own to fill")
     if embedding.embedding_dim != vectors.shape[1]:
-        raise ValueError(f"model.embed_dim is {embedding.embedding_dim} but {tc.glove} holds "
-                         f"{vectors.shape[1]}-d vectors (leave embed_dim out to use the file's)")
+        raise ConfigError(f"model.embed_dim is {embedding.embedding_dim} but {tc.glove} holds "
+                          f"{vectors.shape[1]}-d vectors (leave embed_dim out to use the file's)")
     with torch.no_grad():
         embedding.weight.copy_(vectors)
     embedding.weight.requires_grad_(not tc.freeze_embeddings)
@@ -403,8 +403,8 @@ def build_optimizer(cfg: RunConfig, data: TrainData, model: CaptionModel) -> Bui
     named = model.param_groups()
     unknown = sorted(set(tc.lr_groups) - set(named))
     if unknown:  # declared but empty in this configuration (checked against the declaration at load)
-        raise ValueError(f"train.lr_groups: {model.family} trains no group {unknown[0]!r} here "
-                         f"(its groups: {', '.join(named) or 'none'})")
+        raise ConfigError(f"train.lr_groups: {model.family} trains no group {unknown[0]!r} here "
+                          f"(its groups: {', '.join(named) or 'none'})")
     groups = [{"params": ps, "lr": tc.lr_groups.get(name, tc.lr)} for name, ps in named.items()]
     if tc.finetune_blocks:
         groups.append({"params": data.tail_params, "lr": tc.encoder_lr})
@@ -467,8 +467,8 @@ class Trainer:
         longest = max((len(ids) - 1 for _, ids in self.examples), default=0)
         limit = self.model.max_positions
         if limit is not None and max(longest, tc.max_len + 1) > limit:  # (a new model's max_len: at load too)
-            raise ValueError(f"model.max_positions is {limit}, but training captions need {longest} positions "
-                             f"and decoding (train.max_len + 1) {tc.max_len + 1}")
+            raise ConfigError(f"model.max_positions is {limit}, but training captions need {longest} positions "
+                              f"and decoding (train.max_len + 1) {tc.max_len + 1}")
         self.scst: SelfCritical | None = None
         if tc.objective == "scst":  # CIDEr-D document frequencies from the training references
             refs = {row: [t for t in it.words(cfg.data.words) if t] for row, it in enumerate(data.train_items)}
