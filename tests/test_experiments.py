@@ -76,13 +76,13 @@ def test_grid_random_sample_and_draws_are_reproducible():
 
 
 def test_fields_that_vary_together_are_one_axis_of_inline_tables(tiny_config):
-    ax = sw.parse_set('{model.hidden_dim = 16},{model.hidden_dim = 24, train.lr_groups.x = 1e-3}')
+    ax = sw.parse_set('{model.hidden_dim = 16},{model.hidden_dim = 24, train.lr_groups.decoder = 1e-3}')
     trials = sw.trial_overrides([sw.parse_set("train.lr=1e-2"), ax])
-    assert sw.trial_names(trials) == ["000-lr=0.01-hidden_dim=16", "001-lr=0.01-hidden_dim=24-x=0.001"]
+    assert sw.trial_names(trials) == ["000-lr=0.01-hidden_dim=16", "001-lr=0.01-hidden_dim=24-decoder=0.001"]
     base = tomllib.loads(tiny_config.read_text())
-    d = sw.apply_overrides(base, {**trials[1], "train.lr_groups.x": 2e-3}, "base.toml")
-    assert d["model"] == {**base["model"], "hidden_dim": 24} and d["train"]["lr_groups"] == {"x": 2e-3}
-    assert sw.override_columns(trials[1]) == {"train.lr": 1e-2, "model.hidden_dim": 24, "train.lr_groups.x": 1e-3}
+    d = sw.apply_overrides(base, {**trials[1], "train.lr_groups.decoder": 2e-3}, "base.toml")
+    assert d["model"] == {**base["model"], "hidden_dim": 24} and d["train"]["lr_groups"] == {"decoder": 2e-3}
+    assert sw.override_columns(trials[1]) == {"train.lr": 1e-2, "model.hidden_dim": 24, "train.lr_groups.decoder": 1e-3}
     with pytest.raises(ValueError, match="expected inline tables"):
         sw.parse_set("{model.hidden_dim = 16},24")
     with pytest.raises(ValueError, match="expected TABLE.FIELD=VALUE"):
@@ -91,8 +91,8 @@ def test_fields_that_vary_together_are_one_axis_of_inline_tables(tiny_config):
 
 def test_overrides_are_validated_like_a_config_file_naming_the_field(tiny_config):
     base = tomllib.loads(tiny_config.read_text())
-    d = sw.apply_overrides(base, {"train.lr": 3e-3, "train.lr_groups.lora": 1e-4}, "base.toml")
-    assert d["train"]["lr"] == 3e-3 and d["train"]["lr_groups"] == {"lora": 1e-4}
+    d = sw.apply_overrides(base, {"train.lr": 3e-3, "train.lr_groups.decoder": 1e-4}, "base.toml")
+    assert d["train"]["lr"] == 3e-3 and d["train"]["lr_groups"] == {"decoder": 1e-4}
     assert base["train"]["lr"] == 1e-2  # the base is left alone
     assert tomllib.loads(sw.to_toml(d)) == d
     with pytest.raises(ValueError, match=r"base.toml: unknown field\(s\) in \[train\]: lrr"):
@@ -103,6 +103,8 @@ def test_overrides_are_validated_like_a_config_file_naming_the_field(tiny_config
         sw.apply_overrides(base, {"model.hidden": 3}, "base.toml")
     with pytest.raises(ValueError, match="unknown table"):
         sw.apply_overrides(base, {"trian.lr": 1.0}, "base.toml")
+    with pytest.raises(ValueError, match="train.lr_groups: the sat family has no parameter group 'lora'"):
+        sw.apply_overrides(base, {"train.lr_groups.lora": 1e-4}, "base.toml")
 
 
 def test_a_bad_override_is_one_line_before_any_training(tiny_config, tmp_path, capsys):

@@ -23,7 +23,7 @@ from captionkit.errors import WeightsUnavailable  # noqa: E402
 from captionkit.models import create_model  # noqa: E402
 from captionkit.models.prefix_lm import param_group  # noqa: E402
 from captionkit.tokenizers import LMTokenizer, load_tokenizer  # noqa: E402
-from captionkit.train import RunConfig, Trainer, train  # noqa: E402
+from captionkit.train import RunConfig, build_trainer, train  # noqa: E402
 
 GRID = [7, 7]  # efficientnet_lite0's grid, the encoder of the trainer tests
 
@@ -159,19 +159,18 @@ def group_of(name: str) -> str:
 def test_a_training_step_changes_exactly_the_chosen_groups(mode, tiny_lm, flickr_dir, tmp_path):
     model_lines, train_lines, groups = MODES[mode]
     cfg = RunConfig.load(write_config(tmp_path / "c.toml", flickr_dir, tiny_lm, model=model_lines, train=train_lines))
-    trainer = Trainer(cfg, tmp_path / "run")
-    trainer.setup(LMTokenizer.build(tiny_lm))
+    trainer = build_trainer(cfg, tmp_path / "run", vocab=LMTokenizer.build(tiny_lm))
 
     def snapshot() -> dict[str, torch.Tensor]:
         own = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        return own | {ENCODER_PREFIX + n: p.detach().clone() for n, p in trainer.encoder.named_parameters()}
+        return own | {ENCODER_PREFIX + n: p.detach().clone() for n, p in trainer.data.encoder.named_parameters()}
 
     before = snapshot()
-    trainer.run(max_steps=2, progress=False)  # two steps: LoRA's A has no gradient while B is still zero
+    trainer.fit(max_steps=2, progress=False)  # two steps: LoRA's A has no gradient while B is still zero
     after = snapshot()
     changed = {n for n in before if not torch.equal(before[n], after[n])}
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
-    trainable |= {ENCODER_PREFIX + n for n, p in trainer.encoder.named_parameters() if p.requires_grad}
+    trainable |= {ENCODER_PREFIX + n for n, p in trainer.data.encoder.named_parameters() if p.requires_grad}
     assert changed == trainable  # everything trained moved, nothing else did
     assert {group_of(n) for n in changed} == groups
     if mode == "blocks":  # the LM's second block and final norm, not the first block or the embeddings

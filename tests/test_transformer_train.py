@@ -15,7 +15,7 @@ from PIL import Image
 from captionkit.captioner import Captioner
 from captionkit.checkpoint import read_config, read_weights
 from captionkit.cli import main
-from captionkit.train import RunConfig, Trainer, TrainConfig, lr_factor, train
+from captionkit.train import RunConfig, TrainConfig, build_trainer, lr_factor, prepare_data, train
 from captionkit.tokenizers import build_tokenizer
 
 GLOVE = Path(__file__).parent / "data" / "glove_tiny.6d.txt"
@@ -149,13 +149,14 @@ def test_pretrained_grid_with_bpe_tokens(flickr_dir, tmp_path):
 
 def test_one_random_caption_per_image_per_epoch(flickr_dir, tmp_path):
     cfg = write_config(tmp_path / "r1.toml", flickr_dir, train='caption_sampling = "random_one"')
-    trainer = Trainer(RunConfig.load(cfg), tmp_path)
-    trainer.setup(build_tokenizer("word", [t for it in trainer.train_items for t in it.tokens], 1))
+    run_cfg = RunConfig.load(cfg)
+    data = prepare_data(run_cfg)
+    trainer = build_trainer(run_cfg, tmp_path, data, build_tokenizer("word", [t for it in data.train_items for t in it.tokens], 1))
     picks = []
     for epoch in range(3):
         chosen = [i for b in trainer.epoch_batches(epoch) for i in b]
         rows = [trainer.examples[i][0] for i in chosen]
-        assert sorted(rows) == list(range(len(trainer.train_items)))  # every image, once
+        assert sorted(rows) == list(range(len(trainer.data.train_items)))  # every image, once
         assert all(len({len(trainer.examples[i][1]) for i in b}) == 1 for b in trainer.epoch_batches(epoch))
         picks.append(sorted(chosen))
         assert trainer.epoch_batches(epoch) == trainer.epoch_batches(epoch)  # seeded: resumable
@@ -165,8 +166,9 @@ def test_one_random_caption_per_image_per_epoch(flickr_dir, tmp_path):
 def test_image_batches_hold_whole_images_and_every_caption_once(flickr_dir, tmp_path):
     cfg = write_config(tmp_path / "ib.toml", flickr_dir, train='batching = "image"')
     cfg.write_text(cfg.read_text().replace("batch_size = 8", "batch_size = 12"))  # room for two images
-    trainer = Trainer(RunConfig.load(cfg), tmp_path)
-    trainer.setup(build_tokenizer("word", [t for it in trainer.train_items for t in it.tokens], 1))
+    run_cfg = RunConfig.load(cfg)
+    data = prepare_data(run_cfg)
+    trainer = build_trainer(run_cfg, tmp_path, data, build_tokenizer("word", [t for it in data.train_items for t in it.tokens], 1))
     for epoch in range(2):
         batches = trainer.epoch_batches(epoch)
         assert sorted(i for b in batches for i in b) == list(range(len(trainer.examples)))
@@ -219,8 +221,9 @@ def test_learning_rate_schedules():
 
 def test_adamw_decays_matrices_not_biases_or_norms(flickr_dir, tmp_path):
     cfg = write_config(tmp_path / "aw.toml", flickr_dir, train='optimizer = "adamw"\nweight_decay = 0.1')
-    trainer = Trainer(RunConfig.load(cfg), tmp_path)
-    trainer.setup(build_tokenizer("word", [t for it in trainer.train_items for t in it.tokens], 1))
+    run_cfg = RunConfig.load(cfg)
+    data = prepare_data(run_cfg)
+    trainer = build_trainer(run_cfg, tmp_path, data, build_tokenizer("word", [t for it in data.train_items for t in it.tokens], 1))
     assert isinstance(trainer.opt, torch.optim.AdamW)
     decay, no_decay = trainer.opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -276,7 +279,8 @@ def test_configuration_errors_name_the_field(flickr_dir, tmp_path):
     cases = [
         (dict(data='tokenizer = "char"', train=f'glove = "{GLOVE}"'), "word vectors need a word tokenizer"),
         (dict(train="freeze_embeddings = true"), "train.freeze_embeddings needs train.glove"),
-        (dict(max_positions=8), "model.max_positions is 8, but training captions need"),
+        (dict(max_positions=7, max_len=5), "model.max_positions is 7, but training captions need 8"),
+        (dict(max_positions=8), "train.max_len is 12, but decoding needs max_len \\+ 1 = 13 positions"),
         (dict(train=f'glove = "{GLOVE}"', model="embed_dim = 5"), "model.embed_dim is 5 but .* holds 6-d vectors"),
         (dict(data='tokenizer = "wordpiece"'), "data.tokenizer must be one of word, char, bpe"),
     ]

@@ -31,7 +31,7 @@ from captionkit.errors import WeightsUnavailable  # noqa: E402
 from captionkit.images import to_tensor  # noqa: E402
 from captionkit.models import create_model  # noqa: E402
 from captionkit.tokenizers import LMTokenizer  # noqa: E402
-from captionkit.train import RunConfig, Trainer  # noqa: E402
+from captionkit.train import RunConfig, build_trainer  # noqa: E402
 
 GRID, ROW = [4, 4], 3 * 8 * 8  # the tiny ViT's patch grid and pixels per patch
 
@@ -128,19 +128,18 @@ def test_a_training_step_changes_exactly_the_unfrozen_tensors(mode, tiny_vit, ti
     model_lines, train_lines, patterns, lrs = MODES[mode]
     cfg = RunConfig.load(write_config(tmp_path / "c.toml", flickr_dir, tiny_vit, tiny_gpt2, model=model_lines,
                                       train=train_lines))
-    trainer = Trainer(cfg, tmp_path / "run")
-    trainer.setup(LMTokenizer.build(tiny_gpt2))
+    trainer = build_trainer(cfg, tmp_path / "run", vocab=LMTokenizer.build(tiny_gpt2))
     loss, figures = trainer.batch_loss(trainer.epoch_batches(0)[0])
     assert math.isfinite(float(loss.detach())) and math.isfinite(figures["loss"])
 
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    trainer.run(max_steps=2, progress=False)
+    trainer.fit(max_steps=2, progress=False)
     after = dict(trainer.model.named_parameters())
     changed = {n for n in before if not torch.equal(before[n], after[n])}
     expected = {n for n in before if any(re.search(p, n) for p in patterns)}
     assert changed == expected
     assert changed == {n for n, p in trainer.model.named_parameters() if p.requires_grad}
-    assert not trainer.encoder.state_dict()  # vit_pixels holds no weights: the ViT is the model's
+    assert not trainer.data.encoder.state_dict()  # vit_pixels holds no weights: the ViT is the model's
     assert [g["lr"] for g in trainer.opt.param_groups] == pytest.approx(lrs)  # schedule factor 1 here
     # the checkpoint holds what was trained and nothing else
     assert set(read_weights(tmp_path / "run" / "last")) == expected
@@ -165,9 +164,8 @@ def trained(tiny_vit, tiny_gpt2, flickr_dir, tmp_path_factory):
     cfg = RunConfig.load(write_config(out / "run.toml", flickr_dir, tiny_vit, tiny_gpt2, epochs=8,
                                       model="freeze_encoder_blocks = 1\nfreeze_decoder_blocks = 0",
                                       train="lr_groups = { encoder = 1e-3, decoder = 1e-2, cross_attention = 2e-2 }"))
-    trainer = Trainer(cfg, out / "run")
-    trainer.setup(LMTokenizer.build(tiny_gpt2))
-    trainer.run(progress=False)  # ends with the best checkpoint's weights loaded into trainer.model
+    trainer = build_trainer(cfg, out / "run", vocab=LMTokenizer.build(tiny_gpt2))
+    trainer.fit(progress=False)  # ends with the best checkpoint's weights loaded into trainer.model
     return trainer, out / "run" / "best"
 
 
@@ -180,7 +178,7 @@ def test_the_checkpoint_reloads_to_identical_captions(trained, tiny_vit, tiny_gp
     assert saved and set(saved) == trainer.model.trained
     assert not any(".embeddings." in k or ".layers.0." in k or "pooler" in k for k in saved)  # frozen: not saved
     cap = Captioner.load(best)
-    feats = trainer.val_feats.float()
+    feats = trainer.data.val_feats.float()
     ours = cap.decode_features(feats, beam=2)
     trainer.model.eval()
     theirs = Captioner(trainer.model, trainer.vocab, cfg).decode_features(feats, beam=2)
@@ -213,7 +211,7 @@ def test_the_transformers_export_gives_the_same_logits(trained, tmp_path):
         p.name for p in out.iterdir()}
     ved = VisionEncoderDecoderModel.from_pretrained(out).eval()
     model = trainer.model.eval()
-    feats = trainer.val_feats[:2].float()
+    feats = trainer.data.val_feats[:2].float()
     ids = model.lm_ids(caption_ids(trainer.vocab)[:2, :-1])
     with torch.no_grad():
         ours = model.ved(pixel_values=model.pixels(feats), decoder_input_ids=ids).logits

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from .argtypes import float_at_least, int_at_least, positive_floats, positive_int
+from .argtypes import device_name, float_at_least, int_at_least, positive_floats, positive_int
 from .errors import ImageError, UserError, WeightsUnavailable
 from .shipped import list_shipped_models, shipped_models_text
 from .vlm import DEFAULT_VLM, DTYPES
@@ -552,10 +552,17 @@ def _write_per_image(path: str, rep, cand: dict) -> None:
 
 
 def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool, init: str | None,
-              overwrite: bool, tensorboard: str | None = None) -> int:
+              overwrite: bool, tensorboard: str | None = None, device: str | None = None, nproc: int = 1) -> int:
+    if nproc > 1:  # the same command in nproc processes under torchrun (DDP); see docs/distributed-training.md
+        from .distributed import launch
+        from .train import check_run
+        check_run(config, out, max_steps, resume, init, overwrite, device)  # one line here, not one per process
+        flags = {"--out": out, "--max-steps": max_steps, "--init": init, "--tensorboard": tensorboard, "--device": device}
+        args = ["train", "--config", config, *[x for k, v in flags.items() if v is not None for x in (k, str(v))]]
+        return launch(nproc, args + ["--resume"] * resume + ["--overwrite"] * overwrite)
     from .train import train
     train(config, out=out, max_steps=max_steps, resume=resume, init=init, overwrite=overwrite,
-          tensorboard=tensorboard)
+          tensorboard=tensorboard, device=device)
     return 0
 
 
@@ -815,6 +822,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overwrite(t, "start the run in OUT again, replacing the run captionkit wrote there")
     t.add_argument("--tensorboard", metavar="DIR",
                    help="write TensorBoard event files here (replaces the config's train.tensorboard)")
+    t.add_argument("--device", type=device_name,
+                   help="auto (a GPU when there is one), cpu, cuda, cuda:N or mps (replaces the config's train.device)")
+    t.add_argument("--nproc", type=positive_int, default=1,
+                   help="train with DDP in this many processes on this machine (torchrun's launcher; "
+                        "see docs/distributed-training.md)")
 
     f = sub.add_parser("features", help="compute and cache a dataset's encoder features")
     f.set_defaults(func=cmd_features)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from .data import WORD_STYLES
+from .devices import DEVICE_HELP, check_device_name
 from .errors import ConfigError
 from .evaluation import METRICS
 from .models import DEFAULT_FAMILY
@@ -92,8 +93,12 @@ class EncoderConfig:
 class TrainConfig:
     """optimizer: adam, adamw (decoupled weight decay on matrices, embeddings and positions,
         not on biases and norms) or rmsprop.
-    precision: bf16 (mixed precision matmuls), fp32, or auto: bf16 where the CPU multiplies
-        bf16 natively, else fp32 (see captionkit.precision).
+    device: where training runs: auto (a GPU when there is one), cpu, cuda, cuda:N or mps;
+        under torchrun each process takes the GPU of its local rank (see captionkit.devices,
+        docs/distributed-training.md). ``captionkit train --device`` replaces it.
+    precision: bf16 (mixed precision matmuls), fp16 (CUDA only, with a gradient scaler), fp32,
+        or auto: on CUDA bf16 where the GPU has it, else fp16; on the CPU bf16 where it
+        multiplies bf16 natively, else fp32 (see captionkit.precision).
     schedule: "plateau" (lr *= lr_decay after lr_patience epochs without dev gain), "cosine"
         (from lr down to 0 over the epochs) or "inverse_sqrt" (lr * sqrt(warmup_steps / step));
         each after a linear warm-up over warmup_steps steps (inverse_sqrt needs one).
@@ -145,6 +150,7 @@ class TrainConfig:
     weight_decay: float = spec(0.0, ge=0)
     grad_clip: float = spec(5.0, ge=0)  # 0: no clipping
     alpha_c: float = spec(1.0, ge=0)
+    device: str = "auto"
     precision: str = spec("auto", choices=PRECISIONS)
     seed: int = spec(0, ge=0, le=2 ** 32 - 1)
     val_beam: int = spec(3, ge=1)
@@ -176,6 +182,10 @@ class TrainConfig:
 
     def __post_init__(self):
         check_fields(self)
+        try:
+            check_device_name(self.device)
+        except ValueError:
+            raise field_error(self, "device", f"must be {DEVICE_HELP}, not {show(self.device)}") from None
         if self.schedule == "inverse_sqrt" and self.warmup_steps < 1:
             raise field_error(self, "warmup_steps", "must be >= 1 for the inverse_sqrt schedule")
         if self.freeze_embeddings and not self.glove:
@@ -222,6 +232,8 @@ class RunConfig:
             raise ConfigError(f"{where}: train.glove: word vectors need a word tokenizer (data.tokenizer = "
                               f"\"word\"), not {data.tokenizer!r}")
         model = {} if train.init else read_model(d.get("model", {}), where)
+        if model:
+            check_model_fits_training(model, train, where)
         return cls(data, encoder, model, train)
 
     @classmethod
@@ -284,6 +296,31 @@ def read_section(cls: type, table: Any, where: str) -> Any:
         raise ConfigError(f"{where}: {section}.{e.path} {e.message}") from None
 
 
+def check_model_fits_training(model: dict, train: TrainConfig, where: str) -> None:
+    """What the [model] and [train] tables must agree on, known from the family's declarations
+    before any model exists: train.lr_groups names the family's parameter groups, and decoding
+    (train.max_len words and <start>) fits in the family's positions."""
+    from .models import family_config, model_class
+
+    cls = model_class(model["family"])
+    unknown = sorted(set(train.lr_groups) - set(cls.GROUPS))
+    if unknown:
+        raise ConfigError(f"{where}: train.lr_groups: the {model['family']} family has no parameter group "
+                          f"{unknown[0]!r} (its groups: {', '.join(cls.GROUPS)})")
+    fields = family_config(model["family"], {**_stand_ins(model["family"]), **{k: v for k, v in model.items() if k != "family"}})
+    limit = cls.position_limit(fields)
+    if limit is not None and train.max_len + 1 > limit:
+        raise ConfigError(f"{where}: train.max_len is {train.max_len}, but decoding needs max_len + 1 = "
+                          f"{train.max_len + 1} positions and model.max_positions is {limit}")
+
+
+def _stand_ins(family: str) -> dict:
+    from .models import family_fields
+
+    known = family_fields(family)
+    return {k: v for k, v in _STAND_INS.items() if k in known}
+
+
 def read_model(table: Any, where: str) -> dict:
     """The [model] table, checked against its family's config dataclass (with stand-ins for
     the fields the trainer fills in); returned as given, with the family named."""
@@ -305,7 +342,7 @@ def read_model(table: Any, where: str) -> dict:
     rest = {k: v for k, v in table.items() if k != "family"}
     _check_keys(rest, settable, where, "model")
     try:
-        family_config(family, {**{k: v for k, v in _STAND_INS.items() if k in known}, **rest})
+        family_config(family, {**_stand_ins(family), **rest})
     except FieldError as e:
         raise ConfigError(f"{where}: model.{e.path} {e.message}") from None
     return {"family": family, **rest}

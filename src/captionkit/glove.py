@@ -77,6 +77,19 @@ def read_vectors(path: str | Path, words: set[str]) -> tuple[dict[str, torch.Ten
     return vectors, dim
 
 
+def vector_dim(path: str | Path) -> int:
+    """The dimension of a word-vector file, from its first vector (a word2vec header line is
+    skipped): cheap enough to check a config with, before any vector is read."""
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for lineno, line in enumerate(fh, 1):
+            parts = line.rstrip("\n").rstrip(" ").split(" ")
+            if lineno == 1 and len(parts) == 2 and all(p.isdigit() for p in parts):
+                continue
+            if len(parts) >= 2:
+                return len(parts) - 1
+    raise ValueError(f"{path}: no word vectors in the file")
+
+
 def glove_embedding(vocab: Vocab, path: str | Path, seed: int = 0) -> tuple[torch.Tensor, Coverage]:
     """(len(vocab), dim) initial embedding for ``vocab`` from the file, and its coverage."""
     if getattr(vocab, "kind", "word") != "word":

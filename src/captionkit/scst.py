@@ -38,12 +38,12 @@ def sample(model, feats: torch.Tensor, n: int, max_len: int = 20,
     """``n`` captions per image drawn from the model -> (B * n, T) word ids, each row ending
     in <end> and then <pad>; rows b*n .. b*n+n-1 belong to image b. Words that decoding never
     produces (<pad>, <start>, <unk>) are never drawn."""
-    B = feats.shape[0]
+    B, device = feats.shape[0], feats.device
     mem = model.prepare(feats)
-    rows = torch.arange(B).repeat_interleave(n)  # (B*n,)
+    rows = torch.arange(B, device=device).repeat_interleave(n)  # (B*n,)
     mem, state = mem.index_select(rows), select_rows(model.init_state(mem), rows)
-    tokens = torch.full((B * n,), Vocab.start, dtype=torch.long)
-    alive = torch.ones(B * n, dtype=torch.bool)
+    tokens = torch.full((B * n,), Vocab.start, dtype=torch.long, device=device)
+    alive = torch.ones(B * n, dtype=torch.bool, device=device)
     out = []
     for t in range(max_len + 1):
         logp, state, _ = model.step(tokens, state, mem)
@@ -62,12 +62,12 @@ def sequence_logprobs(model, feats: torch.Tensor, seqs: torch.Tensor, n: int = 1
     per image, teacher-forced, under the same renormalisation as sampling (<pad>, <start>,
     <unk> excluded) -> (B*n, T), 0 at pads. With n > 1 the model prepares each image once
     (``image_index``: the image side of a step is a large share of the cost)."""
-    start = torch.full((seqs.shape[0], 1), Vocab.start, dtype=torch.long)
+    start = torch.full((seqs.shape[0], 1), Vocab.start, dtype=torch.long, device=seqs.device)
     inputs = torch.cat([start, seqs[:, :-1]], 1)  # (B*n, T): <start> w_1 .. w_{T-1}
     if n == 1:
         logits, _ = model(feats, inputs)  # (B, T, V)
     else:
-        rows = torch.arange(feats.shape[0]).repeat_interleave(n)  # (B*n,)
+        rows = torch.arange(feats.shape[0], device=feats.device).repeat_interleave(n)  # (B*n,)
         logits, _ = model(feats, inputs, image_index=rows)  # (B*n, T, V)
     logits = logits.float().clone()
     logits[..., [Vocab.pad, Vocab.start, Vocab.unk]] = float("-inf")
@@ -107,20 +107,21 @@ class SelfCritical:
         self.cider = CiderD(refs)
         self.vocab, self.samples, self.max_len, self.baseline = vocab, samples, max_len, baseline
 
-    def rewards(self, keys: list, seqs: list[list[int]]) -> torch.Tensor:
-        """CIDEr-D of each word-id sequence (without <start>/<end>) for its image key."""
-        return torch.tensor([self.cider.score(k, self.vocab.decode(s)) for k, s in zip(keys, seqs)])
+    def rewards(self, keys: list, seqs: list[list[int]], device: torch.device | str = "cpu") -> torch.Tensor:
+        """CIDEr-D of each word-id sequence (without <start>/<end>) for its image key (scored
+        on the CPU, returned on ``device``)."""
+        return torch.tensor([self.cider.score(k, self.vocab.decode(s)) for k, s in zip(keys, seqs)], device=device)
 
     def loss(self, model, feats: torch.Tensor, keys: list) -> tuple[torch.Tensor, SelfCriticalStats]:
         """feats (B, L, D) of the images ``keys`` -> (REINFORCE loss, rewards)."""
         n = self.samples
         seqs = sample(model, feats, n, self.max_len)  # (B*n, T)
         ids = [[w for w in row if w not in (Vocab.end, Vocab.pad)] for row in seqs.tolist()]
-        r_sample = self.rewards([k for k in keys for _ in range(n)], ids)  # (B*n,)
+        r_sample = self.rewards([k for k in keys for _ in range(n)], ids, feats.device)  # (B*n,)
         r_greedy = None
         if self.baseline == "greedy":
             base = greedy(model, feats, self.max_len)
-            r_greedy = self.rewards(keys, [c.ids for c in base])  # (B,)
+            r_greedy = self.rewards(keys, [c.ids for c in base], feats.device)  # (B,)
             advantage = r_sample - r_greedy.repeat_interleave(n)  # (B*n,)
         else:
             advantage = r_sample - leave_one_out_mean(r_sample, n)  # (B*n,)

@@ -59,11 +59,20 @@ class CaptionModel(nn.Module, metaclass=ABCMeta):
     #: they are, or "onehot-argmax" (the one most probable location: hard attention); see
     #: ``view_attention``.
     attention_view: str = "weights"
+    #: the names ``param_groups()`` can return: ``train.lr_groups`` is checked against them when
+    #: the config is read, before a model is built
+    GROUPS: ClassVar[tuple[str, ...]] = ("decoder",)
+
+    @classmethod
+    def position_limit(cls, cfg: Any) -> int | None:
+        """``max_positions`` of a model of config ``cfg`` (the family's dataclass), known before
+        the model is built (the run config's train.max_len is checked against it at load)."""
+        return None
 
     @property
     def max_positions(self) -> int | None:
         """The longest token sequence (<start> + tokens) the model can take; None: no limit."""
-        return None
+        return self.position_limit(self.cfg)
 
     def decode_options(self) -> dict[str, tuple]:
         """Decoding variants to choose among on the dev split after training: option name ->

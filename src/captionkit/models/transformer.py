@@ -228,9 +228,9 @@ class TransformerCaptioner(CaptionModel):
                 nn.init.normal_(p, std=0.02 / math.sqrt(n))
 
     # ---- declared capabilities ------------------------------------------------------------
-    @property
-    def max_positions(self) -> int:
-        return self.cfg.max_positions
+    @classmethod
+    def position_limit(cls, cfg: TransformerConfig) -> int:
+        return cfg.max_positions
 
     def word_embedding(self) -> nn.Embedding:
         return self.embed
