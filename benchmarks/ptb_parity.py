@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from ptb_fuzz import random_lines
 
 from captionkit.ptb import tokenize_lines
-from captionkit.tokenize import LINE_BREAKS, jar_command, one_line
+from captionkit.ptb_tokenize import LINE_BREAKS, jar_command, one_line
 
 
 def jar_lines(lines: list[str]) -> tuple[list[str], float]:

@@ -10,7 +10,7 @@ import pytest
 
 from captionkit import metrics as M
 from captionkit.evaluation import bootstrap, paired_bootstrap, score_captions
-from captionkit.tokenize import java_available, tokenize_java, tokenize_python
+from captionkit.ptb_tokenize import java_available, tokenize_java, tokenize_python
 
 FLICKR8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "flickr8k"
 MODEL_CAPTIONS = Path(__file__).parent / "data" / "flickr8k_test_sat_lite2.json"
@@ -160,7 +160,7 @@ def test_bootstrap_interval_contains_the_score_and_paired_test_detects_a_better_
 
 def test_without_java_or_wordnet_the_rest_is_scored(monkeypatch, capsys):
     import captionkit.evaluation as ev
-    import captionkit.tokenize as tk
+    import captionkit.ptb_tokenize as tk
     monkeypatch.setattr(ev, "java_available", lambda: False)
     monkeypatch.setattr(tk, "java_available", lambda: False)
 

@@ -16,7 +16,7 @@ from captionkit.cli import main
 from captionkit.errors import DatasetError
 from captionkit.evaluation import METEOR_MAX_WORDS, _cut_for_meteor, score_captions
 from captionkit.score_inputs import read_captions, read_references
-from captionkit.tokenize import java_available
+from captionkit.ptb_tokenize import java_available
 
 needs_java = pytest.mark.skipif(not java_available(), reason="Java not installed: the coco-caption jars cannot run")
 TOKENIZERS = ["python", pytest.param("java", marks=needs_java)]

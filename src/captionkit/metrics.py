@@ -4,7 +4,7 @@ arrays, and BLEU kept as per-image sufficient statistics so that bootstrap resam
 images costs a matrix product instead of a rescoring.
 
 All functions take already tokenised text: {image: "space separated tokens"} for the
-candidates and {image: ["tokens", ...]} for the references (see :mod:`captionkit.tokenize`).
+candidates and {image: ["tokens", ...]} for the references (see :mod:`captionkit.ptb_tokenize`).
 Scores are unscaled (BLEU and ROUGE-L in 0..1, CIDEr-D in 0..10), as pycocoevalcap returns them.
 """
 

@@ -23,7 +23,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from . import metrics as M
-from .tokenize import tokenize_python
+from .ptb_tokenize import tokenize_python
 
 RERANKERS = ("mbr",)
 
