@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import shape_image
+from helpers import shape_image
 
 from captionkit.cli import main
 

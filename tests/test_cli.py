@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import shape_image
+from helpers import shape_image
 from PIL import Image
 
 from captionkit.cli import main

@@ -2,7 +2,7 @@
 (validation is replaced, training runs for real on the tiny shapes corpus)."""
 
 import pytest
-from conftest import TINY_CONFIG
+from helpers import TINY_CONFIG
 
 from captionkit.checkpoint import read_config
 from captionkit.tokenizers import build_tokenizer

@@ -4,7 +4,7 @@ import io
 import threading
 
 import pytest
-from conftest import shape_image
+from helpers import shape_image
 
 pytest.importorskip("fastapi")
 pytest.importorskip("multipart")

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import TINY_CONFIG, shape_image
+from helpers import TINY_CONFIG, shape_image
 
 from captionkit import data
 from captionkit.cache import cache_dir

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import SHAPES, TEMPLATES
+from helpers import SHAPES, TEMPLATES
 
 from captionkit.data import load_dataset, normalize
 from captionkit.tokenizers import KINDS, BPETokenizer, CharTokenizer, build_tokenizer, load_tokenizer

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import assert_shared_image_matches_repeats
+from helpers import assert_shared_image_matches_repeats
 
 from captionkit.decoding import allowed_words, beam_search, greedy
 from captionkit.models import create_model, family_config

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import shape_image
+from helpers import shape_image
 from PIL import Image
 
 from captionkit.captioner import Captioner

@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from conftest import shape_image, write_lm_config  # noqa: E402
+from helpers import shape_image, write_lm_config  # noqa: E402
 
 from captionkit.captioner import Captioner  # noqa: E402
 from captionkit.checkpoint import read_config, read_weights  # noqa: E402
