@@ -258,6 +258,7 @@ def lite0_members(tmp_path_factory) -> tuple[Path, Path]:
     return checkpoint(root / "a", a, grid=grid), checkpoint(root / "b", b, grid=grid)
 
 
+@pytest.mark.slow  # two models through the caption command
 def test_caption_command_decodes_an_ensemble(lite0_members, tmp_path):
     from helpers import shape_image
     a, b = lite0_members

@@ -66,6 +66,7 @@ def test_random_captions_parity_python_tokens():
 
 
 @needs_java
+@pytest.mark.slow  # starts the PTB jar
 def test_random_captions_parity_and_tokenizers_agree():
     cands, refs = random_captions(300, seed=1)
     assert_parity(cands, refs)
@@ -89,6 +90,7 @@ def _flickr_sets():
 
 @needs_java
 @needs_flickr
+@pytest.mark.slow  # the PTB jar over the Flickr8k test split
 def test_flickr8k_test_split_parity_java_and_python_tokens():
     sets = _flickr_sets()
     assert len(sets) == 3, "tests/data/flickr8k_test_sat_lite2.json is missing"
@@ -100,6 +102,7 @@ def test_flickr8k_test_split_parity_java_and_python_tokens():
 
 @needs_java
 @needs_flickr
+@pytest.mark.slow  # the METEOR jar over the Flickr8k test split
 def test_meteor_jar_equals_pycocoevalcap():
     from pycocoevalcap.meteor.meteor import Meteor
     from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
@@ -123,6 +126,7 @@ def _wordnet_available() -> bool:
 
 
 @pytest.mark.skipif(not _wordnet_available(), reason="no WordNet for nltk's METEOR (Debian wordnet-base)")
+@pytest.mark.slow  # nltk's METEOR over the Flickr8k test split
 def test_nltk_meteor_is_labelled_an_approximation():
     cands, refs = random_captions(20, seed=2)
     rep = score_captions(cands, refs, metrics=("meteor",), tokenizer="python", meteor="nltk")

@@ -69,12 +69,14 @@ def test_recorded_cases_are_what_the_jar_gives():
 
 
 @needs_java
+@pytest.mark.slow  # starts the PTB jar
 def test_random_lines_equal_the_jar():
     lines = random_lines(2000, seed=0)
     assert python_tokens(lines) == jar_tokens(lines)
 
 
 @needs_java
+@pytest.mark.slow  # starts the PTB jar
 def test_code_points_equal_the_jar():
     """Every code point below U+0800 and every 7th above (the full sweep is in
     benchmarks/ptb_parity.py --chars), alone and inside a word."""
@@ -86,6 +88,7 @@ def test_code_points_equal_the_jar():
 
 @needs_java
 @pytest.mark.skipif(not (FLICKR8K / "Flickr8k.token.txt").is_file(), reason=f"Flickr8k not found at {FLICKR8K}")
+@pytest.mark.slow  # the PTB jar over Flickr8k's captions
 def test_every_flickr8k_caption_equals_the_jar():
     lines = [x.split("\t", 1)[1] for x in (FLICKR8K / "Flickr8k.token.txt").read_text().splitlines()]
     assert len(lines) == 40460
