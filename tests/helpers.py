@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageDraw
 
+# Flickr8k as the shared data folder holds it, beside the clone (tests that need it skip without it)
+FLICKR8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "flickr8k"
+
 SHAPES = [
     ("red", (220, 30, 30), "circle"),
     ("blue", (30, 60, 220), "square"),

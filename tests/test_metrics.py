@@ -7,12 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import FLICKR8K
 
 from captionkit import metrics as M
 from captionkit.evaluation import bootstrap, paired_bootstrap, score_captions
 from captionkit.ptb_tokenize import java_available, tokenize_java, tokenize_python
 
-FLICKR8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "flickr8k"
 MODEL_CAPTIONS = Path(__file__).parent / "data" / "flickr8k_test_sat_lite2.json"
 needs_java = pytest.mark.skipif(not java_available(), reason="Java not installed: the coco-caption jars cannot run")
 needs_flickr = pytest.mark.skipif(not (FLICKR8K / "Flickr8k.token.txt").is_file(),

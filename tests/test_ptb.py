@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import FLICKR8K
 from ptb_fuzz import random_lines
 
 from captionkit import ptb
@@ -21,7 +22,6 @@ from captionkit.ptb_tokenize import (
 )
 
 CASES = json.loads((Path(__file__).parent / "data" / "ptb_cases.json").read_text())
-FLICKR8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "flickr8k"
 needs_java = pytest.mark.skipif(not java_available(), reason="Java not installed: the PTBTokenizer jar cannot run")
 
 

@@ -5,13 +5,11 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import SHAPES, TEMPLATES
+from helpers import FLICKR8K, SHAPES, TEMPLATES
 
 from captionkit.data import load_dataset, normalize
 from captionkit.tokenizers import KINDS, BPETokenizer, CharTokenizer, build_tokenizer, load_tokenizer
 from captionkit.vocab import Vocab
-
-FLICKR8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "flickr8k"
 
 
 def synthetic_captions() -> list[list[str]]:
