@@ -593,7 +593,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("caption", help="caption image files or folders (docs/captioning.md)")
     c.add_argument("paths", nargs="+")
-    c.add_argument("--model", action="append", help="checkpoint or ensemble folder, or a shipped model by name: transformer-lite2-flickr8k (the default), sat-lite2-flickr8k, prefix-smollm2-lora-flickr8k; repeat for an ensemble (docs/ensembles.md)")
+    c.add_argument("--model", action="append",
+                   help="checkpoint or ensemble folder, or a shipped model by name: transformer-lite2-flickr8k "
+                        "(the default), sat-lite2-flickr8k, prefix-smollm2-lora-flickr8k; repeat for an ensemble "
+                        "(docs/ensembles.md)")
     _add_ensemble_opts(c)
     _add_candidates_opt(c)
     c.add_argument("--beam", type=positive_int, default=3)
@@ -679,7 +682,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("export", help="export a model for other runtimes (ONNX)")
     x.add_argument("format", choices=["onnx"])
-    x.add_argument("--model", help="checkpoint folder, or a shipped model by name: transformer-lite2-flickr8k (the default), sat-lite2-flickr8k, prefix-smollm2-lora-flickr8k")
+    x.add_argument("--model", help="checkpoint folder, or a shipped model by name: transformer-lite2-flickr8k "
+                                   "(the default), sat-lite2-flickr8k, prefix-smollm2-lora-flickr8k")
     x.add_argument("--out", required=True, help="folder for manifest.json and the graphs")
     x.add_argument("--int8", action="store_true", help="also write dynamically int8-quantised decoder graphs")
     x.add_argument("--int8-encoder", action="store_true", help="quantise the encoder's convolutions too")
@@ -708,7 +712,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overwrite(r, "replace an existing OUT")
 
     v = sub.add_parser("serve", help="HTTP API and web page (FastAPI)")
-    v.add_argument("--model", action="append", help="checkpoint folder or shipped model name; repeat for several (default: transformer-lite2-flickr8k)")
+    v.add_argument("--model", action="append",
+                   help="checkpoint folder or shipped model name; repeat for several (default: transformer-lite2-flickr8k)")
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--max-upload-mb", type=float, default=10.0)

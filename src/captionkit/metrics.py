@@ -70,7 +70,10 @@ class Corpus:
             gram.append(pairs % (offset + 1))
             order.append(np.full(len(pairs), k - 1))
             count.append(c)
-        cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))
+
+        def cat(xs: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)
+
         N = len(keys)
         return cls(keys, n, lens[:N], np.array(ref_img, dtype=np.int64), lens[N:],
                    cat(sent), cat(order), cat(gram), cat(count).astype(np.float64), offset)
