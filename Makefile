@@ -1,4 +1,5 @@
-# Quick start: `make demo` captions the sample photos; `make test` runs the test suite.
+# Quick start: `make demo` captions the sample photos; `make test` runs the test suite
+# (`make test-fast` all but the tests marked slow; `make lint` runs ruff).
 # Both create the virtual environment and install everything on first use.
 PYTHON ?= python3.11
 VENV ?= .venv
@@ -9,7 +10,7 @@ TORCH ?= torch==2.14.1 torchvision==0.29.1
 
 WEB_VENDOR := src/captionkit/web/vendor/ort/ort.wasm.min.mjs
 
-.PHONY: demo test bench clean web
+.PHONY: demo test test-fast lint bench clean web
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +46,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	-@command -v npm >/dev/null && $(MAKE) --no-print-directory web || echo "note: npm missing; in-browser demo tests will be skipped"
 	$(BIN)/python -m pytest -q
+
+# the loop while editing: every test not marked @pytest.mark.slow (make test, as CI, runs them all)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# ruff's rules and line length are in pyproject.toml ([tool.ruff])
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/speed.py

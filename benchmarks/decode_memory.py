@@ -55,7 +55,8 @@ CASES = [  # format, mode, save options
 def photo(mode: str, side: int, rng: np.random.Generator) -> Image.Image:
     """Noise, smoothed for JPEG so that its encoder's buffer suffices."""
     if mode in ("I;16", "F"):
-        arr = rng.integers(0, 65535, (side, side), dtype=np.uint16) if mode == "I;16" else rng.random((side, side), dtype=np.float32)
+        arr = (rng.integers(0, 65535, (side, side), dtype=np.uint16) if mode == "I;16"
+               else rng.random((side, side), dtype=np.float32))
         return Image.fromarray(arr)
     base = Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8), "RGB")
     if mode == "RGBA":

@@ -135,7 +135,7 @@ def main() -> int:
     from captionkit.captioner import Captioner
     from captionkit.data import load_dataset
     from captionkit.evaluation import score_captions
-    from captionkit.outputs import atomic_write_text, check_folder_target, write_marker
+    from captionkit.outputs import atomic_write_text, check_folder_target
 
     out_dir = check_folder_target(args.out, overwrite=False) if args.out else None
     torch.set_num_threads(1)
@@ -175,7 +175,7 @@ def main() -> int:
     print(f"speed: images/s decoding cached Lite2 rows (encoder excluded), batches of {BATCH}, one thread, "
           f"median of {args.repeats} interleaved runs over {args.speed_images} images; MBR rows include "
           f"their n-best decoding and the reranking")
-    print(f"| system | BLEU-4 | " + ("" if args.no_meteor else "METEOR | ") + "CIDEr-D | images/s |")
+    print("| system | BLEU-4 | " + ("" if args.no_meteor else "METEOR | ") + "CIDEr-D | images/s |")
     print("|---|---:|" + ("" if args.no_meteor else "---:|") + "---:|---:|")
     for label, s in scores.items():
         print(f"| {label} | {100 * s['Bleu_4']:.2f} | " + ("" if args.no_meteor else f"{100 * s['METEOR']:.2f} | ")

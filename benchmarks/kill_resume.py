@@ -1,4 +1,4 @@
-"""Kill it anywhere, many times: a tiny training run (tests/conftest.py's shapes corpus and tiny
+"""Kill it anywhere, many times: a tiny training run (tests/helpers.py's shapes corpus and tiny
 config, checkpoints every 2 steps, dropout 0.3, one thread) is killed with SIGKILL --kills
 times at random points -- at a random moment of its training, or at a random one of the named
 points inside checkpoint writes and validation -- and resumed with ``captionkit train --resume``
@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
-from conftest import TINY_CONFIG, write_flickr8k  # noqa: E402
+from helpers import TINY_CONFIG, write_flickr8k  # noqa: E402
 from killharness import Launch, compare_runs, kill_and_resume, kill_config, random_plans  # noqa: E402
 
 

@@ -27,10 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 sys.path.insert(0, str(ROOT / "tests"))
 
-from ptb_fuzz import random_lines
+from ptb_fuzz import random_lines  # noqa: E402
 
-from captionkit.ptb import tokenize_lines
-from captionkit.tokenize import LINE_BREAKS, jar_command, one_line
+from captionkit.ptb import tokenize_lines  # noqa: E402
+from captionkit.ptb_tokenize import LINE_BREAKS, jar_command, one_line  # noqa: E402
 
 
 def jar_lines(lines: list[str]) -> tuple[list[str], float]:

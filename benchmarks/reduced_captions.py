@@ -54,7 +54,8 @@ def main() -> int:
         for fmt in ("JPEG", "PNG"):
             buf = io.BytesIO()
             big.save(buf, fmt, **({"quality": 92} if fmt == "JPEG" else {"compress_level": 1}))
-            full, reduced = to_tensor(decode_rgb(buf.getvalue()), pre), to_tensor(decode_reduced(buf.getvalue(), pre.size)[0], pre)
+            full = to_tensor(decode_rgb(buf.getvalue()), pre)
+            reduced = to_tensor(decode_reduced(buf.getvalue(), pre.size)[0], pre)
             worst[fmt] = max(worst[fmt], float((full - reduced).abs().max() * max(pre.std) * 255))  # in pixel units
             inputs[(fmt, "full")], inputs[(fmt, "reduced")] = full, reduced
         with torch.inference_mode():

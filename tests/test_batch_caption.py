@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import shape_image
+from helpers import shape_image
 
 from captionkit.cli import main
 
@@ -88,6 +88,7 @@ def test_foreign_file_is_refused(folder, tiny_run, tmp_path, capsys):
     assert "notes.jsonl:1: not a captionkit JSONL line" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # child processes killed and resumed
 def test_kill_and_resume_gives_the_uninterrupted_output(folder, tiny_run, tmp_path):
     """A real SIGKILL in the middle of a run, then the same command again."""
     cmd = [sys.executable, "-m", "captionkit", "caption", str(folder), "--model", str(tiny_run / "best"),

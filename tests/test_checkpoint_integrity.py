@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import shape_image
+from helpers import shape_image
 from safetensors.torch import load_file
 
 from captionkit.captioner import SHIPPED, Captioner

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import shape_image
+from helpers import shape_image
 from PIL import Image
 
 from captionkit.cli import main
@@ -96,6 +96,7 @@ def test_cli_errors_are_one_line(tiny_run, tmp_path, capsys):
     assert "x.toml: invalid TOML" in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # evaluates a model and starts the scoring jars
 def test_evaluate_and_score_end_to_end(tiny_run, flickr_dir, tmp_path, capsys):
     out = tmp_path / "eval.json"
     assert main(["evaluate", "--model", str(tiny_run / "best"), "--dataset", str(flickr_dir),
@@ -115,6 +116,7 @@ def test_evaluate_and_score_end_to_end(tiny_run, flickr_dir, tmp_path, capsys):
     assert "stray.jpg" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a child process
 def test_console_script_runs(tiny_run, photo_dir):
     r = subprocess.run([sys.executable, "-m", "captionkit.cli", "caption", str(photo_dir / "good.jpg"),
                         "--model", str(tiny_run / "best")], capture_output=True, text=True)

@@ -233,6 +233,7 @@ def loads_or_names_the_field(path: Path, text: str, parsed: bool) -> None:
 
 @settings(max_examples=80, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(documents)
+@pytest.mark.slow  # hypothesis: many generated documents
 def test_any_toml_document_loads_or_is_one_line_naming_the_field(doc_path, doc):
     loads_or_names_the_field(doc_path, to_toml(doc), parsed=True)
 

@@ -2,7 +2,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import shape_image
+from helpers import shape_image
 
 from captionkit.data import DatasetError, load_dataset, normalize, read_flickr8k
 from captionkit.vocab import Vocab

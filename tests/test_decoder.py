@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from captionkit.decoding import beam_search, greedy
+from captionkit.decoding import beam_search
 from captionkit.kernels import EnergyContext, kernel_available
 from captionkit.models import create_model, family_config
 from captionkit.models.sat import SATConfig, caption_loss

@@ -2,7 +2,7 @@
 (validation is replaced, training runs for real on the tiny shapes corpus)."""
 
 import pytest
-from conftest import TINY_CONFIG
+from helpers import TINY_CONFIG
 
 from captionkit.checkpoint import read_config, resolve
 from captionkit.tokenizers import build_tokenizer
@@ -39,6 +39,7 @@ def word_trainer(cfg: RunConfig, out) -> Trainer:
     return build_trainer(cfg, out, data, build_tokenizer("word", [t for it in data.train_items for t in it.tokens], 1))
 
 
+@pytest.mark.slow  # training runs
 def test_min_delta_decides_what_counts_as_a_gain(tmp_path, flickr_dir, capsys):
     st = scripted_run(_config(tmp_path, flickr_dir, 0.001, "delta"), tmp_path / "delta").state
     assert (st.epoch, st.best_epoch, st.best_score, st.bad_epochs) == (5, 3, 0.5020, 2)
@@ -50,6 +51,7 @@ def test_min_delta_decides_what_counts_as_a_gain(tmp_path, flickr_dir, capsys):
     assert (st.epoch, st.best_epoch, st.best_score) == (8, 6, 0.600)
 
 
+@pytest.mark.slow  # a training run
 def test_patience_counts_validations_when_not_every_epoch_is_scored(tmp_path, flickr_dir, capsys):
     cfg = _config(tmp_path, flickr_dir, 0.2, "sparse")
     cfg.train.val_every = 2
@@ -59,6 +61,7 @@ def test_patience_counts_validations_when_not_every_epoch_is_scored(tmp_path, fl
     assert "early stop: no CIDEr gain above 20 (x100) for 2 validations (every 2 epochs)" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # training runs
 def test_a_resumed_run_stops_where_an_unbroken_one_does(tmp_path, flickr_dir):
     cfg = _config(tmp_path, flickr_dir, 0.001, "delta")
     whole = scripted_run(cfg, tmp_path / "whole").state
@@ -83,6 +86,7 @@ def test_the_chosen_metric_is_scored_in_validation(tmp_path, flickr_dir):
         TrainConfig(min_delta=-0.1)
 
 
+@pytest.mark.slow  # training runs
 def test_resuming_a_run_that_stopped_early_trains_no_further(tmp_path, flickr_dir):
     cfg = _config(tmp_path, flickr_dir, 0.001, "stopped")
     whole = scripted_run(cfg, tmp_path / "stopped").state

@@ -9,9 +9,12 @@ from captionkit.encoders import WeightsUnavailable, create_encoder, list_encoder
 from captionkit.images import to_tensor
 
 SAMPLES = Path(__file__).resolve().parents[1] / "samples"
+# the encoders whose grid takes a few seconds on the 2-core machine (large networks)
+SLOW_ENCODERS = {"vgg19", "resnet152", "densenet201", "clip_vit_b16", "clip_vit_b32"}
 
 
-@pytest.mark.parametrize("name", list_encoders())
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_ENCODERS else n
+                                  for n in list_encoders()])
 def test_every_encoder_gives_its_grid_of_annotation_vectors(name):
     if name.startswith("clip_"):
         pytest.importorskip("open_clip", reason="CLIP encoders need open_clip_torch (the test extra)")
@@ -38,6 +41,7 @@ def test_unknown_encoder():
         create_encoder("vgg20")
 
 
+@pytest.mark.slow  # builds VGG-19, a large network
 def test_missing_torchvision_weights_give_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
 
@@ -49,6 +53,7 @@ def test_missing_torchvision_weights_give_a_clear_error(tmp_path, monkeypatch):
         create_encoder("vgg19")
 
 
+@pytest.mark.slow  # builds, saves and loads AlexNet, a large network
 def test_torchvision_weights_from_an_explicit_file(tmp_path):
     from torchvision import models as tvm
     torch.manual_seed(0)

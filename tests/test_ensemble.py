@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_beam_one_is_greedy
+from helpers import assert_beam_one_is_greedy
 
 from captionkit.captioner import Captioner
 from captionkit.checkpoint import CheckpointError, save_checkpoint
@@ -258,8 +258,9 @@ def lite0_members(tmp_path_factory) -> tuple[Path, Path]:
     return checkpoint(root / "a", a, grid=grid), checkpoint(root / "b", b, grid=grid)
 
 
+@pytest.mark.slow  # two models through the caption command
 def test_caption_command_decodes_an_ensemble(lite0_members, tmp_path):
-    from conftest import shape_image
+    from helpers import shape_image
     a, b = lite0_members
     for k in range(3):
         shape_image(k, size=64).save(tmp_path / f"img{k}.jpg")

@@ -169,6 +169,7 @@ def test_a_local_grid_gives_a_run_folder_per_trial_and_the_summary(tiny_sweep, c
     assert {"train.lr", "model.hidden_dim", "Bleu_4", "CIDEr", "val_loss", "trained_parameters"} <= set(rows[0])
 
 
+@pytest.mark.slow  # a sweep of training runs
 def test_an_interrupted_sweep_resumes_without_repeating_finished_trials(tiny_config, tmp_path, monkeypatch):
     import captionkit.train as train_module
     real_train = train_module.train
@@ -249,6 +250,7 @@ def test_each_validation_records_the_teacher_forced_dev_loss(tiny_run, flickr_di
     assert history[-1]["val_loss"] == pytest.approx(total / tokens, rel=2e-3)
 
 
+@pytest.mark.slow  # a training run and TensorBoard
 def test_train_writes_tensorboard_event_files_that_tensorboard_reads(tiny_config, tmp_path):
     pytest.importorskip("tensorboard", reason="the tensorboard package is not installed")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -48,6 +48,7 @@ def test_manifest_describes_graphs_vocab_and_preprocessing(tiny_export):
 
 
 @pytest.mark.parametrize("beam", [1, 3])
+@pytest.mark.slow  # decodes with ONNX Runtime and PyTorch
 def test_onnx_captions_equal_pytorch(tiny_export, flickr_dir, beam):
     cap, out = tiny_export
     files = find_images([flickr_dir / "Flicker8k_Dataset"])
@@ -61,6 +62,7 @@ def test_onnx_captions_equal_pytorch(tiny_export, flickr_dir, beam):
     assert res.words == ref.words and torch.allclose(res.attention, ref.attention, atol=1e-4)
 
 
+@pytest.mark.slow  # quantises and runs the ONNX graphs
 def test_int8_graphs_are_smaller_and_caption(tiny_export, flickr_dir):
     cap, out = tiny_export
     assert (out / "step.int8.onnx").stat().st_size < (out / "step.onnx").stat().st_size
@@ -74,6 +76,7 @@ def test_unknown_family_is_refused():
         decoder_export("no-such-family", torch.nn.Linear(1, 1))
 
 
+@pytest.mark.slow  # exports and runs the ONNX graphs
 def test_cli_export_with_check(tiny_run, flickr_dir, tmp_path, capsys):
     out = tmp_path / "exp"
     rc = main(["export", "onnx", "--model", str(tiny_run / "best"), "--out", str(out),

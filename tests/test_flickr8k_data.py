@@ -1,13 +1,11 @@
 """Checks against the real Flickr8k copy in ../shared, skipped where it is absent (a user's
 fresh clone)."""
 
-from pathlib import Path
-
 import pytest
+from helpers import FLICKR8K
 
 from captionkit.data import load_dataset
 
-FLICKR8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "flickr8k"
 pytestmark = pytest.mark.skipif(not (FLICKR8K / "Flickr8k.token.txt").is_file(),
                                 reason=f"Flickr8k not found at {FLICKR8K}")
 

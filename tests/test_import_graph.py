@@ -2,7 +2,7 @@
 read from the source by benchmarks/import_graph.py; and that the checker does see cycles,
 deferred imports and relative imports on a package made here."""
 
-from conftest import import_graph_module
+from helpers import import_graph_module
 
 graph = import_graph_module()
 

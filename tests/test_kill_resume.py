@@ -4,7 +4,7 @@ ends with the checkpoints and history of a run never interrupted (see tests/kill
 benchmarks/kill_resume.py runs many more random kills)."""
 
 import pytest
-from conftest import TINY_CONFIG
+from helpers import TINY_CONFIG
 from killharness import HOOKS, Launch, compare_runs, kill_and_resume, kill_config
 
 # one kill of each kind; the timer first, early in the first epoch (before its first checkpoint

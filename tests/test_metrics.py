@@ -7,12 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import FLICKR8K
 
 from captionkit import metrics as M
 from captionkit.evaluation import bootstrap, paired_bootstrap, score_captions
-from captionkit.tokenize import java_available, tokenize_java, tokenize_python
+from captionkit.ptb_tokenize import java_available, tokenize_java, tokenize_python
 
-FLICKR8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "flickr8k"
 MODEL_CAPTIONS = Path(__file__).parent / "data" / "flickr8k_test_sat_lite2.json"
 needs_java = pytest.mark.skipif(not java_available(), reason="Java not installed: the coco-caption jars cannot run")
 needs_flickr = pytest.mark.skipif(not (FLICKR8K / "Flickr8k.token.txt").is_file(),
@@ -66,6 +66,7 @@ def test_random_captions_parity_python_tokens():
 
 
 @needs_java
+@pytest.mark.slow  # starts the PTB jar
 def test_random_captions_parity_and_tokenizers_agree():
     cands, refs = random_captions(300, seed=1)
     assert_parity(cands, refs)
@@ -89,6 +90,7 @@ def _flickr_sets():
 
 @needs_java
 @needs_flickr
+@pytest.mark.slow  # the PTB jar over the Flickr8k test split
 def test_flickr8k_test_split_parity_java_and_python_tokens():
     sets = _flickr_sets()
     assert len(sets) == 3, "tests/data/flickr8k_test_sat_lite2.json is missing"
@@ -100,6 +102,7 @@ def test_flickr8k_test_split_parity_java_and_python_tokens():
 
 @needs_java
 @needs_flickr
+@pytest.mark.slow  # the METEOR jar over the Flickr8k test split
 def test_meteor_jar_equals_pycocoevalcap():
     from pycocoevalcap.meteor.meteor import Meteor
     from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
@@ -123,6 +126,7 @@ def _wordnet_available() -> bool:
 
 
 @pytest.mark.skipif(not _wordnet_available(), reason="no WordNet for nltk's METEOR (Debian wordnet-base)")
+@pytest.mark.slow  # nltk's METEOR over the Flickr8k test split
 def test_nltk_meteor_is_labelled_an_approximation():
     cands, refs = random_captions(20, seed=2)
     rep = score_captions(cands, refs, metrics=("meteor",), tokenizer="python", meteor="nltk")
@@ -160,7 +164,7 @@ def test_bootstrap_interval_contains_the_score_and_paired_test_detects_a_better_
 
 def test_without_java_or_wordnet_the_rest_is_scored(monkeypatch, capsys):
     import captionkit.evaluation as ev
-    import captionkit.tokenize as tk
+    import captionkit.ptb_tokenize as tk
     monkeypatch.setattr(ev, "java_available", lambda: False)
     monkeypatch.setattr(tk, "java_available", lambda: False)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (TINY_CONFIG, assert_beam_one_is_greedy, assert_shared_image_matches_repeats, import_graph_module,
-                      shape_image)
+from helpers import (TINY_CONFIG, assert_beam_one_is_greedy, assert_shared_image_matches_repeats, import_graph_module,
+                     shape_image)
 from tiny_family import TinyCaptioner, TinyConfig
 from torch import nn
 

@@ -175,6 +175,7 @@ def _variant(tiny_config, tmp_path, name, model=None, train_extra=""):
     return path
 
 
+@pytest.mark.slow  # a training run
 def test_hard_attention_run(tiny_config, tmp_path):
     cfg = _variant(tiny_config, tmp_path, "hard", model='attention = "hard"')
     train(cfg, out=tmp_path / "hard", progress=False)
@@ -190,6 +191,7 @@ def test_hard_attention_run(tiny_config, tmp_path):
     assert set(res.attention.unique().tolist()) <= {0.0, 1.0}
 
 
+@pytest.mark.slow  # a training run
 def test_self_critical_run_starts_from_a_checkpoint(tiny_run, tiny_config, tmp_path):
     cfg = _variant(tiny_config, tmp_path, "scst", model="",
                    train_extra=f'init = "{tiny_run / "best"}"\nobjective = "scst"\nsamples = 3\nlr = 1e-3\n')
@@ -204,6 +206,7 @@ def test_self_critical_run_starts_from_a_checkpoint(tiny_run, tiny_config, tmp_p
     assert any(not torch.equal(last[k], start[k]) for k in start)
 
 
+@pytest.mark.slow  # a training run
 def test_self_critical_run_with_the_mean_baseline(tiny_run, tiny_config, tmp_path):
     cfg = _variant(tiny_config, tmp_path, "scst_mean", model="",
                    train_extra=f'init = "{tiny_run / "best"}"\nobjective = "scst"\nsamples = 3\n'
@@ -219,6 +222,7 @@ def test_self_critical_run_with_the_mean_baseline(tiny_run, tiny_config, tmp_pat
         RunConfig.load(bad)
 
 
+@pytest.mark.slow  # a training run
 def test_fine_tuning_the_encoders_last_block(tiny_run, tiny_config, tmp_path):
     cfg = _variant(tiny_config, tmp_path, "ft", model="",
                    train_extra=f'init = "{tiny_run / "best"}"\nfinetune_blocks = 1\nencoder_lr = 1e-2\n')

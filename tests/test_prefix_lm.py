@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from conftest import shape_image, write_lm_config  # noqa: E402
+from helpers import shape_image, write_lm_config  # noqa: E402
 
 from captionkit.captioner import Captioner  # noqa: E402
 from captionkit.checkpoint import ENCODER_PREFIX, read_config, read_weights  # noqa: E402
@@ -197,6 +197,7 @@ def lora_run(tiny_lm, flickr_dir, tmp_path_factory) -> Path:
     return out / "run"
 
 
+@pytest.mark.slow  # the lora_run fixture: a training run
 def test_trainer_run_saves_only_trained_tensors_and_captions_from_the_command_line(lora_run, tiny_lm, tmp_path,
                                                                                     capsys):
     cfg = read_config(lora_run / "best")
@@ -226,6 +227,7 @@ def test_trainer_run_saves_only_trained_tensors_and_captions_from_the_command_li
     assert out.strip("\n").split("\t") == [name, caption]
 
 
+@pytest.mark.slow  # the lora_run fixture: a training run
 def test_a_checkpoint_whose_lm_is_gone_fails_in_one_line(lora_run, tmp_path, capsys):
     import json
     import shutil

@@ -8,10 +8,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import FLICKR8K
 from ptb_fuzz import random_lines
 
 from captionkit import ptb
-from captionkit.tokenize import (
+from captionkit.ptb_tokenize import (
     LINE_BREAKS,
     jar_command,
     java_available,
@@ -21,7 +22,6 @@ from captionkit.tokenize import (
 )
 
 CASES = json.loads((Path(__file__).parent / "data" / "ptb_cases.json").read_text())
-FLICKR8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "flickr8k"
 needs_java = pytest.mark.skipif(not java_available(), reason="Java not installed: the PTBTokenizer jar cannot run")
 
 
@@ -69,12 +69,14 @@ def test_recorded_cases_are_what_the_jar_gives():
 
 
 @needs_java
+@pytest.mark.slow  # starts the PTB jar
 def test_random_lines_equal_the_jar():
     lines = random_lines(2000, seed=0)
     assert python_tokens(lines) == jar_tokens(lines)
 
 
 @needs_java
+@pytest.mark.slow  # starts the PTB jar
 def test_code_points_equal_the_jar():
     """Every code point below U+0800 and every 7th above (the full sweep is in
     benchmarks/ptb_parity.py --chars), alone and inside a word."""
@@ -86,6 +88,7 @@ def test_code_points_equal_the_jar():
 
 @needs_java
 @pytest.mark.skipif(not (FLICKR8K / "Flickr8k.token.txt").is_file(), reason=f"Flickr8k not found at {FLICKR8K}")
+@pytest.mark.slow  # the PTB jar over Flickr8k's captions
 def test_every_flickr8k_caption_equals_the_jar():
     lines = [x.split("\t", 1)[1] for x in (FLICKR8K / "Flickr8k.token.txt").read_text().splitlines()]
     assert len(lines) == 40460
@@ -109,7 +112,7 @@ def test_line_breaks_inside_a_caption_are_spaces(tokenize):
 def test_the_jar_path_refuses_a_line_count_it_did_not_expect(monkeypatch):
     """If the jar ever gave more or fewer lines than captions, the tokens would be paired with
     the wrong images: it fails loudly instead."""
-    import captionkit.tokenize as tk
+    import captionkit.ptb_tokenize as tk
 
     monkeypatch.setattr(tk, "one_line", lambda text: text)  # let a line break through
     with pytest.raises(RuntimeError, match="returned 3 lines for 2 captions"):

@@ -16,7 +16,7 @@ from captionkit.cli import main
 from captionkit.errors import DatasetError
 from captionkit.evaluation import METEOR_MAX_WORDS, _cut_for_meteor, score_captions
 from captionkit.score_inputs import read_captions, read_references
-from captionkit.tokenize import java_available
+from captionkit.ptb_tokenize import java_available
 
 needs_java = pytest.mark.skipif(not java_available(), reason="Java not installed: the coco-caption jars cannot run")
 TOKENIZERS = ["python", pytest.param("java", marks=needs_java)]
@@ -160,7 +160,10 @@ def test_evaluate_refuses_an_existing_out_before_loading_anything(tmp_path, caps
 
 
 # ---- property tests: no exception escapes the readers but their one-line errors --------------
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-10**9, 10**9) | st.floats(allow_nan=False) | st.text(max_size=20),
+# no subnormal floats: captionkit's -ffast-math attention kernel, once loaded by an earlier test in
+# the same process, flushes them to zero and hypothesis refuses to generate them
+FLOATS = st.floats(allow_nan=False, allow_subnormal=False)
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-10**9, 10**9) | FLOATS | st.text(max_size=20),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
                     max_leaves=12)
 CAPTIONS_LIKE = st.dictionaries(st.text(max_size=8), st.text(max_size=30) | JSON, max_size=5) | \

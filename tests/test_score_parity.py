@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from captionkit.evaluation import score_captions
-from captionkit.tokenize import java_available, tokenize_java, tokenize_python
+from captionkit.ptb_tokenize import java_available, tokenize_java, tokenize_python
 
 COCO = Path(__file__).resolve().parents[2] / "shared" / "data" / "parity" / "coco_magic"
 needs_coco = pytest.mark.skipif(not (COCO / "reference_scores.json").is_file(),
@@ -25,6 +25,7 @@ def load():
 
 @needs_coco
 @needs_java
+@pytest.mark.slow  # the PTB jar over the COCO captions
 def test_python_tokens_equal_the_jars_on_every_coco_caption():
     caps, refs, _ = load()
     for texts in (refs, {k: [v] for k, v in caps.items()}):  # two texts, as coco-caption tokenises them
@@ -36,6 +37,7 @@ def test_python_tokens_equal_the_jars_on_every_coco_caption():
 
 @needs_coco
 @pytest.mark.parametrize("tokenizer", TOKENIZERS)
+@pytest.mark.slow  # pycocoevalcap's scorers over the COCO captions
 def test_bleu_rouge_cider_equal_pycocoevalcap(tokenizer):
     caps, refs, want = load()
     got = score_captions(caps, refs, metrics=("bleu", "rouge", "cider"), tokenizer=tokenizer, quiet=True).scores

@@ -4,7 +4,7 @@ import io
 import threading
 
 import pytest
-from conftest import shape_image
+from helpers import shape_image
 
 pytest.importorskip("fastapi")
 pytest.importorskip("multipart")
@@ -112,6 +112,7 @@ def test_streamed_body_over_limit_is_413(client):
     assert client.post("/v1/caption", files={"image": ("x.jpg", _jpeg(), "image/jpeg")}).status_code == 200
 
 
+@pytest.mark.slow  # a live server
 def test_full_queue_answers_503_and_recovers(shipped):
     app = create_app({"m": shipped}, ServeConfig(queue_size=1, max_batch=1))
     worker = app.state.workers["m"]
@@ -238,6 +239,7 @@ def test_upload_over_the_decode_limits_gets_400(shipped):
         assert memory["worst_case_bytes"] == sum(v for k, v in memory.items() if k.endswith("_bytes") and k != "worst_case_bytes")
 
 
+@pytest.mark.slow  # a flood of uploads to a live server
 def test_flood_of_big_uploads_is_answered_within_the_decode_bounds(shipped, monkeypatch):
     """Eight big PNGs at once, one decoder, three uploads held: every request is answered (a
     caption, or 503 busy), never more than one decode runs, never more than three are held."""
@@ -325,6 +327,7 @@ def _caption_head(length: int, key: str | None = KEY) -> bytes:
 PART = b'--b\r\nContent-Disposition: form-data; name="image"; filename="x.jpg"\r\nContent-Type: image/jpeg\r\n\r\n'
 
 
+@pytest.mark.slow  # waits for the header timeout
 def test_idle_connection_is_closed_after_the_header_timeout(live):
     s = _connect(live)  # sends nothing
     data, secs = _read_until_closed(s)

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import TINY_CONFIG, shape_image
+from helpers import TINY_CONFIG, shape_image
 
 from captionkit import data
 from captionkit.cache import cache_dir
@@ -186,6 +186,7 @@ def test_score_reads_a_title_csv_and_reports_the_references_metrics(tmp_path, ca
     assert "renamed.csv: no title column 'Title'" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a training run
 def test_a_training_config_reads_a_title_csv_with_cased_words(tmp_path):
     from captionkit.checkpoint import read_config
     from captionkit.train import train

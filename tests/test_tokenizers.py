@@ -5,13 +5,11 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import SHAPES, TEMPLATES
+from helpers import FLICKR8K, SHAPES, TEMPLATES
 
 from captionkit.data import load_dataset, normalize
 from captionkit.tokenizers import KINDS, BPETokenizer, CharTokenizer, build_tokenizer, load_tokenizer
 from captionkit.vocab import Vocab
-
-FLICKR8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "flickr8k"
 
 
 def synthetic_captions() -> list[list[str]]:
@@ -92,6 +90,7 @@ def test_bad_tokenizer_json_is_a_clear_error():
 
 @pytest.mark.skipif(not FLICKR8K.is_dir(), reason=f"Flickr8k not found at {FLICKR8K}")
 @pytest.mark.parametrize("kind", ["char", "bpe"])
+@pytest.mark.slow  # every Flickr8k training caption
 def test_char_and_bpe_round_trip_every_flickr8k_training_caption(kind):
     caps = [t for it in load_dataset(FLICKR8K).split("train") for t in it.tokens if t]
     tok = build_tokenizer(kind, caps, min_count=1, vocab_size=2000)
@@ -103,6 +102,7 @@ def test_char_and_bpe_round_trip_every_flickr8k_training_caption(kind):
 
 
 @pytest.mark.skipif(not FLICKR8K.is_dir(), reason=f"Flickr8k not found at {FLICKR8K}")
+@pytest.mark.slow  # Flickr8k's captions
 def test_word_vocabulary_round_trips_flickr8k_captions_of_known_words():
     caps = [t for it in load_dataset(FLICKR8K).split("train") for t in it.tokens if t]
     tok = build_tokenizer("word", caps, min_count=1)

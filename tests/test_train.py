@@ -72,6 +72,7 @@ def test_training_run_writes_best_and_last_with_history(tiny_run):
     assert hist[-1]["loss"] < 0.7 * hist[0]["loss"]  # the tiny shapes corpus is learnable
 
 
+@pytest.mark.slow  # training runs
 def test_resume_continues_the_step_count_and_matches_an_unbroken_run(tiny_config, tmp_path):
     broken, whole = tmp_path / "broken", tmp_path / "whole"
     train(tiny_config, out=broken, max_steps=3, progress=False)
@@ -84,6 +85,7 @@ def test_resume_continues_the_step_count_and_matches_an_unbroken_run(tiny_config
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # training runs
 def test_a_run_resumed_mid_epoch_reports_whole_epochs(tiny_config, tiny_run, tmp_path):
     """The history of a run stopped inside its first epoch and resumed counts that epoch's
     captions and mean loss as the unbroken run does (its time includes both parts)."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import assert_shared_image_matches_repeats
+from helpers import assert_shared_image_matches_repeats
 
 from captionkit.decoding import allowed_words, beam_search, greedy
 from captionkit.models import create_model, family_config
@@ -166,6 +166,7 @@ def test_self_critical_training_runs_on_the_transformer():
     assert all(not torch.equal(before[k], after[k]) for k in ("layers.0.cross.q.weight", "embed.weight"))
 
 
+@pytest.mark.slow  # an ONNX export
 def test_the_step_exports_as_one_graph():
     """No Python-side control flow in the step: torch.export traces it once, and the traced
     graph gives the eager step's numbers at later positions too."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import shape_image
+from helpers import shape_image
 from PIL import Image
 
 from captionkit.captioner import Captioner
@@ -133,6 +133,7 @@ def test_character_model_gives_one_attention_panel_per_word(char_run):
         torch.testing.assert_close(row, c.attention[pos].mean(0))
 
 
+@pytest.mark.slow  # a training run
 def test_pretrained_grid_with_bpe_tokens(flickr_dir, tmp_path):
     cfg = write_config(tmp_path / "bpe.toml", flickr_dir, encoder="efficientnet_lite0", encoder_layers=0,
                        max_positions=40, max_len=20, data='tokenizer = "bpe"\nbpe_vocab_size = 40',
@@ -192,6 +193,7 @@ def test_image_batching_needs_a_family_that_shares_the_image_side(flickr_dir, tm
         train(cfg, out=tmp_path / "lstm", progress=False)
 
 
+@pytest.mark.slow  # a training run
 def test_dev_scoring_every_n_epochs_and_after_the_last(flickr_dir, tmp_path):
     cfg = write_config(tmp_path / "ve.toml", flickr_dir, epochs=3, train="val_every = 2")
     train(cfg, out=tmp_path / "run", progress=False)
@@ -231,6 +233,7 @@ def test_adamw_decays_matrices_not_biases_or_norms(flickr_dir, tmp_path):
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(trainer.model.parameters()))
 
 
+@pytest.mark.slow  # training runs
 def test_resume_with_a_schedule_matches_an_unbroken_run(flickr_dir, tmp_path):
     cfg = write_config(tmp_path / "res.toml", flickr_dir, epochs=2, train="""
 optimizer = "adamw"
@@ -256,6 +259,7 @@ label_smoothing = 0.1
 
 
 @pytest.mark.parametrize("freeze", [True, False])
+@pytest.mark.slow  # a training run
 def test_glove_vectors_frozen_or_fine_tuned(flickr_dir, tmp_path, freeze):
     cfg = write_config(tmp_path / "g.toml", flickr_dir,
                        train=f'glove = "{GLOVE}"\nfreeze_embeddings = {str(freeze).lower()}')
@@ -290,6 +294,7 @@ def test_configuration_errors_name_the_field(flickr_dir, tmp_path):
             train(cfg, out=tmp_path / f"bad{i}", progress=False)
 
 
+@pytest.mark.slow  # a training run and an ONNX export
 def test_onnx_export_gives_the_same_captions(word_run, char_run, flickr_dir, tmp_path):
     pytest.importorskip("onnxruntime")
     from captionkit.export import export_onnx

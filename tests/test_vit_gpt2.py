@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from conftest import shape_image, write_lm_config  # noqa: E402
+from helpers import shape_image, write_lm_config  # noqa: E402
 
 from captionkit.captioner import Captioner  # noqa: E402
 from captionkit.checkpoint import read_config, read_weights  # noqa: E402
@@ -169,6 +169,7 @@ def trained(tiny_vit, tiny_gpt2, flickr_dir, tmp_path_factory):
     return trainer, out / "run" / "best"
 
 
+@pytest.mark.slow  # the trained fixture: a ViT-GPT-2 training run
 def test_the_checkpoint_reloads_to_identical_captions(trained, tiny_vit, tiny_gpt2):
     trainer, best = trained
     cfg = read_config(best)
@@ -187,6 +188,7 @@ def test_the_checkpoint_reloads_to_identical_captions(trained, tiny_vit, tiny_gp
     assert all(c.ids for c in ours)  # it learnt to say something
 
 
+@pytest.mark.slow  # the trained fixture: a ViT-GPT-2 training run
 def test_captionkit_caption_prints_the_caption(trained, tmp_path, capsys):
     _, best = trained
     shape_image(0, size=80).save(tmp_path / "photo.jpg")
@@ -201,6 +203,7 @@ def test_captionkit_caption_prints_the_caption(trained, tmp_path, capsys):
     assert result.text == caption
 
 
+@pytest.mark.slow  # the trained fixture: a ViT-GPT-2 training run
 def test_the_transformers_export_gives_the_same_logits(trained, tmp_path):
     from transformers import VisionEncoderDecoderModel
 
@@ -219,6 +222,7 @@ def test_the_transformers_export_gives_the_same_logits(trained, tmp_path):
     torch.testing.assert_close(exported, ours, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # the trained fixture: a ViT-GPT-2 training run
 def test_models_that_are_not_there_are_one_line_errors(trained, tiny_vit, tiny_gpt2, tmp_path, capsys):
     from safetensors.torch import load_file, save_file
     vocab = len(LMTokenizer.build(tiny_gpt2))

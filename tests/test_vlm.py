@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import shape_image
+from helpers import shape_image
 
 from captionkit.cli import main
 from captionkit.errors import ImageError, WeightsUnavailable

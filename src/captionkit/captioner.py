@@ -5,7 +5,7 @@ captions with any registered family."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -242,7 +242,9 @@ class Captioner:
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             # reader threads decode the next batch while this one is encoded: one batch
             # ahead, so memory stays flat however large the folder
-            read = (lambda b: [pool.submit(load, p) for p in b])
+            def read(b: list[Path]) -> list[Future]:
+                return [pool.submit(load, p) for p in b]
+
             nxt = read(batches[0]) if batches else None
             for bi, batch in enumerate(batches):
                 loaded = [f.result() for f in nxt]

@@ -215,7 +215,8 @@ def read_ensemble(folder: Path) -> EnsembleSpec:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a captionkit ensemble (format {doc.get('format') if isinstance(doc, dict) else None!r})")
+        found = doc.get("format") if isinstance(doc, dict) else None
+        raise CheckpointError(f"{path}: not a captionkit ensemble (format {found!r})")
     if doc.get("version", 0) > VERSION:
         raise CheckpointError(f"{path}: written by a newer captionkit (version {doc['version']})")
     members = doc.get("members")

@@ -4,7 +4,7 @@ One entry point, :func:`score_captions`, used by ``captionkit evaluate``, ``capt
 and the trainer's validation, so training-time and reported scores can never disagree.
 
 - Tokenisation: coco-caption's PTB tokenisation, through the Java jar when Java is present or
-  the Python re-implementation otherwise (:mod:`captionkit.tokenize`).
+  the Python re-implementation otherwise (:mod:`captionkit.ptb_tokenize`).
 - BLEU-1..4, ROUGE-L, CIDEr-D: :mod:`captionkit.metrics`, equal to pycocoevalcap's to 1e-6.
 - METEOR: the METEOR 1.5 jar shipped by pycocoevalcap (Java), or nltk's METEOR with WordNet,
   labelled as the approximation it is.
@@ -24,7 +24,7 @@ import numpy as np
 from . import metrics as M
 from .errors import UserError
 from .score_inputs import check_captions, check_references
-from .tokenize import java_available, tokenize_sets
+from .ptb_tokenize import java_available, tokenize_sets
 
 METRICS = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr", "SPICE")
 DEFAULT_METRICS = ("bleu", "meteor", "rouge", "cider")

@@ -89,7 +89,7 @@ def export_onnx(captioner, out: str | Path, int8: bool = False, int8_encoder: bo
     ``*.int8.onnx`` graphs with ``int8``; the in-browser demo page with ``web``) to the folder
     ``out``; returns the manifest path. ``out`` must be missing or empty, or with ``overwrite``
     an ONNX export captionkit wrote (captionkit.outputs); it is written atomically and marked."""
-    import onnx  # a clear ImportError before any work
+    import onnx  # noqa: F401  (a clear ImportError before any work)
 
     out = check_folder_target(out, overwrite=overwrite, kinds=("onnx",))
     if web:

@@ -4,7 +4,7 @@ arrays, and BLEU kept as per-image sufficient statistics so that bootstrap resam
 images costs a matrix product instead of a rescoring.
 
 All functions take already tokenised text: {image: "space separated tokens"} for the
-candidates and {image: ["tokens", ...]} for the references (see :mod:`captionkit.tokenize`).
+candidates and {image: ["tokens", ...]} for the references (see :mod:`captionkit.ptb_tokenize`).
 Scores are unscaled (BLEU and ROUGE-L in 0..1, CIDEr-D in 0..10), as pycocoevalcap returns them.
 """
 
@@ -70,7 +70,10 @@ class Corpus:
             gram.append(pairs % (offset + 1))
             order.append(np.full(len(pairs), k - 1))
             count.append(c)
-        cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))
+
+        def cat(xs: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)
+
         N = len(keys)
         return cls(keys, n, lens[:N], np.array(ref_img, dtype=np.int64), lens[N:],
                    cat(sent), cat(order), cat(gram), cat(count).astype(np.float64), offset)

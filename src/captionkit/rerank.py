@@ -24,7 +24,7 @@ import numpy as np
 
 from . import metrics as M
 from .errors import UserError
-from .tokenize import tokenize_python
+from .ptb_tokenize import tokenize_python
 
 RERANKERS = ("mbr",)
 

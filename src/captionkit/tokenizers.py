@@ -1,6 +1,6 @@
 """Caption tokenizers: how a caption's words become the decoder's token ids and back.
 
-(Not to be confused with :mod:`captionkit.tokenize`, the PTB tokenisation the scorers use.)
+(Not to be confused with :mod:`captionkit.ptb_tokenize`, the PTB tokenisation the scorers use.)
 
 Four kinds, one contract, saved with the model in ``config.json``:
 

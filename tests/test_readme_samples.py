@@ -1,0 +1,53 @@
+"""The sample captions README.md shows are what the default model prints: the block between
+``<!-- sample-captions:start -->`` and ``<!-- sample-captions:end -->`` holds ``make demo``'s
+lines (``filename<TAB>caption``), and the caption command with no ``--model``, run as the
+Makefile's demo target runs it, must print exactly those lines for those photos. A change of
+the shipped default (or of decoding) that changes them fails here until the README is updated."""
+
+import re
+from pathlib import Path
+
+import pytest
+from helpers import FLICKR8K
+
+from captionkit.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+START, END = "<!-- sample-captions:start -->", "<!-- sample-captions:end -->"
+# where a photo the README names may be: the repository's samples, or Flickr8k's images
+PHOTO_FOLDERS = (ROOT / "samples", FLICKR8K / "Flicker8k_Dataset")
+
+
+def readme_samples() -> dict[str, str]:
+    """{file name: caption} from the README's sample-captions block (skips when it has none)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    if START not in text or END not in text:
+        pytest.skip(f"README.md has no {START} ... {END} block around its sample captions")
+    block = text.split(START, 1)[1].split(END, 1)[0]
+    samples = dict(re.findall(r"^([^\t\n`]+)\t([^\n]+)$", block, flags=re.M))
+    assert samples, f"README.md's sample-captions block holds no 'filename<TAB>caption' line:\n{block}"
+    return samples
+
+
+def demo_arguments() -> list[str]:
+    """The caption options of the Makefile's demo target that change captions (its --beam)."""
+    recipe = re.search(r"^demo:.*\n\t(.*)$", (ROOT / "Makefile").read_text(), flags=re.M)
+    assert recipe and "captionkit caption" in recipe[1] and "--model" not in recipe[1], "Makefile: demo target"
+    beam = re.search(r"--beam (\d+)", recipe[1])
+    return ["--beam", beam[1]] if beam else []
+
+
+def photo(name: str) -> Path:
+    for folder in PHOTO_FOLDERS:
+        if (folder / name).is_file():
+            return folder / name
+    pytest.skip(f"README sample photo {name} not found in {' or '.join(map(str, PHOTO_FOLDERS))}")
+
+
+@pytest.mark.slow  # loads the shipped default model and its encoder
+def test_default_model_prints_the_readme_sample_captions(capsys):
+    want = readme_samples()
+    paths = [str(photo(name)) for name in want]
+    assert main(["caption", *paths, *demo_arguments()]) == 0
+    printed = dict(line.split("\t", 1) for line in capsys.readouterr().out.splitlines())
+    assert printed == want
