@@ -169,3 +169,13 @@ def assert_shared_image_matches_repeats(model, feats, ids, image_index, **tolera
     for g, h in zip(torch.autograd.grad(shared, params), torch.autograd.grad(repeated, params)):
         torch.testing.assert_close(g, h, **tolerance)
     return shared
+
+
+def word_trainer(cfg, out):
+    """A Trainer for ``cfg`` (a loaded RunConfig) built through the training stages, with a word
+    vocabulary of every training token (min count 1)."""
+    from captionkit.tokenizers import build_tokenizer
+    from captionkit.train import build_trainer, prepare_data
+
+    data = prepare_data(cfg)
+    return build_trainer(cfg, out, data, build_tokenizer("word", [t for it in data.train_items for t in it.tokens], 1))

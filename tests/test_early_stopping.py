@@ -2,11 +2,10 @@
 (validation is replaced, training runs for real on the tiny shapes corpus)."""
 
 import pytest
-from helpers import TINY_CONFIG
+from helpers import TINY_CONFIG, word_trainer
 
 from captionkit.checkpoint import read_config, resolve
-from captionkit.tokenizers import build_tokenizer
-from captionkit.train import RunConfig, TrainConfig, Trainer, build_trainer, prepare_data
+from captionkit.train import RunConfig, TrainConfig, Trainer, build_trainer
 
 # dev CIDEr-D per epoch, on the scorers' own scale (0..10): with min_delta 0.001 epoch 2 gains
 # too little, epoch 3 enough, epochs 4 and 5 too little again -> patience 2 stops after epoch 5
@@ -32,11 +31,6 @@ def scripted_run(cfg: RunConfig, out, max_steps=None, resume=False) -> Trainer:
         "Bleu_4": 0.1, "CIDEr": SCORES[min(len(trainer.state.history), len(SCORES) - 1)]}
     trainer.fit(max_steps=max_steps, progress=False)
     return trainer
-
-
-def word_trainer(cfg: RunConfig, out) -> Trainer:
-    data = prepare_data(cfg)
-    return build_trainer(cfg, out, data, build_tokenizer("word", [t for it in data.train_items for t in it.tokens], 1))
 
 
 @pytest.mark.slow  # training runs

@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import shape_image
+from helpers import shape_image, word_trainer
 from PIL import Image
 
 from captionkit.captioner import Captioner
 from captionkit.checkpoint import read_config, read_weights
 from captionkit.cli import main
-from captionkit.train import RunConfig, TrainConfig, build_trainer, lr_factor, prepare_data, train
-from captionkit.tokenizers import build_tokenizer
+from captionkit.train import RunConfig, TrainConfig, lr_factor, train
 
 GLOVE = Path(__file__).parent / "data" / "glove_tiny.6d.txt"
 
@@ -151,8 +150,7 @@ def test_pretrained_grid_with_bpe_tokens(flickr_dir, tmp_path):
 def test_one_random_caption_per_image_per_epoch(flickr_dir, tmp_path):
     cfg = write_config(tmp_path / "r1.toml", flickr_dir, train='caption_sampling = "random_one"')
     run_cfg = RunConfig.load(cfg)
-    data = prepare_data(run_cfg)
-    trainer = build_trainer(run_cfg, tmp_path, data, build_tokenizer("word", [t for it in data.train_items for t in it.tokens], 1))
+    trainer = word_trainer(run_cfg, tmp_path)
     picks = []
     for epoch in range(3):
         chosen = [i for b in trainer.epoch_batches(epoch) for i in b]
@@ -168,8 +166,7 @@ def test_image_batches_hold_whole_images_and_every_caption_once(flickr_dir, tmp_
     cfg = write_config(tmp_path / "ib.toml", flickr_dir, train='batching = "image"')
     cfg.write_text(cfg.read_text().replace("batch_size = 8", "batch_size = 12"))  # room for two images
     run_cfg = RunConfig.load(cfg)
-    data = prepare_data(run_cfg)
-    trainer = build_trainer(run_cfg, tmp_path, data, build_tokenizer("word", [t for it in data.train_items for t in it.tokens], 1))
+    trainer = word_trainer(run_cfg, tmp_path)
     for epoch in range(2):
         batches = trainer.epoch_batches(epoch)
         assert sorted(i for b in batches for i in b) == list(range(len(trainer.examples)))
@@ -224,8 +221,7 @@ def test_learning_rate_schedules():
 def test_adamw_decays_matrices_not_biases_or_norms(flickr_dir, tmp_path):
     cfg = write_config(tmp_path / "aw.toml", flickr_dir, train='optimizer = "adamw"\nweight_decay = 0.1')
     run_cfg = RunConfig.load(cfg)
-    data = prepare_data(run_cfg)
-    trainer = build_trainer(run_cfg, tmp_path, data, build_tokenizer("word", [t for it in data.train_items for t in it.tokens], 1))
+    trainer = word_trainer(run_cfg, tmp_path)
     assert isinstance(trainer.opt, torch.optim.AdamW)
     decay, no_decay = trainer.opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0

@@ -764,9 +764,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("caption", help="caption image files or folders (docs/captioning.md)")
     c.set_defaults(func=cmd_caption)
-    c.add_argument("paths", nargs="*", metavar="PATH", help="image files, or folders to caption every image in (or none, with --paths-from)")
+    c.add_argument("paths", nargs="*", metavar="PATH",
+                   help="image files, or folders to caption every image in (or none, with --paths-from)")
     c.add_argument("--paths-from", metavar="FILE", help="also caption the images this file lists, one path a line")
-    c.add_argument("--model", action="append", help=f"checkpoint or ensemble folder, or a shipped model by name: {shipped_models_text()}; repeat for an ensemble (docs/ensembles.md)")
+    c.add_argument("--model", action="append",
+                   help=f"checkpoint or ensemble folder, or a shipped model by name: {shipped_models_text()}; "
+                        "repeat for an ensemble (docs/ensembles.md)")
     _add_ensemble_opts(c)
     _add_candidates_opt(c)
     c.add_argument("--beam", type=positive_int, default=3, help="beam width (1: greedy; default 3)")
@@ -907,7 +910,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("serve", help="HTTP API and web page (FastAPI)")
     v.set_defaults(func=cmd_serve)
-    v.add_argument("--model", action="append", help=f"checkpoint folder or shipped model name ({shipped_models_text()}); repeat for several")
+    v.add_argument("--model", action="append",
+                   help=f"checkpoint folder or shipped model name ({shipped_models_text()}); repeat for several")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     v.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
     v.add_argument("--max-upload-mb", type=float, default=10.0, help="largest upload accepted (default 10)")

@@ -297,7 +297,8 @@ def prepare_data(cfg: RunConfig, device: torch.device = CPU) -> TrainData:
     data = TrainData(train_items, val_items, encoder, _load_feats(store, train_items), _load_feats(store, val_items),
                      grid=tuple(encoder.grid()), source_grid=store.grid, tuned_blocks=tuned_blocks, tail=tail, init=init)
     if tail is not None and not tc.finetune_blocks:  # tuned before, frozen now
-        data.train_feats, data.val_feats = _run_tail(tail, data.train_feats, store.grid), _run_tail(tail, data.val_feats, store.grid)
+        data.train_feats = _run_tail(tail, data.train_feats, store.grid)
+        data.val_feats = _run_tail(tail, data.val_feats, store.grid)
         data.source_grid = data.grid
     elif tail is not None:
         tail.to(device)
