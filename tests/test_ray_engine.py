@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import shape_image
+from helpers import shape_image
 
 from captionkit import cli
 from captionkit.features import ShardedFeatureStore, build_features, shard_file, shards_for_rank
