@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_CONFIG
+from helpers import TINY_CONFIG
 
 from captionkit.checkpoint import CheckpointError, read_config
 from captionkit.cli import main
