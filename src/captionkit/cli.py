@@ -69,12 +69,13 @@ def _check_models(models: list[str] | None, weights: list[float] | None, rerank:
         raise UsageError("--candidates writes the n best beams: give --nbest N (or --rerank mbr)")
 
 
-def _load_captioner(models: list[str] | None, weights: list[float] | None):
-    """One --model (or the default), or an ensemble of several (captionkit.ensemble)."""
+def _load_captioner(models: list[str] | None, weights: list[float] | None, tta: str | None = None):
+    """One --model (or the default), or an ensemble of several (captionkit.ensemble); ``tta``:
+    --tta (None: none, or what an ensemble folder says)."""
     from .captioner import Captioner
     if models and len(models) > 1:
-        return Captioner.load_ensemble(models, weights)
-    return Captioner.load(models[0] if models else None)
+        return Captioner.load_ensemble(models, weights, tta=tta)
+    return Captioner.load(models[0] if models else None, tta=tta)
 
 
 def _nbest(rerank: str | None, nbest: int | None) -> int | None:
@@ -87,9 +88,11 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
                 jsonl: str | None = None, csv_out: str | None = None, workers: int = 2,
                 onnx: str | None = None, overwrite: bool = False, retry_failed: bool = False,
                 verbose: bool = False, weights: list[float] | None = None, rerank: str | None = None,
-                nbest: int | None = None, candidates: str | None = None) -> int:
+                nbest: int | None = None, candidates: str | None = None, tta: str | None = None) -> int:
     if onnx and model:
         raise UsageError("give either --model or --onnx")
+    if onnx and tta:
+        raise UsageError("--tta needs a PyTorch model (--model), not --onnx")
     _check_models(model, weights, rerank, nbest, candidates)
     if onnx and (rerank or nbest):
         raise UsageError("--rerank, --nbest and --candidates need a PyTorch model (--model), not --onnx")
@@ -98,6 +101,8 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
                 "beam": beam, "length_penalty": length_penalty}
     if rerank or nbest:  # recorded only when used: other runs' settings stay as they were
         settings.update(rerank=rerank, nbest=_nbest(rerank, nbest))
+    if tta:
+        settings.update(tta=tta)
     if candidates:
         from .outputs import check_file_target
         candidates_path = check_file_target(candidates, overwrite=overwrite)
@@ -108,7 +113,7 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
         cap = load_onnx_captioner(onnx)
         return writer.run(lambda files: cap.caption_files(files, beam=beam, batch_size=batch_size,
                                                           length_penalty=length_penalty, workers=workers))
-    cap = _load_captioner(model, weights)
+    cap = _load_captioner(model, weights, tta)
     lists: dict[str, list[str]] = {}
 
     def results(files: list[Path]):
@@ -126,7 +131,7 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
 
 
 def cmd_ensemble(model: list[str], weights: list[float] | None, length_penalty: float | None, combine: str,
-                 out: str, overwrite: bool) -> int:
+                 out: str, overwrite: bool, tta: str | None = None) -> int:
     """Write an ensemble folder (captionkit.ensemble) naming the members, after loading them
     together once, so a folder that is written is one that loads."""
     from .captioner import SHIPPED, Captioner
@@ -137,9 +142,10 @@ def cmd_ensemble(model: list[str], weights: list[float] | None, length_penalty: 
     target = check_folder_target(out, overwrite=overwrite, kinds=(KIND,))
     cap = Captioner.load_ensemble(model, weights, length_penalty=length_penalty, combine=combine, with_encoder=False)
     members = [member_entry(Path(p), target, SHIPPED) for p in cap.config["ensemble"]["members"]]
-    path = write_ensemble(target, members, cap.decoder.weights, cap.length_penalty, cap.max_len, combine)
+    path = write_ensemble(target, members, cap.decoder.weights, cap.length_penalty, cap.max_len, combine, tta)
     print(f"wrote {path}: {len(members)} members, weights "
-          + ", ".join(f"{w:.3g}" for w in cap.decoder.weights) + f", length penalty {cap.length_penalty:g}")
+          + ", ".join(f"{w:.3g}" for w in cap.decoder.weights) + f", length penalty {cap.length_penalty:g}"
+          + (f", test-time {tta}" if tta else ""))
     return 0
 
 
@@ -266,13 +272,14 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
                  out: str | None, batch_size: int, length_penalty: float | None,
                  tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str,
                  image_column: str, title_column: str, image_suffix: str, overwrite: bool = False,
-                 weights: list[float] | None = None, rerank: str | None = None, nbest: int | None = None) -> int:
+                 weights: list[float] | None = None, rerank: str | None = None, nbest: int | None = None,
+                 tta: str | None = None) -> int:
     _check_targets(out, overwrite=overwrite)  # before torch, the dataset and the model load
     from .evaluation import score_captions
 
     _check_models(model, weights, rerank, nbest)
     items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
-    cap = _load_captioner(model, weights)
+    cap = _load_captioner(model, weights, tta)
     captions, failed = {}, []
     for path, res in cap.caption_files([it.path for it in items], beam=beam, batch_size=batch_size,
                                        length_penalty=length_penalty, nbest=_nbest(rerank, nbest), rerank=rerank):
@@ -288,11 +295,11 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     lp = cap.length_penalty_or(length_penalty)
     mbr = _nbest(rerank, nbest)
     print(f"{split} split, {len(items)} images, beam {beam}, length penalty {lp:g}"
-          + (f", MBR over the {mbr} best beams" if mbr else ""))
+          + (f", MBR over the {mbr} best beams" if mbr else "") + (f", test-time {cap.tta}" if cap.tta else ""))
     _print_report(rep)
     if out:
         _write_json(out, {"model": _models_setting(model, weights), "dataset": dataset, "split": split,
-                          "beam": beam, "length_penalty": lp, "mbr_nbest": mbr, "scale": "x100",
+                          "beam": beam, "length_penalty": lp, "mbr_nbest": mbr, "tta": cap.tta, "scale": "x100",
                           "scores": {k: round(100 * v, 4) for k, v in rep.scores.items()},
                           "implementation": rep.implementation, "tokenizer": rep.tokenizer,
                           "empty_captions": len(rep.empty), "notes": rep.notes, "captions": captions})
@@ -579,6 +586,13 @@ def _add_ensemble_opts(p: argparse.ArgumentParser) -> None:
                    help="mbr: choose each caption among the best beams by consensus (expected CIDEr-D)")
     p.add_argument("--nbest", type=int_at_least(2), metavar="N",
                    help=f"beams --rerank mbr chooses among (default {DEFAULT_NBEST}; the beam widens to N)")
+    _add_tta_opt(p)
+
+
+def _add_tta_opt(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tta", choices=("flip",),  # captionkit.ensemble.TTA, without importing torch
+                   help="test-time augmentation: flip decodes each photo and its mirror image as one ensemble "
+                        "(a second encoder pass; default: none, or what an ensemble folder says)")
 
 
 def _add_candidates_opt(p: argparse.ArgumentParser) -> None:
@@ -698,6 +712,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--combine", choices=("loglinear", "linear"), default="loglinear",
                    help="loglinear: weighted mean of log-probabilities, renormalised (default); "
                         "linear: weighted mean of probabilities")
+    _add_tta_opt(n)
     n.add_argument("--out", required=True, help="the ensemble folder to write")
     _add_overwrite(n, "replace the ensemble.json of an existing ensemble folder")
 

@@ -50,18 +50,23 @@ class FeatureStore:
         return self.feats[idx]  # (B, L, D)
 
 
-def _folder_for(root: Path, encoder: Encoder, paths: list[Path]) -> Path:
+FLIP_SUFFIX = "-hflip"  # the cache key of mirror-image features: the encoder's, marked
+
+
+def _folder_for(root: Path, encoder: Encoder, paths: list[Path], flip: bool = False) -> Path:
     h = hashlib.sha1("\n".join(str(p.resolve()) for p in paths).encode()).hexdigest()[:12]
-    return root / encoder.cache_key() / h
+    return root / (encoder.cache_key() + (FLIP_SUFFIX if flip else "")) / h
 
 
 def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None,
-                   batch_size: int = 16, progress: bool = True) -> FeatureStore:
+                   batch_size: int = 16, progress: bool = True, flip: bool = False) -> FeatureStore:
     """Encode every image of ``paths`` once (resuming a partial build) and return the store.
+    ``flip``: encode each image's horizontal mirror image instead (test-time flip averaging,
+    captionkit.ensemble.with_flip_views), cached apart from the photos' features.
 
     Unreadable images are reported on stderr and left out of the store."""
     root = check_writable_folder(root or default_cache_root())
-    folder = _folder_for(root, encoder, paths)
+    folder = _folder_for(root, encoder, paths, flip)
     meta_path, feats_path, done_path = folder / "meta.json", folder / "feats.npy", folder / "done.npy"
     if folder.is_dir() and any(folder.iterdir()) and not meta_path.exists() and owner_kind(folder) != "features":
         raise OutputError(f"{folder}: holds files captionkit did not write (no meta.json); "
@@ -73,7 +78,8 @@ def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None
         write_marker(folder, "features")
         np.lib.format.open_memmap(feats_path, mode="w+", dtype=np.float16, shape=(len(paths), L, D)).flush()
         np.save(done_path, np.zeros(len(paths), dtype=bool))
-        meta = {"paths": [str(p) for p in paths], "grid": list(grid), "encoder": encoder.cache_key()}
+        meta = {"paths": [str(p) for p in paths], "grid": list(grid), "encoder": encoder.cache_key(),
+                **({"flip": True} if flip else {})}
         atomic_write_text(meta_path, json.dumps(meta))
     feats = np.load(feats_path, mmap_mode="r+")
     done = np.load(done_path)
@@ -83,7 +89,8 @@ def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None
 
     def load(i: int):
         try:
-            return i, to_tensor(load_rgb(paths[i]), encoder.preprocess)
+            x = to_tensor(load_rgb(paths[i]), encoder.preprocess)  # (3, S, S)
+            return i, x.flip(-1) if flip else x
         except ImageError as e:
             return i, str(e)
 
