@@ -386,3 +386,26 @@ def test_mirror_image_features_are_cached_apart(tmp_path):
     want = enc.encode_batch([to_tensor(load_rgb(p), enc.preprocess).flip(-1) for p in paths])
     torch.testing.assert_close(torch.from_numpy(flipped.rows(["img0.jpg", "img1.jpg"]).astype("float32")),
                                want, atol=2e-3, rtol=2e-3)  # the cache holds float16
+
+
+# ---- int8 storage of shipped members -----------------------------------------------------------
+def test_int8_pack_is_a_quarter_of_the_size_and_decodes_like_float32(tmp_path):
+    from captionkit.checkpoint import INT8_SCALE, dequantize_int8, quantize_int8, read_weights
+    m = transformer()
+    w = {k: v.repeat(8, 1) if k == "embed.weight" else v for k, v in m.state_dict().items()}  # one big matrix
+    q = quantize_int8(w, min_size=64)
+    big = [k for k, v in w.items() if v.dim() == 2 and v.numel() >= 64]
+    assert big and all(q[k].dtype == torch.int8 and q[k + INT8_SCALE].shape == (w[k].shape[0], 1) for k in big)
+    assert all(torch.equal(q[k], w[k]) for k in w if k not in big)  # vectors and small tensors kept
+    back = dequantize_int8(q)
+    assert back.keys() == w.keys()
+    for k in big:  # at most half a quantisation step per entry
+        step = w[k].abs().amax(1, keepdim=True) / 127
+        assert ((back[k] - w[k]).abs() <= step / 2 + 1e-7).all()
+    src = checkpoint(tmp_path / "src", m)
+    assert main(["pack", str(src), str(tmp_path / "q"), "--int8"]) == 0
+    assert main(["pack", str(src), str(tmp_path / "x"), "--int8", "--fp16"]) == 2
+    assert not any(v.dtype == torch.int8 for v in read_weights(tmp_path / "q").values())  # read as float
+    x = feats()
+    plain, packed = Captioner.load(src, with_encoder=False), Captioner.load(tmp_path / "q", with_encoder=False)
+    assert [c.ids for c in packed.decode_features(x)] == [c.ids for c in plain.decode_features(x)]

@@ -430,9 +430,12 @@ def cmd_features(dataset: str, images: str | None, encoder: str,
     return 0
 
 
-def cmd_pack(checkpoint: str, out: str, fp16: bool, overwrite: bool) -> int:
-    """Copy a trained checkpoint without its optimizer state (optionally its decoder in float16)
-    for shipping; fine-tuned encoder blocks stay float32, like the rest of the encoder."""
+def cmd_pack(checkpoint: str, out: str, fp16: bool, overwrite: bool, int8: bool = False) -> int:
+    """Copy a trained checkpoint without its optimizer state (optionally its decoder in float16,
+    or its decoder's matrices in int8 with per-row scales, checkpoint.quantize_int8) for
+    shipping; fine-tuned encoder blocks stay float32, like the rest of the encoder."""
+    if fp16 and int8:
+        raise UsageError("give --fp16 or --int8, not both")
     from .checkpoint import resolve
     from .outputs import check_folder_target
 
@@ -441,7 +444,7 @@ def cmd_pack(checkpoint: str, out: str, fp16: bool, overwrite: bool) -> int:
     check_folder_target(out, overwrite=overwrite, kinds=("checkpoint",))
     import torch
 
-    from .checkpoint import ENCODER_PREFIX, read_config, read_weights, save_checkpoint
+    from .checkpoint import ENCODER_PREFIX, quantize_int8, read_config, read_weights, save_checkpoint
 
     cfg = read_config(checkpoint)
     cfg.pop("optimizer_groups", None)
@@ -449,6 +452,8 @@ def cmd_pack(checkpoint: str, out: str, fp16: bool, overwrite: bool) -> int:
     if fp16:
         w = {k: v.to(torch.float16) if v.is_floating_point() and not k.startswith(ENCODER_PREFIX) else v
              for k, v in w.items()}
+    if int8:
+        w = quantize_int8(w)
     save_checkpoint(out, w, cfg)
     print(f"wrote {out} ({sum(v.numel() * v.element_size() for v in w.values()) / 1e6:.1f} MB)")
     return 0
@@ -669,6 +674,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("checkpoint")
     k.add_argument("out")
     k.add_argument("--fp16", action="store_true")
+    k.add_argument("--int8", action="store_true",
+                   help="the decoder's matrices as int8 with one scale per row (a quarter of float32's size)")
     _add_overwrite(k, "replace OUT if it is a checkpoint captionkit wrote")
 
     m = sub.add_parser("merge-lora", help="write a prefix_lm model's LM with LoRA merged, as a transformers folder")
