@@ -418,7 +418,7 @@ def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool,
 
 
 def cmd_features(dataset: str, images: str | None, encoder: str,
-                 image_column: str, title_column: str, image_suffix: str) -> int:
+                 image_column: str, title_column: str, image_suffix: str, flip: bool = False) -> int:
     from .encoders import create_encoder, list_encoders
     from .features import build_features, default_cache_root
     from .outputs import check_writable_folder
@@ -427,7 +427,7 @@ def cmd_features(dataset: str, images: str | None, encoder: str,
         raise UsageError(f"--encoder: unknown encoder {encoder!r}; known: {', '.join(list_encoders())}")
     check_writable_folder(default_cache_root())
     ds = _load_dataset(dataset, images, image_column, title_column, image_suffix)
-    store = build_features(create_encoder(encoder), [it.path for it in ds.all_items()])
+    store = build_features(create_encoder(encoder), [it.path for it in ds.all_items()], flip=flip)
     print(f"{len(store.index)} images, grid {store.grid}: {store.folder}")
     return 0
 
@@ -670,6 +670,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--dataset", required=True)
     f.add_argument("--images")
     f.add_argument("--encoder", default="efficientnet_lite2")
+    f.add_argument("--flip", action="store_true",
+                   help="cache the mirror images' features instead (for --tta flip experiments; docs/ensembles.md)")
     _add_csv_opts(f)
 
     k = sub.add_parser("pack", help="copy a checkpoint without optimizer state, for shipping")
