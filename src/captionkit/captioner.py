@@ -27,7 +27,7 @@ SHIPPED = Path(__file__).parent / "pretrained"
 # the best Flickr8k captioner we have: a self-critical transformer and LSTM decoded as one, each
 # photo also mirrored (pretrained/ensemble-lite2-flickr8k/README.md, docs/ensembles.md)
 DEFAULT_MODEL = SHIPPED / "ensemble-lite2-flickr8k"
-# the best single model, about four times faster: the default before the ensemble, and what
+# the best single model, about twice as fast: the default before the ensemble, and what
 # ONNX export takes when no --model is given (it exports one model); the Show, Attend and Tell
 # LSTM ships too, as --model sat-lite2-flickr8k
 FAST_MODEL = SHIPPED / "transformer-lite2-flickr8k"

@@ -614,7 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("caption", help="caption image files or folders (docs/captioning.md)")
     c.add_argument("paths", nargs="+")
-    c.add_argument("--model", action="append", help="checkpoint or ensemble folder, or a shipped model by name: ensemble-lite2-flickr8k (the default), transformer-lite2-flickr8k (about 4x faster), sat-lite2-flickr8k, prefix-smollm2-lora-flickr8k; repeat for an ensemble (docs/ensembles.md)")
+    c.add_argument("--model", action="append", help="checkpoint or ensemble folder, or a shipped model by name: ensemble-lite2-flickr8k (the default), transformer-lite2-flickr8k (about twice as fast), sat-lite2-flickr8k, prefix-smollm2-lora-flickr8k; repeat for an ensemble (docs/ensembles.md)")
     _add_ensemble_opts(c)
     _add_candidates_opt(c)
     c.add_argument("--beam", type=positive_int, default=3)
