@@ -70,9 +70,8 @@ def main() -> int:
     loop = images[:args.loop_n]
     t0 = time.perf_counter()
     for p in loop:
-        x = to_tensor(load_rgb(p), cap.encoder.preprocess)[None]
-        with torch.inference_mode():
-            cap.result(cap.decode_features(cap.encoder(x), beam=args.beam)[0])
+        x = to_tensor(load_rgb(p), cap.encoder.preprocess)
+        cap.result(cap.decode_features(cap.encode_batch([x]), beam=args.beam)[0])
     loop_rate = len(loop) / (time.perf_counter() - t0)
     print(f"one image at a time: {loop_rate:.2f} images/s ({len(loop)} images)")
     del cap

@@ -38,13 +38,13 @@ def main() -> None:
     args = ap.parse_args()
     print(f"{'model':32s} {'MB':>6s} {'sha256 ms':>10s} {'MB/s':>6s} {'read_weights ms':>16s} "
           f"{'Captioner.load ms':>18s}")
-    for folder in sorted(p for p in SHIPPED.iterdir() if p.is_dir()):
+    for folder in sorted(f.parent for f in SHIPPED.rglob("model.safetensors")):  # an ensemble's members too
         mb = (folder / "model.safetensors").stat().st_size / 1e6
         read_weights(folder)  # warm the page cache
         hashing = best_of(partial(verify, folder, "model.safetensors"), args.repeat)
         loading = best_of(partial(read_weights, folder), args.repeat)
         whole = best_of(partial(Captioner.load, folder), 1)
-        print(f"{folder.name:32s} {mb:6.1f} {1e3 * hashing:10.1f} {mb / hashing:6.0f} {1e3 * loading:16.1f} "
+        print(f"{str(folder.relative_to(SHIPPED)):32s} {mb:6.1f} {1e3 * hashing:10.1f} {mb / hashing:6.0f} {1e3 * loading:16.1f} "
               f"{1e3 * whole:18.0f}")
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from timing import median_time
 
-from captionkit.captioner import Captioner
+from captionkit.captioner import FAST_MODEL, Captioner
 from captionkit.encoders import create_encoder
 from captionkit.images import load_rgb, to_tensor
 from captionkit.models import create_model
@@ -91,7 +91,7 @@ def main() -> None:
 
     # Sampling cost depends on how long the captions are, so this one uses the shipped model
     # on the sample photos (an untrained model would babble to the length limit).
-    cap = Captioner.load()
+    cap = Captioner.load(FAST_MODEL)  # one decoder to sample from (the default is an ensemble)
     photos = sorted((ROOT / "samples").glob("*.jpg"))
     n_img = 16
     x = torch.stack([to_tensor(load_rgb(photos[i % len(photos)]), cap.encoder.preprocess) for i in range(n_img)])

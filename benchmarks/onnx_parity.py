@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from captionkit.captioner import Captioner  # noqa: E402
+from captionkit.captioner import FAST_MODEL, Captioner  # noqa: E402
 from captionkit.data import load_dataset  # noqa: E402
 from captionkit.evaluation import score_captions  # noqa: E402
 from captionkit.export import export_onnx  # noqa: E402
@@ -50,7 +50,7 @@ def main() -> None:
     items = load_dataset(args.dataset).split(args.split)[:args.n]
     refs = {it.name: it.raw for it in items}
     paths = [it.path for it in items]
-    ref_cap = Captioner.load()
+    ref_cap = Captioner.load(FAST_MODEL)  # ONNX export takes one model (the default is an ensemble)
     folder = Path(args.onnx) if args.onnx else Path(tempfile.mkdtemp(prefix="captionkit-onnx-"))
     if not args.onnx:
         export_onnx(ref_cap, folder, int8=True, model_name="sat-lite2-flickr8k")

@@ -59,7 +59,7 @@ def main() -> int:
             worst[fmt] = max(worst[fmt], float((full - reduced).abs().max() * max(pre.std) * 255))  # in pixel units
             inputs[(fmt, "full")], inputs[(fmt, "reduced")] = full, reduced
         with torch.inference_mode():
-            texts = [cap.result(c).text for c in cap.decode_features(cap.encoder(torch.stack(list(inputs.values()))), args.beam)]
+            texts = [cap.result(c).text for c in cap.decode_features(cap.encode_batch(list(inputs.values())), args.beam)]
         got = dict(zip(inputs, texts))
         captions[path] = got
         if got[("JPEG", "full")] != got[("JPEG", "reduced")] and len(examples) < 3:

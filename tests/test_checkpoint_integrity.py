@@ -73,7 +73,17 @@ def test_a_resaved_config_gets_the_digests_of_the_new_files(tiny_run, tmp_path):
     read_weights(tmp_path / "half")
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in SHIPPED.iterdir() if p.is_dir()))
+def shipped_checkpoints() -> list[str]:
+    """Every shipped checkpoint folder, relative to SHIPPED: an ensemble's are its members."""
+    from captionkit.ensemble import is_ensemble_folder, read_ensemble
+    out = []
+    for p in sorted(p for p in SHIPPED.iterdir() if p.is_dir()):
+        folders = read_ensemble(p).member_folders(SHIPPED) if is_ensemble_folder(p) else [p]
+        out += [str(f.relative_to(SHIPPED)) for f in folders]
+    return out
+
+
+@pytest.mark.parametrize("name", shipped_checkpoints())
 def test_the_shipped_models_carry_digests_that_match(name):
     folder = SHIPPED / name
     assert set(read_config(folder)[DIGESTS]) == {"model.safetensors"}

@@ -16,7 +16,7 @@ from captionkit.checkpoint import CheckpointError, save_checkpoint
 from captionkit.cli import main
 from captionkit.decoding import beam_nbest, beam_search, greedy
 from captionkit.ensemble import (ENSEMBLE_FILE, EnsembleDecoder, combine_logprobs, normalised_weights,
-                                 read_ensemble)
+                                 read_ensemble, with_flip_views)
 from captionkit.models import create_model
 from captionkit.outputs import owner_kind
 from captionkit.rerank import consensus_utilities, mbr_choice, rerank_files
@@ -303,3 +303,110 @@ def test_evaluate_scores_an_ensemble_with_mbr(lite0_members, flickr_dir, tmp_pat
     assert doc["model"] == {"members": [str(a.resolve()), str(b.resolve())], "weights": [2.0, 1.0]}
     assert doc["mbr_nbest"] == 2 and len(doc["captions"]) == 3 and "CIDEr" in doc["scores"]
     assert "MBR over the 2 best beams" in capsys.readouterr().out
+
+
+# ---- test-time flip averaging ------------------------------------------------------------------
+def two_views(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.stack([x, x if y is None else y], 1)  # (B, 2, L, D)
+
+
+@pytest.mark.parametrize("make", [sat, transformer, lambda: EnsembleDecoder([sat(), transformer(1)], [1, 3])])
+def test_flip_views_of_identical_views_are_the_model(make):
+    m, x = make(), feats()
+    tta = with_flip_views(m)
+    assert tta.views == [0] * (len(tta.members) // 2) + [1] * (len(tta.members) // 2)
+    same_captions(greedy(tta, two_views(x), max_len=6), greedy(m, x, max_len=6))
+    same_captions(beam_search(tta, two_views(x), beam=3, max_len=6, length_penalty=1.0),
+                  beam_search(m, x, beam=3, max_len=6, length_penalty=1.0))
+
+
+def test_flip_views_average_the_two_views_log_probabilities():
+    m, x, y = transformer(), feats(seed=1), feats(seed=2)
+    tta = with_flip_views(m)
+    mem = tta.prepare(two_views(x, y))
+    tokens = torch.full((x.shape[0],), 1)
+    logp, _, att = tta.step(tokens, tta.init_state(mem), mem)
+    lx, _, att_x = m.step(tokens, m.init_state(m.prepare(x)), m.prepare(x))
+    ly, _, _ = m.step(tokens, m.init_state(m.prepare(y)), m.prepare(y))
+    mixed = 0.5 * lx + 0.5 * ly
+    torch.testing.assert_close(logp, mixed - mixed.logsumexp(1, keepdim=True))
+    torch.testing.assert_close(att, att_x)  # the photo's attention, not the mirror image's
+    with pytest.raises(ValueError, match="2 views"):
+        tta.prepare(x)  # one view where two are read: refused, not silently misread
+    with pytest.raises(ValueError, match="already reads"):
+        with_flip_views(tta)
+
+
+def test_flip_tta_encodes_the_mirror_image_and_ships_in_an_ensemble_folder(lite0_members, tmp_path):
+    from conftest import shape_image
+
+    from captionkit.images import to_tensor
+    a, b = lite0_members
+    assert main(["ensemble", "--model", str(a), "--model", str(b), "--tta", "flip", "--out", str(tmp_path / "ens")]) == 0
+    assert read_ensemble(tmp_path / "ens").tta == "flip"
+    cap = Captioner.load(tmp_path / "ens")
+    assert cap.tta == "flip" and cap.config["tta"] == "flip"
+    assert Captioner.load(tmp_path / "ens", with_encoder=False).decoder.views == [0, 0, 1, 1]
+    images = [to_tensor(shape_image(k, size=64), cap.encoder.preprocess) for k in range(2)]
+    got = cap.encode_batch(images)
+    assert got.shape[:2] == (2, 2)
+    torch.testing.assert_close(got[:, 0], cap.encoder.encode_batch(images))
+    torch.testing.assert_close(got[:, 1], cap.encoder.encode_batch([x.flip(-1) for x in images]))
+    assert len(cap.decode_features(got, beam=2)) == 2
+    plain = Captioner.load(a, tta="flip")  # one model with --tta flip
+    assert plain.tta == "flip" and plain.decoder.views == [0, 1]
+    doc = json.loads((tmp_path / "ens" / ENSEMBLE_FILE).read_text())
+    (tmp_path / "ens" / ENSEMBLE_FILE).write_text(json.dumps({**doc, "decoding": {"tta": "rotate"}}))
+    with pytest.raises(CheckpointError, match="decoding.tta"):
+        read_ensemble(tmp_path / "ens")
+
+
+def test_caption_command_takes_tta_flip(lite0_members, tmp_path):
+    from conftest import shape_image
+    a, _ = lite0_members
+    shape_image(0, size=64).save(tmp_path / "img0.jpg")
+    out = tmp_path / "caps.json"
+    assert main(["caption", str(tmp_path / "img0.jpg"), "--model", str(a), "--tta", "flip", "--json", str(out)]) == 0
+    assert list(json.loads(out.read_text())) == ["img0.jpg"]
+
+
+def test_mirror_image_features_are_cached_apart(tmp_path):
+    from conftest import shape_image
+
+    from captionkit.encoders import create_encoder
+    from captionkit.features import build_features
+    from captionkit.images import load_rgb, to_tensor
+    paths = []
+    for k in range(2):
+        shape_image(k, size=64).save(tmp_path / f"img{k}.jpg")
+        paths.append(tmp_path / f"img{k}.jpg")
+    enc = create_encoder("efficientnet_lite0", weights="random")
+    plain = build_features(enc, paths, root=tmp_path / "cache", progress=False)
+    flipped = build_features(enc, paths, root=tmp_path / "cache", progress=False, flip=True)
+    assert plain.folder != flipped.folder
+    want = enc.encode_batch([to_tensor(load_rgb(p), enc.preprocess).flip(-1) for p in paths])
+    torch.testing.assert_close(torch.from_numpy(flipped.rows(["img0.jpg", "img1.jpg"]).astype("float32")),
+                               want, atol=2e-3, rtol=2e-3)  # the cache holds float16
+
+
+# ---- int8 storage of shipped members -----------------------------------------------------------
+def test_int8_pack_is_a_quarter_of_the_size_and_decodes_like_float32(tmp_path):
+    from captionkit.checkpoint import INT8_SCALE, dequantize_int8, quantize_int8, read_weights
+    m = transformer()
+    w = {k: v.repeat(8, 1) if k == "embed.weight" else v for k, v in m.state_dict().items()}  # one big matrix
+    q = quantize_int8(w, min_size=64)
+    big = [k for k, v in w.items() if v.dim() == 2 and v.numel() >= 64]
+    assert big and all(q[k].dtype == torch.int8 and q[k + INT8_SCALE].shape == (w[k].shape[0], 1) for k in big)
+    assert all(torch.equal(q[k], w[k]) for k in w if k not in big)  # vectors and small tensors kept
+    back = dequantize_int8(q)
+    assert back.keys() == w.keys()
+    for k in big:  # at most half a quantisation step per entry
+        step = w[k].abs().amax(1, keepdim=True) / 127
+        assert ((back[k] - w[k]).abs() <= step / 2 + 1e-7).all()
+    src = checkpoint(tmp_path / "src", m)
+    assert main(["pack", str(src), str(tmp_path / "q"), "--int8"]) == 0
+    assert main(["pack", str(src), str(tmp_path / "x"), "--int8", "--fp16"]) == 2
+    assert not any(v.dtype == torch.int8 for v in read_weights(tmp_path / "q").values())  # read as float
+    x = feats()
+    plain, packed = Captioner.load(src, with_encoder=False), Captioner.load(tmp_path / "q", with_encoder=False)
+    assert [c.ids for c in packed.decode_features(x)] == [c.ids for c in plain.decode_features(x)]

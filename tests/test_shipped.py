@@ -5,19 +5,29 @@ from collections import Counter
 
 import pytest
 
-from captionkit.captioner import DEFAULT_MODEL, Captioner, model_folder
+from captionkit.captioner import DEFAULT_MODEL, FAST_MODEL, Captioner, model_folder
 from captionkit.checkpoint import CheckpointError
 
 
-def test_the_default_is_the_transformer_and_the_lstm_ships_by_name():
+def test_the_default_is_the_flip_averaged_ensemble_and_single_models_ship_by_name():
     assert model_folder(None) == DEFAULT_MODEL
     default = Captioner.load(with_encoder=False)
-    assert default.config["family"] == "transformer" and default.grid == (9, 9)
+    assert default.config["family"] == "ensemble" and default.tta == "flip" and default.grid == (9, 9)
+    assert default.config["ensemble"]["families"] == ["transformer", "sat"]
+    assert default.decoder.views == [0, 0, 1, 1] and default.length_penalty == 1.5
+    fast = Captioner.load(FAST_MODEL.name, with_encoder=False)
+    assert fast.config["family"] == "transformer" and fast.tta is None
     lstm = Captioner.load("sat-lite2-flickr8k", with_encoder=False)
     assert lstm.config["family"] == "sat" and lstm.grid == (9, 9)
-    # both decode the same 9x9x1280 Lite2 grid; their tuned length normalisations differ
-    assert default.decoder.cfg.feat_dim == lstm.decoder.cfg.feat_dim == 1280
-    assert default.length_penalty != lstm.length_penalty
+    # all decode the same 9x9x1280 Lite2 grid; their tuned length normalisations differ
+    assert default.decoder.cfg.feat_dim == fast.decoder.cfg.feat_dim == lstm.decoder.cfg.feat_dim == 1280
+    assert fast.length_penalty != lstm.length_penalty
+
+
+def test_shipped_weights_stay_under_60_mb():
+    """Issue 21: everything shipped inside the package (float16 or int8 weights) under 60 MB."""
+    total = sum(f.stat().st_size for f in DEFAULT_MODEL.parent.rglob("*") if f.is_file())
+    assert total < 60e6, f"{total / 1e6:.1f} MB shipped"
 
 
 def test_a_local_folder_wins_over_a_shipped_name(tmp_path, monkeypatch):
@@ -29,8 +39,8 @@ def test_a_local_folder_wins_over_a_shipped_name(tmp_path, monkeypatch):
 def test_an_unknown_name_lists_the_shipped_models(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(CheckpointError, match="no-such-model: no such model folder "
-                                              r"\(shipped models: prefix-smollm2-lora-flickr8k, sat-lite2-flickr8k, "
-                                              r"transformer-lite2-flickr8k\)"):
+                                              r"\(shipped models: ensemble-lite2-flickr8k, prefix-smollm2-lora-flickr8k, "
+                                              r"sat-lite2-flickr8k, transformer-lite2-flickr8k\)"):
         Captioner.load("no-such-model", with_encoder=False)
 
 

@@ -15,8 +15,8 @@ import torch
 from .checkpoint import CheckpointError, load_into, read_config, read_weights, split_weights
 from .decoding import Caption, beam_nbest, decode
 from .encoders import Encoder, create_encoder, load_finetuned
-from .ensemble import (COMBINE, ENSEMBLE_FILE, EnsembleDecoder, check_member_configs, check_member_encoders,
-                       is_ensemble_folder, normalised_weights, read_ensemble)
+from .ensemble import (COMBINE, ENSEMBLE_FILE, TTA, EnsembleDecoder, check_member_configs, check_member_encoders,
+                       is_ensemble_folder, normalised_weights, read_ensemble, with_flip_views)
 from .errors import UserError
 from .images import ImageError, load_rgb, to_tensor
 from .models import CaptionModel, create_model
@@ -24,7 +24,6 @@ from .models.base import view_attention
 from .rerank import RERANKERS, mbr_choice
 from .shipped import DEFAULT_MODEL, SHIPPED, shipped_models_text
 from .tokenizers import Tokenizer, load_tokenizer
-
 
 
 def model_folder(path: str | Path | None) -> Path:
@@ -90,7 +89,17 @@ class Result:
 
 
 class Captioner:
-    def __init__(self, decoder: CaptionModel, vocab: Tokenizer, config: dict, encoder: Encoder | None = None):
+    def __init__(self, decoder: CaptionModel, vocab: Tokenizer, config: dict, encoder: Encoder | None = None,
+                 tta: str | None = None):
+        """``tta="flip"``: test-time flip averaging -- every image is encoded twice, as it is and
+        mirrored, and the decoder decodes both views as one ensemble (ensemble.with_flip_views);
+        features given to ``decode_features`` are then (B, 2, L, D)."""
+        if tta not in (None, *TTA):
+            raise ValueError(f"unknown test-time augmentation {tta!r} (known: {', '.join(TTA)})")
+        self.tta = tta
+        if tta == "flip":
+            decoder = with_flip_views(decoder)
+            config = {**config, "tta": tta}
         self.decoder = decoder.eval()
         self.vocab = vocab
         self.config = config
@@ -103,23 +112,25 @@ class Captioner:
 
     @classmethod
     def load(cls, path: str | Path | None = None, with_encoder: bool = True,
-             encoder_weights: str | None = None) -> "Captioner":
+             encoder_weights: str | None = None, tta: str | None = None) -> "Captioner":
         """Load a checkpoint folder, an ensemble folder (captionkit.ensemble), or a shipped model
-        by name (the default one when ``path`` is None)."""
+        by name (the default one when ``path`` is None). ``tta``: see :class:`Captioner`
+        (default: none, or what the ensemble folder says)."""
         path = existing_model_folder(path)
         if is_ensemble_folder(path):
             spec = read_ensemble(path)
             return cls.load_ensemble(spec.member_folders(SHIPPED), spec.weights, length_penalty=spec.length_penalty,
                                      max_len=spec.max_len, combine=spec.combine, with_encoder=with_encoder,
-                                     encoder_weights=encoder_weights, source=path)
+                                     encoder_weights=encoder_weights, source=path, tta=tta or spec.tta)
         member = load_member(path)
-        return cls._with_encoder(member.decoder, member, member.config, with_encoder, encoder_weights)
+        return cls._with_encoder(member.decoder, member, member.config, with_encoder, encoder_weights, tta)
 
     @classmethod
     def load_ensemble(cls, paths: Sequence[str | Path], weights: Sequence[float] | None = None, *,
                       length_penalty: float | None = None, max_len: int | None = None,
                       combine: str = "loglinear", with_encoder: bool = True,
-                      encoder_weights: str | None = None, source: Path | None = None) -> "Captioner":
+                      encoder_weights: str | None = None, source: Path | None = None,
+                      tta: str | None = None) -> "Captioner":
         """Several checkpoints (folders or shipped names) of one tokenizer and encoder, decoded
         as one model (captionkit.ensemble). ``weights``: one per member (default equal);
         ``length_penalty`` and ``max_len``: the ensemble's (default the first member's).
@@ -150,11 +161,11 @@ class Captioner:
                   "ensemble": {"members": [str(m.path) for m in members], "weights": decoder.weights,
                                "combine": combine, "families": [m.config["family"] for m in members],
                                **({"folder": str(source)} if source else {})}}
-        return cls._with_encoder(decoder, first, config, with_encoder, encoder_weights)
+        return cls._with_encoder(decoder, first, config, with_encoder, encoder_weights, tta)
 
     @classmethod
     def _with_encoder(cls, decoder: torch.nn.Module, member: "Member", config: dict, with_encoder: bool,
-                      encoder_weights: str | None) -> "Captioner":
+                      encoder_weights: str | None, tta: str | None = None) -> "Captioner":
         """The captioner of ``decoder``, with the encoder ``member``'s checkpoint names (and its
         fine-tuned blocks) unless ``with_encoder`` is False."""
         encoder = None
@@ -168,7 +179,7 @@ class Captioner:
                 raise CheckpointError(
                     f"{path}: trained on {enc_cfg['name']} features {enc_cfg['grid']} x {decoder.cfg.feat_dim}, "
                     f"but the encoder gives {grid} x {encoder.dim}")
-        return cls(decoder, member.vocab, config, encoder)
+        return cls(decoder, member.vocab, config, encoder, tta)
 
     @torch.no_grad()
     def decode_features(self, feats: torch.Tensor, beam: int = 3,
@@ -211,10 +222,15 @@ class Captioner:
         return Result([w for w, _ in spans], attention, self.grid)
 
     def encode_batch(self, images: list[torch.Tensor]) -> torch.Tensor:
-        """Preprocessed images, each (3, S, S) -> the encoder's rows (B, L, D), without autograd."""
+        """Preprocessed images, each (3, S, S) -> the encoder's rows (B, L, D), without autograd;
+        with flip averaging (B, 2, L, D): the images' rows and their mirror images' (a second
+        encoder pass)."""
         if self.encoder is None:
             raise RuntimeError("this Captioner was loaded without its encoder")
-        return self.encoder.encode_batch(images)
+        feats = self.encoder.encode_batch(images)
+        if self.tta == "flip":
+            feats = torch.stack([feats, self.encoder.encode_batch([x.flip(-1) for x in images])], 1)
+        return feats
 
     def caption_files(self, paths: list[Path], beam: int = 3, batch_size: int = 16,
                       length_penalty: float | None = None, workers: int = 1, nbest: int | None = None,

@@ -65,6 +65,33 @@ def split_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
     return decoder, encoder
 
 
+# int8 storage (``captionkit pack --int8``): a matrix W is stored as int8 Q under its own name and
+# one float32 scale per row under NAME + INT8_SCALE, W ~ Q * scale (symmetric, scale = the row's
+# largest |w| / 127); read_weights gives W back as float32, so nothing past reading knows.
+INT8_SCALE = ".int8_scale"
+
+
+def quantize_int8(weights: dict[str, torch.Tensor], min_size: int = 4096) -> dict[str, torch.Tensor]:
+    """The decoder's floating matrices of at least ``min_size`` entries as int8 with per-row
+    scales; vectors, small tensors and fine-tuned encoder tensors stay as they are."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in weights.items():
+        if v.is_floating_point() and v.dim() == 2 and v.numel() >= min_size and not k.startswith(ENCODER_PREFIX):
+            scale = v.float().abs().amax(1, keepdim=True).clamp_min(1e-12) / 127  # (rows, 1)
+            out[k] = (v.float() / scale).round().clamp(-127, 127).to(torch.int8)
+            out[k + INT8_SCALE] = scale
+        else:
+            out[k] = v
+    return out
+
+
+def dequantize_int8(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Undo :func:`quantize_int8` (a no-op for checkpoints without int8 tensors)."""
+    scales = {k[:-len(INT8_SCALE)]: v for k, v in weights.items() if k.endswith(INT8_SCALE)}
+    return {k: (v.float() * scales[k] if k in scales else v) for k, v in weights.items()
+            if not k.endswith(INT8_SCALE)}
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -223,15 +250,17 @@ def verify(folder: str | Path, name: str) -> None:
 
 
 def read_weights(folder: str | Path, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
-    """A checkpoint's tensor file, verified against its recorded digest."""
+    """A checkpoint's tensor file, verified against its recorded digest (int8 matrices of
+    ``pack --int8`` given back as float32)."""
     path = resolve(folder) / name
     if not path.is_file():
         raise CheckpointError(f"{path}: missing")
     verify(folder, name)
     try:
-        return load_file(path)
+        weights = load_file(path)
     except Exception as e:  # safetensors raises its own error types for corrupt headers
         raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
+    return dequantize_int8(weights)
 
 
 def load_into(module: torch.nn.Module, weights: dict[str, torch.Tensor], where: str | Path) -> None:
@@ -250,10 +279,12 @@ def load_into(module: torch.nn.Module, weights: dict[str, torch.Tensor], where: 
     module.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.items()})
 
 
-def pack_checkpoint(checkpoint: str | Path, out: str | Path, *, fp16: bool = False, overwrite: bool = False) -> int:
-    """Copy a trained checkpoint without its optimizer state (optionally its decoder in float16)
-    to ``out``, for shipping; return the size of its tensors in bytes. Fine-tuned encoder blocks
-    stay float32, like the rest of the encoder. ``out`` is checked first (captionkit.outputs):
+def pack_checkpoint(checkpoint: str | Path, out: str | Path, *, fp16: bool = False, int8: bool = False,
+                    overwrite: bool = False) -> int:
+    """Copy a trained checkpoint without its optimizer state (optionally its decoder in float16,
+    or its decoder's matrices in int8 with per-row scales, :func:`quantize_int8`) to ``out``, for
+    shipping; return the size of its tensors in bytes. Fine-tuned encoder blocks stay float32,
+    like the rest of the encoder. ``out`` is checked first (captionkit.outputs):
     a new or empty folder, or with ``overwrite`` a checkpoint captionkit wrote."""
     from .outputs import check_folder_target
 
@@ -266,5 +297,7 @@ def pack_checkpoint(checkpoint: str | Path, out: str | Path, *, fp16: bool = Fal
     if fp16:
         weights = {k: v.to(torch.float16) if v.is_floating_point() and not k.startswith(ENCODER_PREFIX) else v
                    for k, v in weights.items()}
+    if int8:
+        weights = quantize_int8(weights)
     save_checkpoint(out, weights, cfg)
     return sum(v.numel() * v.element_size() for v in weights.values())

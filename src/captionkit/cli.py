@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .argtypes import device_name, float_at_least, int_at_least, positive_floats, positive_int
 from .errors import ImageError, UserError, WeightsUnavailable
-from .shipped import list_shipped_models, shipped_models_text
+from .shipped import FAST_MODEL, list_shipped_models, shipped_models_text
 from .vlm import DEFAULT_VLM, DTYPES
 
 
@@ -72,12 +72,13 @@ def _check_models(models: list[str] | None, weights: list[float] | None, rerank:
         raise UsageError("--candidates writes the n best beams: give --nbest N (or --rerank mbr)")
 
 
-def _load_captioner(models: list[str] | None, weights: list[float] | None):
-    """One --model (or the default), or an ensemble of several (captionkit.ensemble)."""
+def _load_captioner(models: list[str] | None, weights: list[float] | None, tta: str | None = None):
+    """One --model (or the default), or an ensemble of several (captionkit.ensemble); ``tta``:
+    --tta (None: none, or what an ensemble folder says)."""
     from .captioner import Captioner
     if models and len(models) > 1:
-        return Captioner.load_ensemble(models, weights)
-    return Captioner.load(models[0] if models else None)
+        return Captioner.load_ensemble(models, weights, tta=tta)
+    return Captioner.load(models[0] if models else None, tta=tta)
 
 
 def _nbest(rerank: str | None, nbest: int | None) -> int | None:
@@ -86,10 +87,13 @@ def _nbest(rerank: str | None, nbest: int | None) -> int | None:
 
 
 def _check_caption_sources(model: list[str] | None, onnx: str | None, weights: list[float] | None,
-                           rerank: str | None, nbest: int | None, candidates: str | None) -> None:
+                           rerank: str | None, nbest: int | None, candidates: str | None,
+                           tta: str | None = None) -> None:
     """caption's model options that do not fit together, refused before anything loads."""
     if onnx and model:
         raise UsageError("give either --model or --onnx")
+    if onnx and tta:
+        raise UsageError("--tta needs a PyTorch model (--model), not --onnx")
     _check_models(model, weights, rerank, nbest, candidates)
     if onnx and (rerank or nbest):
         raise UsageError("--rerank, --nbest and --candidates need a PyTorch model (--model), not --onnx")
@@ -182,7 +186,7 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
                 verbose: bool = False, weights: list[float] | None = None, rerank: str | None = None,
                 nbest: int | None = None, candidates: str | None = None, engine: str = "local",
                 address: str | None = None, replicas: int = 1, shard_size: int | None = None,
-                gpus_per_replica: float = 0, paths_from: str | None = None) -> int:
+                gpus_per_replica: float = 0, paths_from: str | None = None, tta: str | None = None) -> int:
     from .outputs import check_file_target
 
     paths = [*paths, *_listed_paths(paths_from)]
@@ -190,9 +194,11 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
         raise UsageError("give image files or folders to caption, or --paths-from FILE")
     if engine == "ray":
         _check_ray_caption(jsonl or csv_out, onnx=onnx, attention=attention, rerank=rerank, nbest=nbest,
-                           candidates=candidates)
-    _check_caption_sources(model, onnx, weights, rerank, nbest, candidates)
+                           candidates=candidates, tta=tta)
+    _check_caption_sources(model, onnx, weights, rerank, nbest, candidates, tta)
     settings = _caption_settings(model, weights, onnx, beam, length_penalty, rerank, nbest)
+    if tta:  # recorded only when used, like --rerank
+        settings.update(tta=tta)
     candidates_path = check_file_target(candidates, overwrite=overwrite) if candidates else None
     writer = _caption_writer("caption", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
                              attention=attention, overwrite=overwrite, retry_failed=retry_failed, verbose=verbose)
@@ -204,12 +210,12 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
         from .onnx_runtime import load_onnx_captioner
         cap = load_onnx_captioner(onnx)
         return writer.run(lambda files: cap.caption_files(files, **options))
-    return _caption_with_candidates(writer, _load_captioner(model, weights), candidates_path,
+    return _caption_with_candidates(writer, _load_captioner(model, weights, tta), candidates_path,
                                     nbest=_nbest(rerank, nbest), rerank=rerank, **options)
 
 
 def cmd_ensemble(model: list[str], weights: list[float] | None, length_penalty: float | None, combine: str,
-                 out: str, overwrite: bool) -> int:
+                 out: str, overwrite: bool, tta: str | None = None) -> int:
     """Write an ensemble folder (captionkit.ensemble) naming the members, after loading them
     together once, so a folder that is written is one that loads."""
     from .captioner import SHIPPED, Captioner
@@ -220,9 +226,10 @@ def cmd_ensemble(model: list[str], weights: list[float] | None, length_penalty: 
     target = check_folder_target(out, overwrite=overwrite, kinds=(KIND,))
     cap = Captioner.load_ensemble(model, weights, length_penalty=length_penalty, combine=combine, with_encoder=False)
     members = [member_entry(Path(p), target, SHIPPED) for p in cap.config["ensemble"]["members"]]
-    path = write_ensemble(target, members, cap.decoder.weights, cap.length_penalty, cap.max_len, combine)
+    path = write_ensemble(target, members, cap.decoder.weights, cap.length_penalty, cap.max_len, combine, tta)
     print(f"wrote {path}: {len(members)} members, weights "
-          + ", ".join(f"{w:.3g}" for w in cap.decoder.weights) + f", length penalty {cap.length_penalty:g}")
+          + ", ".join(f"{w:.3g}" for w in cap.decoder.weights) + f", length penalty {cap.length_penalty:g}"
+          + (f", test-time {tta}" if tta else ""))
     return 0
 
 
@@ -237,14 +244,17 @@ def cmd_rerank(candidates: list[str], json_out: str | None, overwrite: bool) -> 
 
 
 def _check_onnx_export(model: str | None, out: str, web: bool, check: list[str] | None,
-                       overwrite: bool) -> list[Path]:
-    """export onnx's inputs and target, refused before the model loads; -> the --check photos."""
+                       overwrite: bool) -> tuple[str, list[Path]]:
+    """export onnx's inputs and target, refused before the model loads; -> the model to export
+    (--model, or the fast single model: the default captioner is an ensemble) and the --check
+    photos."""
     from .captioner import model_folder
     from .ensemble import is_ensemble_folder
     from .export import web_demo_source
     from .images import find_images
     from .outputs import check_folder_target
 
+    model = model or FAST_MODEL.name
     if is_ensemble_folder(model_folder(model)):
         raise UsageError(f"{model}: is an ensemble; ONNX export takes one model: export a member")
     check_folder_target(out, overwrite=overwrite, kinds=("onnx",))
@@ -256,7 +266,7 @@ def _check_onnx_export(model: str | None, out: str, web: bool, check: list[str] 
     files = find_images(check) if check else []
     if check and not files:
         raise UsageError(f"no image files found in {' '.join(check)}")
-    return files
+    return model, files
 
 
 def _print_parity(rep: dict, variant: str, check_beam: int) -> None:
@@ -277,12 +287,12 @@ def cmd_export_onnx(model: str | None, out: str, int8: bool, int8_encoder: bool,
         from .onnx_runtime import parity_check
     except ImportError as e:
         raise UsageError(f"ONNX export needs the onnx extra: pip install 'captionkit[onnx]' ({e})") from None
-    from .captioner import DEFAULT_MODEL, Captioner
+    from .captioner import Captioner
 
-    files = _check_onnx_export(model, out, web, check, overwrite)
+    model, files = _check_onnx_export(model, out, web, check, overwrite)
     cap = Captioner.load(model)
     manifest = export_onnx(cap, out, int8=int8 or int8_encoder, int8_encoder=int8_encoder,
-                           model_name=Path(model or DEFAULT_MODEL).name, overwrite=overwrite, web=web)
+                           model_name=Path(model).name, overwrite=overwrite, web=web)
     print(f"wrote {manifest.parent}: " + ", ".join(
         f"{p.name} {p.stat().st_size / 1e6:.1f} MB" for p in sorted(manifest.parent.glob("*.onnx"))))
     if web:
@@ -403,13 +413,14 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
                  out: str | None, batch_size: int, length_penalty: float | None,
                  tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str,
                  image_column: str, title_column: str, image_suffix: str, overwrite: bool = False,
-                 weights: list[float] | None = None, rerank: str | None = None, nbest: int | None = None) -> int:
+                 weights: list[float] | None = None, rerank: str | None = None, nbest: int | None = None,
+                 tta: str | None = None) -> int:
     _check_targets(out, overwrite=overwrite)  # before torch, the dataset and the model load
     from .evaluation import score_captions
 
     _check_models(model, weights, rerank, nbest)
     items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
-    cap = _load_captioner(model, weights)
+    cap = _load_captioner(model, weights, tta)
     captions = _caption_split(cap, items, split, beam=beam, batch_size=batch_size, length_penalty=length_penalty,
                               nbest=_nbest(rerank, nbest), rerank=rerank)
     rep = score_captions(captions, {it.name: it.raw for it in items}, source="the model's captions",
@@ -418,11 +429,11 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     lp = cap.length_penalty_or(length_penalty)
     mbr = _nbest(rerank, nbest)
     print(f"{split} split, {len(items)} images, beam {beam}, length penalty {lp:g}"
-          + (f", MBR over the {mbr} best beams" if mbr else ""))
+          + (f", MBR over the {mbr} best beams" if mbr else "") + (f", test-time {cap.tta}" if cap.tta else ""))
     _print_report(rep)
     if out:
         _write_json(out, {"model": _models_setting(model, weights), "dataset": dataset, "split": split,
-                          "beam": beam, "length_penalty": lp, "mbr_nbest": mbr, "scale": "x100",
+                          "beam": beam, "length_penalty": lp, "mbr_nbest": mbr, "tta": cap.tta, "scale": "x100",
                           "scores": {k: round(100 * v, 4) for k, v in rep.scores.items()},
                           "implementation": rep.implementation, "tokenizer": rep.tokenizer,
                           "empty_captions": len(rep.empty), "notes": rep.notes, "captions": captions})
@@ -569,7 +580,7 @@ def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool,
 def cmd_features(dataset: str, images: str | None, encoder: str,
                  image_column: str, title_column: str, image_suffix: str, engine: str = "local",
                  address: str | None = None, replicas: int = 1, shard_size: int | None = None,
-                 gpus_per_replica: float = 0, batch_size: int = 16) -> int:
+                 gpus_per_replica: float = 0, batch_size: int = 16, flip: bool = False) -> int:
     from .encoders import create_encoder, list_encoders
     from .features import build_features, default_cache_root
     from .outputs import check_writable_folder
@@ -579,6 +590,8 @@ def cmd_features(dataset: str, images: str | None, encoder: str,
     check_writable_folder(default_cache_root())
     if engine == "ray":
         from .ray_engine import build_features_ray, ray_missing
+        if flip:
+            raise UsageError("--engine ray does not support --flip; use the local engine for it")
         if ray_missing():
             raise UsageError(ray_missing())
     ds = _load_dataset(dataset, images, image_column, title_column, image_suffix)
@@ -587,15 +600,17 @@ def cmd_features(dataset: str, images: str | None, encoder: str,
         opts = _ray_options(address, replicas, gpus_per_replica, batch_size, shard_size)
         store = build_features_ray(encoder, None, paths, None, opts)
     else:
-        store = build_features(create_encoder(encoder), paths)
+        store = build_features(create_encoder(encoder), paths, flip=flip)
     print(f"{len(store.index)} images, grid {store.grid}: {store.folder}")
     return 0
 
 
-def cmd_pack(checkpoint: str, out: str, fp16: bool, overwrite: bool) -> int:
+def cmd_pack(checkpoint: str, out: str, fp16: bool, overwrite: bool, int8: bool = False) -> int:
     from .checkpoint import pack_checkpoint
 
-    size = pack_checkpoint(checkpoint, out, fp16=fp16, overwrite=overwrite)
+    if fp16 and int8:
+        raise UsageError("give --fp16 or --int8, not both")
+    size = pack_checkpoint(checkpoint, out, fp16=fp16, int8=int8, overwrite=overwrite)
     print(f"wrote {out} ({size / 1e6:.1f} MB)")
     return 0
 
@@ -748,6 +763,13 @@ def _add_ensemble_opts(p: argparse.ArgumentParser) -> None:
                    help="mbr: choose each caption among the best beams by consensus (expected CIDEr-D)")
     p.add_argument("--nbest", type=int_at_least(2), metavar="N",
                    help=f"beams --rerank mbr chooses among (default {DEFAULT_NBEST}; the beam widens to N)")
+    _add_tta_opt(p)
+
+
+def _add_tta_opt(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tta", choices=("flip",),  # captionkit.ensemble.TTA, without importing torch
+                   help="test-time augmentation: flip decodes each photo and its mirror image as one ensemble "
+                        "(a second encoder pass; default: none, or what an ensemble folder says)")
 
 
 def _add_candidates_opt(p: argparse.ArgumentParser) -> None:
@@ -836,6 +858,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--dataset", required=True, help="a Flickr8k or Kaggle folder, a Karpathy or COCO JSON file, or a title CSV")
     f.add_argument("--images", help="image folder of a JSON or CSV dataset")
     f.add_argument("--encoder", default="efficientnet_lite2", help="the image encoder (default efficientnet_lite2)")
+    f.add_argument("--flip", action="store_true",
+                   help="cache the mirror images' features instead (for --tta flip experiments; docs/ensembles.md)")
     _add_csv_opts(f)
     _add_engine_opts(f)
     f.add_argument("--batch-size", type=positive_int, default=16, help="ray: images per model call")
@@ -845,6 +869,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("checkpoint", help="the checkpoint folder to copy (e.g. runs/NAME/best)")
     k.add_argument("out", help="the folder to write")
     k.add_argument("--fp16", action="store_true", help="store the decoder's weights in float16 (half the size)")
+    k.add_argument("--int8", action="store_true",
+                   help="the decoder's matrices as int8 with one scale per row (a quarter of float32's size)")
     _add_overwrite(k, "replace OUT if it is a checkpoint captionkit wrote")
 
     m = sub.add_parser("merge-lora", help="the old name of export hf: a prefix_lm model's LM with LoRA merged")
@@ -871,7 +897,8 @@ def build_parser() -> argparse.ArgumentParser:
     xf = xs.add_subparsers(dest="subcommand", required=True, metavar="FORMAT")
     x = xf.add_parser("onnx", help="ONNX graphs and a manifest, for onnxruntime and the in-browser demo")
     x.set_defaults(func=cmd_export_onnx)
-    x.add_argument("--model", help=f"checkpoint folder, or a shipped model by name: {shipped_models_text()}")
+    x.add_argument("--model", help=f"checkpoint folder, or a shipped model by name (default {FAST_MODEL.name}: "
+                                   f"export takes one model, not the default ensemble): {shipped_models_text()}")
     x.add_argument("--out", required=True, help="folder for manifest.json and the graphs")
     x.add_argument("--int8", action="store_true", help="also write dynamically int8-quantised decoder graphs")
     x.add_argument("--int8-encoder", action="store_true", help="quantise the encoder's convolutions too")
@@ -898,6 +925,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--combine", choices=("loglinear", "linear"), default="loglinear",
                    help="loglinear: weighted mean of log-probabilities, renormalised (default); "
                         "linear: weighted mean of probabilities")
+    _add_tta_opt(n)
     n.add_argument("--out", required=True, help="the ensemble folder to write")
     _add_overwrite(n, "replace the ensemble.json of an existing ensemble folder")
 

@@ -42,8 +42,8 @@ from torch import nn
 from .checkpoint import atomic_folder
 from .errors import CheckpointError, UserError
 from .outputs import atomic_write_text, owner_kind, write_marker
+from .shipped import ENSEMBLE_FILE
 
-ENSEMBLE_FILE = "ensemble.json"
 FORMAT, VERSION = "captionkit-ensemble", 1
 KIND = "ensemble"  # the outputs.MARKER kind of an ensemble folder
 COMBINE = ("loglinear", "linear")
@@ -102,7 +102,10 @@ class EnsembleDecoder(nn.Module):
     """Several decoders of one vocabulary and one encoder, decoded as one (module docstring)."""
 
     def __init__(self, members: Sequence[nn.Module], weights: Sequence[float] | None = None,
-                 combine: str = "loglinear"):
+                 combine: str = "loglinear", views: Sequence[int] | None = None):
+        """``views``: which view of the image each member reads, when ``prepare`` is given
+        several (feats (B, V, L, D), e.g. the photo and its mirror image, see
+        :func:`with_flip_views`); None: every member reads the one view (B, L, D)."""
         super().__init__()
         if not members:
             raise UserError("an ensemble needs at least one member")
@@ -114,6 +117,9 @@ class EnsembleDecoder(nn.Module):
         self.members = nn.ModuleList(members)
         self.weights = normalised_weights(weights, len(members))
         self.combine = combine
+        self.views = None if views is None else [int(v) for v in views]
+        if self.views is not None and len(self.views) != len(members):
+            raise ValueError(f"{len(self.views)} views for {len(members)} members: give one view per member")
         self.cfg = EnsembleConfig(*sizes.pop())
 
     @property
@@ -122,7 +128,13 @@ class EnsembleDecoder(nn.Module):
         return self.members[0].attention_view
 
     def prepare(self, feats: torch.Tensor) -> EnsembleMemory:
-        return EnsembleMemory([m.prepare(feats) for m in self.members])
+        """feats (B, L, D), or (B, V, L, D) when the members read views of the image."""
+        if self.views is None:
+            return EnsembleMemory([m.prepare(feats) for m in self.members])
+        if feats.dim() != 4 or feats.shape[1] <= max(self.views):
+            raise ValueError(f"this ensemble reads {max(self.views) + 1} views of each image: feats must be "
+                             f"(B, {max(self.views) + 1}, L, D), got {tuple(feats.shape)}")
+        return EnsembleMemory([m.prepare(feats[:, v]) for m, v in zip(self.members, self.views)])
 
     def init_state(self, mem: EnsembleMemory) -> tuple[torch.Tensor, ...]:
         """The members' states, concatenated into one flat tuple of batch-first tensors (what
@@ -142,6 +154,27 @@ class EnsembleDecoder(nn.Module):
             new_state += st
             attention = att if attention is None else attention  # the first member's
         return combine_logprobs(logprobs, self.weights, self.combine), tuple(new_state), attention
+
+
+# ---- test-time augmentation: the photo and its mirror image --------------------------------
+TTA = ("flip",)
+
+
+def with_flip_views(decoder: nn.Module) -> EnsembleDecoder:
+    """Test-time flip averaging: ``decoder`` (one model or an ensemble) decoding the photo
+    (view 0) and its horizontal mirror image (view 1) as an ensemble of both, each of its members
+    once per view at half its weight, combined as the ensemble combines (log-linear for one
+    model). Captions describe the scene, which a mirror image keeps (only "left" and "right"
+    swap, and captions rarely use them), so the two views' errors partly cancel, as different
+    members' do. The decoder then takes feats (B, 2, L, D); the attention shown is view 0's."""
+    if isinstance(decoder, EnsembleDecoder):
+        if decoder.views is not None:
+            raise ValueError("this decoder already reads several views")
+        members, weights, combine = list(decoder.members), decoder.weights, decoder.combine
+    else:
+        members, weights, combine = [decoder], [1.0], "loglinear"
+    return EnsembleDecoder(members * 2, [w / 2 for w in weights] * 2, combine,
+                           views=[0] * len(members) + [1] * len(members))
 
 
 # ---- members: which checkpoints can be decoded together ------------------------------------
@@ -189,6 +222,7 @@ class EnsembleSpec:
     combine: str = "loglinear"
     length_penalty: float = 0.0
     max_len: int | None = None
+    tta: str | None = None  # test-time augmentation ("flip": see with_flip_views)
 
     def member_folders(self, shipped_root: Path) -> list[Path]:
         return [shipped_root / m["shipped"] if "shipped" in m else self.folder / m["path"] for m in self.members]
@@ -243,11 +277,14 @@ def read_ensemble(folder: Path) -> EnsembleSpec:
         raise CheckpointError(f"{path}: decoding.length_penalty must be a number >= 0, not {lp!r}")
     if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
         raise CheckpointError(f"{path}: decoding.max_len must be a whole number >= 1, not {max_len!r}")
-    return EnsembleSpec(folder, members, weights, combine, float(lp), max_len)
+    tta = decoding.get("tta")
+    if tta is not None and tta not in TTA:
+        raise CheckpointError(f"{path}: decoding.tta must be one of {', '.join(TTA)} or absent, not {tta!r}")
+    return EnsembleSpec(folder, members, weights, combine, float(lp), max_len, tta)
 
 
 def write_ensemble(out: Path, members: list[dict], weights: Sequence[float], length_penalty: float,
-                   max_len: int | None = None, combine: str = "loglinear") -> Path:
+                   max_len: int | None = None, combine: str = "loglinear", tta: str | None = None) -> Path:
     """Write ``out/ensemble.json`` (members as :func:`member_entry` names them) and mark ``out``
     as a captionkit ensemble. The caller has checked ``out`` (outputs.check_folder_target: it is
     missing, empty, or an ensemble to overwrite) and the members; an existing ensemble keeps its
@@ -256,6 +293,8 @@ def write_ensemble(out: Path, members: list[dict], weights: Sequence[float], len
     decoding: dict = {"length_penalty": float(length_penalty)}
     if max_len is not None:
         decoding["max_len"] = int(max_len)
+    if tta is not None:
+        decoding["tta"] = tta
     doc = {"format": FORMAT, "version": VERSION,
            "members": [{**m, "weight": round(w, 6)} for m, w in zip(members, weights)],
            "combine": combine, "decoding": decoding}

@@ -157,23 +157,29 @@ def open_sharded(encoder: Encoder, paths: list[Path], root: Path | None, shard_s
     return folder, shard_size
 
 
-def _folder_for(root: Path, encoder: Encoder, paths: list[Path]) -> Path:
+FLIP_SUFFIX = "-hflip"  # the cache key of mirror-image features: the encoder's, marked
+
+
+def _folder_for(root: Path, encoder: Encoder, paths: list[Path], flip: bool = False) -> Path:
     h = hashlib.sha1("\n".join(str(p.resolve()) for p in paths).encode()).hexdigest()[:12]
-    return root / encoder.cache_key() / h
+    return root / (encoder.cache_key() + (FLIP_SUFFIX if flip else "")) / h
 
 
 def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None,
-                   batch_size: int = 16, progress: bool = True) -> FeatureStore | ShardedFeatureStore:
+                   batch_size: int = 16, progress: bool = True,
+                   flip: bool = False) -> FeatureStore | ShardedFeatureStore:
     """Encode every image of ``paths`` once (resuming a partial build) and return the store:
     the complete sharded store of these images when ``--engine ray`` wrote one, else the
-    single memory-mapped file (built here).
+    single memory-mapped file (built here). ``flip``: encode each image's horizontal mirror
+    image instead (test-time flip averaging, captionkit.ensemble.with_flip_views), cached apart
+    from the photos' features (in the single-file layout only).
 
     Unreadable images are reported on stderr and left out of the store."""
     root = check_writable_folder(root or default_cache_root())
     sharded = sharded_folder_for(root, encoder, paths)
-    if (sharded / "manifest.json").exists() and (store := ShardedFeatureStore(sharded)).complete:
+    if not flip and (sharded / "manifest.json").exists() and (store := ShardedFeatureStore(sharded)).complete:
         return store
-    folder = _folder_for(root, encoder, paths)
+    folder = _folder_for(root, encoder, paths, flip)
     meta_path, feats_path, done_path = folder / "meta.json", folder / "feats.npy", folder / "done.npy"
     if folder.is_dir() and any(folder.iterdir()) and not meta_path.exists() and owner_kind(folder) != "features":
         raise OutputError(f"{folder}: holds files captionkit did not write (no meta.json); "
@@ -185,7 +191,8 @@ def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None
         write_marker(folder, "features")
         np.lib.format.open_memmap(feats_path, mode="w+", dtype=np.float16, shape=(len(paths), L, D)).flush()
         np.save(done_path, np.zeros(len(paths), dtype=bool))
-        meta = {"paths": [str(p) for p in paths], "grid": list(grid), "encoder": encoder.cache_key()}
+        meta = {"paths": [str(p) for p in paths], "grid": list(grid), "encoder": encoder.cache_key(),
+                **({"flip": True} if flip else {})}
         atomic_write_text(meta_path, json.dumps(meta))
     feats = np.load(feats_path, mmap_mode="r+")
     done = np.load(done_path)
@@ -195,7 +202,8 @@ def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None
 
     def load(i: int):
         try:
-            return i, to_tensor(load_rgb(paths[i]), encoder.preprocess)
+            x = to_tensor(load_rgb(paths[i]), encoder.preprocess)  # (3, S, S)
+            return i, x.flip(-1) if flip else x
         except ImageError as e:
             return i, str(e)
 

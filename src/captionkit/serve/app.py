@@ -159,9 +159,7 @@ class ModelWorker:
     def _caption(self, beam: int, group: list[_Job]) -> None:
         cap = self.captioner
         try:
-            x = torch.stack([j.x for j in group]).contiguous(memory_format=torch.channels_last)
-            with torch.inference_mode():
-                feats = cap.encoder(x)
+            feats = cap.encode_batch([j.x for j in group])  # both views when the model averages flips
             results = [cap.result(c) for c in cap.decode_features(feats, beam)]
         except Exception as e:  # noqa: BLE001  (reported to the waiting requests as a 500)
             for j in group:
@@ -417,9 +415,8 @@ def warm_up(models: dict[str, Captioner], config: ServeConfig) -> None:
     gen = torch.Generator().manual_seed(0)
     for cap in models.values():
         side = cap.encoder.preprocess.size
-        x = torch.randn(config.max_batch, 3, side, side, generator=gen).contiguous(memory_format=torch.channels_last)
-        with torch.inference_mode():
-            cap.decode_features(cap.encoder(x), config.max_beam)
+        x = torch.randn(config.max_batch, 3, side, side, generator=gen)
+        cap.decode_features(cap.encode_batch(list(x)), config.max_beam)
 
 
 def make_server(app: FastAPI, config: ServeConfig, **uvicorn_options):
