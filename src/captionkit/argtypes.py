@@ -7,6 +7,8 @@ import argparse
 import math
 from typing import Callable
 
+from .devices import check_device_name
+
 
 def _at_least(low: float, convert: Callable[[str], float], what: str) -> Callable[[str], float]:
     def parse(text: str):
@@ -43,3 +45,13 @@ def positive_floats(text: str) -> list[float]:
     if any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"must all be positive, got {text!r}")
     return values
+
+
+def device_name(text: str) -> str:
+    """A ``--device`` spelling (captionkit.devices.DEVICE_HELP), checked without probing the
+    hardware: a typo is refused by the parser; a device that is not there is refused by
+    :func:`captionkit.devices.resolve_device` before any model loads."""
+    try:
+        return check_device_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -5,7 +5,6 @@ captions with any registered family."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -14,12 +13,15 @@ import torch
 
 from .checkpoint import CheckpointError, load_into, read_config, read_weights, split_weights
 from .decoding import Caption, beam_nbest, decode
+from .devices import resolve_device
 from .encoders import Encoder, create_encoder, load_finetuned
 from .ensemble import (COMBINE, ENSEMBLE_FILE, EnsembleDecoder, check_member_configs, check_member_encoders,
                        is_ensemble_folder, normalised_weights, read_ensemble)
-from .images import ImageError, load_rgb, to_tensor
+from .image_batches import image_batches
+from .images import ImageError
 from .models import CaptionModel, create_model
 from .models.base import view_attention
+from .precision import autocast, resolve_precision
 from .rerank import RERANKERS, mbr_choice
 from .tokenizers import Tokenizer, load_tokenizer
 
@@ -103,30 +105,48 @@ class Captioner:
         self.max_len = int(decoding.get("max_len", 20))
         # the length normalisation the model was tuned with on its dev split (0: none)
         self.length_penalty = float(decoding.get("length_penalty", 0.0))
+        self.place("cpu")
+
+    def place(self, device: str | torch.device = "cpu", precision: str = "auto") -> "Captioner":
+        """Move the decoder and encoder to ``device`` (a name as ``--device`` takes it, or a
+        torch.device) and decode under ``precision`` resolved for it (captionkit.precision:
+        "auto" is bf16 autocast on a GPU that has it and on a CPU that multiplies bf16
+        natively, else float32). Checkpoints are read on the CPU and moved here."""
+        self.device = resolve_device(device) if isinstance(device, str) else torch.device(device)
+        self.precision = resolve_precision(precision, self.device)
+        self.decoder.to(self.device)
+        if self.encoder is not None:
+            self.encoder.to(self.device)
+        return self
 
     @classmethod
     def load(cls, path: str | Path | None = None, with_encoder: bool = True,
-             encoder_weights: str | None = None) -> "Captioner":
+             encoder_weights: str | None = None, device: str | torch.device = "cpu",
+             precision: str = "auto") -> "Captioner":
         """Load a checkpoint folder, an ensemble folder (captionkit.ensemble), or a shipped model
-        by name (the default one when ``path`` is None)."""
+        by name (the default one when ``path`` is None), onto ``device`` (see :meth:`place`)."""
         path = existing_model_folder(path)
         if is_ensemble_folder(path):
             spec = read_ensemble(path)
             return cls.load_ensemble(spec.member_folders(SHIPPED), spec.weights, length_penalty=spec.length_penalty,
                                      max_len=spec.max_len, combine=spec.combine, with_encoder=with_encoder,
-                                     encoder_weights=encoder_weights, source=path)
+                                     encoder_weights=encoder_weights, source=path, device=device,
+                                     precision=precision)
         member = load_member(path)
-        return cls._with_encoder(member.decoder, member, member.config, with_encoder, encoder_weights)
+        cap = cls._with_encoder(member.decoder, member, member.config, with_encoder, encoder_weights)
+        return cap.place(device, precision)
 
     @classmethod
     def load_ensemble(cls, paths: Sequence[str | Path], weights: Sequence[float] | None = None, *,
                       length_penalty: float | None = None, max_len: int | None = None,
                       combine: str = "loglinear", with_encoder: bool = True,
-                      encoder_weights: str | None = None, source: Path | None = None) -> "Captioner":
+                      encoder_weights: str | None = None, source: Path | None = None,
+                      device: str | torch.device = "cpu", precision: str = "auto") -> "Captioner":
         """Several checkpoints (folders or shipped names) of one tokenizer and encoder, decoded
         as one model (captionkit.ensemble). ``weights``: one per member (default equal);
         ``length_penalty`` and ``max_len``: the ensemble's (default the first member's).
-        ``source``: the ensemble folder they were named in, if any (for its errors)."""
+        ``source``: the ensemble folder they were named in, if any (for its errors).
+        ``device``, ``precision``: see :meth:`place`."""
         normalised_weights(weights, len(paths))  # a wrong weight is refused before anything loads
         if combine not in COMBINE:
             raise ValueError(f"unknown combine {combine!r} (known: {', '.join(COMBINE)})")
@@ -153,7 +173,7 @@ class Captioner:
                   "ensemble": {"members": [str(m.path) for m in members], "weights": decoder.weights,
                                "combine": combine, "families": [m.config["family"] for m in members],
                                **({"folder": str(source)} if source else {})}}
-        return cls._with_encoder(decoder, first, config, with_encoder, encoder_weights)
+        return cls._with_encoder(decoder, first, config, with_encoder, encoder_weights).place(device, precision)
 
     @classmethod
     def _with_encoder(cls, decoder: torch.nn.Module, member: "Member", config: dict, with_encoder: bool,
@@ -176,9 +196,14 @@ class Captioner:
     @torch.no_grad()
     def decode_features(self, feats: torch.Tensor, beam: int = 3,
                         length_penalty: float | None = None) -> list[Caption]:
-        """feats (B, L, D) -> one Caption per image (length_penalty None: the model's own)."""
-        return decode(self.decoder, feats.float(), beam=beam, max_len=self.max_len,
-                      length_penalty=self.length_penalty_or(length_penalty))
+        """feats (B, L, D) on any device -> one Caption per image (length_penalty None: the
+        model's own), decoded on this captioner's device and precision; Captions are CPU-side."""
+        with autocast(self.device, self.precision):
+            return decode(self.decoder, self._on_device(feats), beam=beam, max_len=self.max_len,
+                          length_penalty=self.length_penalty_or(length_penalty))
+
+    def _on_device(self, feats: torch.Tensor) -> torch.Tensor:
+        return feats.to(self.device, non_blocking=True).float()
 
     def mbr(self, lists: list[list[Caption]]) -> list[Caption]:
         """Each n-best list's consensus caption (captionkit.rerank; document frequencies from
@@ -191,8 +216,9 @@ class Captioner:
                        length_penalty: float | None = None) -> list[list[Caption]]:
         """feats (B, L, D) -> each image's ``n`` best beams, best first (beam width
         max(beam, n))."""
-        return beam_nbest(self.decoder, feats.float(), n, max(beam or n, n), self.max_len,
-                          self.length_penalty_or(length_penalty))
+        with autocast(self.device, self.precision):
+            return beam_nbest(self.decoder, self._on_device(feats), n, max(beam or n, n), self.max_len,
+                              self.length_penalty_or(length_penalty))
 
     def text(self, cap: Caption) -> str:
         """A caption's words as one string (what scoring and reranking compare)."""
@@ -215,15 +241,23 @@ class Captioner:
 
     def encode_batch(self, images: list[torch.Tensor]) -> torch.Tensor:
         """Preprocessed images, each (3, S, S) -> the encoder's rows (B, L, D), without autograd."""
+        return self.encode(torch.stack(images))
+
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Preprocessed pixels (B, 3, S, S) on any device -> the encoder's rows (B, L, D) on this
+        captioner's device, under its precision, without autograd."""
         if self.encoder is None:
             raise RuntimeError("this Captioner was loaded without its encoder")
-        return self.encoder.encode_batch(images)
+        with autocast(self.device, self.precision):
+            return self.encoder.encode(pixels)
 
     def caption_files(self, paths: list[Path], beam: int = 3, batch_size: int = 16,
                       length_penalty: float | None = None, workers: int = 1, nbest: int | None = None,
                       rerank: str | None = None) -> Iterator[tuple[Path, Result | ImageError]]:
         """Caption image files in order; a bad file yields its ImageError and the rest go on.
-        ``workers`` threads decode the next batch's images while this batch is captioned.
+        ``workers`` processes decode the next batches' images while this batch is captioned
+        (0: in this process; captionkit.image_batches), pinned and copied without blocking
+        when the device is a GPU.
         ``nbest``: keep each image's ``nbest`` best beams as the Result's ``candidates``;
         ``rerank="mbr"``: choose the caption among them by consensus (:meth:`mbr`), batch by
         batch."""
@@ -233,40 +267,22 @@ class Captioner:
             raise ValueError("reranking chooses among the n best beams: give nbest")
         if self.encoder is None:
             raise RuntimeError("this Captioner was loaded without its encoder")
-        pre = self.encoder.preprocess
-
-        def load(p: Path):
-            try:
-                return to_tensor(load_rgb(p), pre)
-            except ImageError as e:
-                return e
-
-        batches = [paths[i:i + batch_size] for i in range(0, len(paths), batch_size)]
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            # reader threads decode the next batch while this one is encoded: one batch
-            # ahead, so memory stays flat however large the folder
-            read = (lambda b: [pool.submit(load, p) for p in b])
-            nxt = read(batches[0]) if batches else None
-            for bi, batch in enumerate(batches):
-                loaded = [f.result() for f in nxt]
-                if bi + 1 < len(batches):
-                    nxt = read(batches[bi + 1])
-                good = [i for i, x in enumerate(loaded) if isinstance(x, torch.Tensor)]
-                caps: dict[int, Caption] = {}
-                lists: dict[int, list[Caption]] = {}
-                if good:
-                    feats = self.encode_batch([loaded[i] for i in good])  # (B, L, D)
-                    if nbest:
-                        lists = dict(zip(good, self.nbest_features(feats, nbest, beam, length_penalty)))
-                        chosen = self.mbr(list(lists.values())) if rerank else [c[0] for c in lists.values()]
-                        caps = dict(zip(good, chosen))
-                    else:
-                        caps = dict(zip(good, self.decode_features(feats, beam, length_penalty)))
-                for i, p in enumerate(batch):
-                    if i not in caps:
-                        yield p, loaded[i]
-                        continue
-                    res = self.result(caps[i])
-                    if i in lists:
-                        res.candidates = [self.text(c) for c in lists[i]]
-                    yield p, res
+        for batch in image_batches(paths, self.encoder.preprocess, batch_size, workers, self.device):
+            caps: dict[int, Caption] = {}
+            lists: dict[int, list[Caption]] = {}
+            if batch.good:
+                feats = self.encode(batch.pixels)  # (B, L, D)
+                if nbest:
+                    lists = dict(zip(batch.good, self.nbest_features(feats, nbest, beam, length_penalty)))
+                    chosen = self.mbr(list(lists.values())) if rerank else [c[0] for c in lists.values()]
+                    caps = dict(zip(batch.good, chosen))
+                else:
+                    caps = dict(zip(batch.good, self.decode_features(feats, beam, length_penalty)))
+            for i, p in enumerate(batch.paths):
+                if i not in caps:
+                    yield p, batch.errors[i]
+                    continue
+                res = self.result(caps[i])
+                if i in lists:
+                    res.candidates = [self.text(c) for c in lists[i]]
+                yield p, res

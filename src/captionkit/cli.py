@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from .argtypes import float_at_least, int_at_least, positive_floats, positive_int
+from .argtypes import device_name, float_at_least, int_at_least, positive_floats, positive_int
 from .errors import CheckpointError, DatasetError, ImageError, OutputError, WeightsUnavailable
 from .vlm import DEFAULT_VLM, DTYPES
 
@@ -69,12 +69,27 @@ def _check_models(models: list[str] | None, weights: list[float] | None, rerank:
         raise UsageError("--candidates writes the n best beams: give --nbest N (or --rerank mbr)")
 
 
-def _load_captioner(models: list[str] | None, weights: list[float] | None):
-    """One --model (or the default), or an ensemble of several (captionkit.ensemble)."""
+def _device(device: str, precision: str = "auto"):
+    """--device and --precision -> (torch.device, resolved precision), or one line naming the
+    device that is not here: called before anything loads (captionkit.devices)."""
+    from .devices import resolve_device
+    from .precision import resolve_precision
+
+    try:
+        where = resolve_device(device)
+        return where, resolve_precision(precision, where)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _load_captioner(models: list[str] | None, weights: list[float] | None, device=None, precision: str = "auto"):
+    """One --model (or the default), or an ensemble of several (captionkit.ensemble), on
+    ``device`` (None: the CPU)."""
     from .captioner import Captioner
+    place = {"device": device or "cpu", "precision": precision}
     if models and len(models) > 1:
-        return Captioner.load_ensemble(models, weights)
-    return Captioner.load(models[0] if models else None)
+        return Captioner.load_ensemble(models, weights, **place)
+    return Captioner.load(models[0] if models else None, **place)
 
 
 def _nbest(rerank: str | None, nbest: int | None) -> int | None:
@@ -87,9 +102,12 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
                 jsonl: str | None = None, csv_out: str | None = None, workers: int = 2,
                 onnx: str | None = None, overwrite: bool = False, retry_failed: bool = False,
                 verbose: bool = False, weights: list[float] | None = None, rerank: str | None = None,
-                nbest: int | None = None, candidates: str | None = None) -> int:
+                nbest: int | None = None, candidates: str | None = None, device: str = "auto",
+                precision: str = "auto") -> int:
     if onnx and model:
         raise UsageError("give either --model or --onnx")
+    if onnx and (device not in ("auto", "cpu") or precision != "auto"):
+        raise UsageError("--device and --precision apply to PyTorch models; --onnx runs on onnxruntime's CPU")
     _check_models(model, weights, rerank, nbest, candidates)
     if onnx and (rerank or nbest):
         raise UsageError("--rerank, --nbest and --candidates need a PyTorch model (--model), not --onnx")
@@ -101,6 +119,7 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
     if candidates:
         from .outputs import check_file_target
         candidates_path = check_file_target(candidates, overwrite=overwrite)
+    where, precision = _device("cpu" if onnx else device, precision)
     writer = _caption_writer("caption", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
                              attention=attention, overwrite=overwrite, retry_failed=retry_failed, verbose=verbose)
     if onnx:
@@ -108,7 +127,7 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
         cap = load_onnx_captioner(onnx)
         return writer.run(lambda files: cap.caption_files(files, beam=beam, batch_size=batch_size,
                                                           length_penalty=length_penalty, workers=workers))
-    cap = _load_captioner(model, weights)
+    cap = _load_captioner(model, weights, where, precision)
     lists: dict[str, list[str]] = {}
 
     def results(files: list[Path]):
@@ -204,7 +223,8 @@ def cmd_serve(model: list[str] | None, host: str, port: int, max_upload_mb: floa
               max_batch: int, threads: int | None, onnx: str | None, api_key: str | None = None,
               rate_limit: float | None = None, max_pixels: int | None = None, decode_workers: int = 2,
               decode_memory_mb: float = 512, decode_queue: int = 16, max_connections: int = 100,
-              header_timeout: float = 10.0, body_timeout: float = 30.0) -> int:
+              header_timeout: float = 10.0, body_timeout: float = 30.0, device: str = "auto",
+              precision: str = "auto") -> int:
     import re
 
     from .serve.net import bind, exposure_warning
@@ -223,6 +243,7 @@ def cmd_serve(model: list[str] | None, host: str, port: int, max_upload_mb: floa
         raise UsageError("--api-key (or CAPTIONKIT_API_KEY) must be printable ASCII without spaces, and not empty")
     if onnx and not (Path(onnx) / "manifest.json").exists():
         raise UsageError(f"{onnx}: no manifest.json (make one with captionkit export onnx --out {onnx})")
+    where, precision = _device(device, precision)
     try:
         sock = bind(host, port)  # before anything heavy: a bad --host or --port fails at once
     except OSError as e:
@@ -241,7 +262,7 @@ def cmd_serve(model: list[str] | None, host: str, port: int, max_upload_mb: floa
                       decode_workers=decode_workers, max_decode_bytes=int(decode_memory_mb * 2 ** 20),
                       decode_queue=decode_queue, max_connections=max_connections,
                       header_timeout=header_timeout, body_timeout=body_timeout, **limits)
-    serve(model, sock, cfg, threads=threads)
+    serve(model, sock, cfg, threads=threads, device=where, precision=precision)
     return 0
 
 
@@ -266,16 +287,19 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
                  out: str | None, batch_size: int, length_penalty: float | None,
                  tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str,
                  image_column: str, title_column: str, image_suffix: str, overwrite: bool = False,
-                 weights: list[float] | None = None, rerank: str | None = None, nbest: int | None = None) -> int:
+                 weights: list[float] | None = None, rerank: str | None = None, nbest: int | None = None,
+                 device: str = "auto", precision: str = "auto", workers: int = 2) -> int:
     _check_targets(out, overwrite=overwrite)  # before torch, the dataset and the model load
     from .evaluation import score_captions
 
     _check_models(model, weights, rerank, nbest)
+    where, precision = _device(device, precision)
     items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
-    cap = _load_captioner(model, weights)
+    cap = _load_captioner(model, weights, where, precision)
     captions, failed = {}, []
     for path, res in cap.caption_files([it.path for it in items], beam=beam, batch_size=batch_size,
-                                       length_penalty=length_penalty, nbest=_nbest(rerank, nbest), rerank=rerank):
+                                       length_penalty=length_penalty, nbest=_nbest(rerank, nbest), rerank=rerank,
+                                       workers=workers):
         if isinstance(res, ImageError):
             failed.append(str(res))
         else:
@@ -409,16 +433,18 @@ def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool,
 
 
 def cmd_features(dataset: str, images: str | None, encoder: str,
-                 image_column: str, title_column: str, image_suffix: str) -> int:
+                 image_column: str, title_column: str, image_suffix: str, device: str = "auto",
+                 workers: int = 2) -> int:
     from .encoders import create_encoder, list_encoders
     from .features import build_features, default_cache_root
     from .outputs import check_writable_folder
 
     if encoder not in list_encoders():
         raise UsageError(f"--encoder: unknown encoder {encoder!r}; known: {', '.join(list_encoders())}")
+    where, _ = _device(device)
     check_writable_folder(default_cache_root())
     ds = _load_dataset(dataset, images, image_column, title_column, image_suffix)
-    store = build_features(create_encoder(encoder), [it.path for it in ds.all_items()])
+    store = build_features(create_encoder(encoder).to(where), [it.path for it in ds.all_items()], workers=workers)
     print(f"{len(store.index)} images, grid {store.grid}: {store.folder}")
     return 0
 
@@ -461,15 +487,16 @@ def cmd_merge_lora(model: str, out: str, overwrite: bool) -> int:
 def cmd_zero_shot(paths: list[str], model: str, prompts: str | None, template: str | None,
                   json_out: str | None, batch_size: int, max_new_tokens: int, download: bool, dtype: str,
                   jsonl: str | None = None, csv_out: str | None = None, overwrite: bool = False,
-                  retry_failed: bool = False, verbose: bool = False) -> int:
+                  retry_failed: bool = False, verbose: bool = False, device: str = "auto") -> int:
     from .vlm import ZeroShotCaptioner, load_prompts
 
+    where, _ = _device(device)
     prompt = load_prompts(prompts).get(template)
     settings = {"model": str(Path(model).resolve()) if Path(model).is_dir() else model, "prompt": prompt,
                 "max_new_tokens": max_new_tokens, "dtype": dtype}
     writer = _caption_writer("zero-shot", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
                              overwrite=overwrite, retry_failed=retry_failed, verbose=verbose)
-    cap = ZeroShotCaptioner.load(model, download=download, dtype=dtype)
+    cap = ZeroShotCaptioner.load(model, download=download, dtype=dtype, device=where)
 
     def answers(files: list[Path]):
         for path, res in cap.caption_files(files, prompt, batch_size=batch_size, max_new_tokens=max_new_tokens):
@@ -581,6 +608,21 @@ def _add_ensemble_opts(p: argparse.ArgumentParser) -> None:
                    help=f"beams --rerank mbr chooses among (default {DEFAULT_NBEST}; the beam widens to N)")
 
 
+def _add_device_opts(p: argparse.ArgumentParser, workers: bool = False, precision: bool = True) -> None:
+    """Where a command computes (docs/devices.md): spelling checked here, presence before any model loads."""
+    from .devices import DEVICE_HELP
+    from .precision import PRECISIONS
+
+    p.add_argument("--device", type=device_name, default="auto", help=f"where the model runs: {DEVICE_HELP}")
+    if precision:
+        p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                       help="float format of the model's matmuls (auto: bf16 on a GPU that has it and on a CPU "
+                            "that multiplies it natively, else fp32; fp16: CUDA only)")
+    if workers:
+        p.add_argument("--workers", type=int_at_least(0), default=2,
+                       help="processes decoding images ahead of the model (0: in this process)")
+
+
 def _add_candidates_opt(p: argparse.ArgumentParser) -> None:
     p.add_argument("--candidates", metavar="OUT",
                    help="also write each image's --nbest best beams here as {image: [caption, ...]}, "
@@ -601,8 +643,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--batch-size", type=positive_int, default=16)
     c.add_argument("--length-penalty", type=float_at_least(0), default=None,
                    help="rank beams by logprob / (words + 1) ** this (0: plain sum; default: the model's)")
-    c.add_argument("--workers", type=positive_int, default=2, help="threads decoding images ahead of the model")
     c.add_argument("--onnx", metavar="DIR", help="caption with an ONNX export (captionkit export onnx) instead")
+    _add_device_opts(c, workers=True)
     _add_caption_outputs(c)
 
     e = sub.add_parser("evaluate", help="caption a dataset split and score it (coco-caption scorers)")
@@ -616,6 +658,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=int, default=16)
     e.add_argument("--length-penalty", type=float, default=None)
     _add_overwrite(e, "replace the --out file if it exists")
+    _add_device_opts(e, workers=True)
     _add_score_opts(e)
     _add_csv_opts(e)
 
@@ -649,6 +692,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--dataset", required=True)
     f.add_argument("--images")
     f.add_argument("--encoder", default="efficientnet_lite2")
+    _add_device_opts(f, workers=True, precision=False)
     _add_csv_opts(f)
 
     k = sub.add_parser("pack", help="copy a checkpoint without optimizer state, for shipping")
@@ -675,6 +719,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fetch the weights from the Hugging Face Hub when they are not in its cache")
     z.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="auto: the checkpoint's own (bfloat16 for Qwen2.5-VL)")
+    _add_device_opts(z, precision=False)
     _add_caption_outputs(z)
 
     x = sub.add_parser("export", help="export a model for other runtimes (ONNX)")
@@ -727,6 +772,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-connections", type=int, default=100, help="open connections before 503")
     v.add_argument("--header-timeout", type=float, default=10.0, help="seconds a connection has to send a request head")
     v.add_argument("--body-timeout", type=float, default=30.0, help="longest silence while a request body arrives")
+    _add_device_opts(v)
 
     w = sub.add_parser("sweep", help="train a grid (or a random sample) of config variations; see docs/experiments.md")
     w.add_argument("--config", required=True, help="the base TOML config")

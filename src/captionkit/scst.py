@@ -37,12 +37,12 @@ def sample(model, feats: torch.Tensor, n: int, max_len: int = 20,
     """``n`` captions per image drawn from the model -> (B * n, T) word ids, each row ending
     in <end> and then <pad>; rows b*n .. b*n+n-1 belong to image b. Words that decoding never
     produces (<pad>, <start>, <unk>) are never drawn."""
-    B = feats.shape[0]
+    B, device = feats.shape[0], feats.device
     mem = model.prepare(feats)
-    rows = torch.arange(B).repeat_interleave(n)  # (B*n,)
+    rows = torch.arange(B, device=device).repeat_interleave(n)  # (B*n,)
     mem, state = mem.index_select(rows), select_rows(model.init_state(mem), rows)
-    tokens = torch.full((B * n,), Vocab.start, dtype=torch.long)
-    alive = torch.ones(B * n, dtype=torch.bool)
+    tokens = torch.full((B * n,), Vocab.start, dtype=torch.long, device=device)
+    alive = torch.ones(B * n, dtype=torch.bool, device=device)
     out = []
     for t in range(max_len + 1):
         logp, state, _ = model.step(tokens, state, mem)
@@ -61,12 +61,12 @@ def sequence_logprobs(model, feats: torch.Tensor, seqs: torch.Tensor, n: int = 1
     per image, teacher-forced, under the same renormalisation as sampling (<pad>, <start>,
     <unk> excluded) -> (B*n, T), 0 at pads. With n > 1 the model prepares each image once
     (``image_index``: the image side of a step is a large share of the cost)."""
-    start = torch.full((seqs.shape[0], 1), Vocab.start, dtype=torch.long)
+    start = torch.full((seqs.shape[0], 1), Vocab.start, dtype=torch.long, device=seqs.device)
     inputs = torch.cat([start, seqs[:, :-1]], 1)  # (B*n, T): <start> w_1 .. w_{T-1}
     if n == 1:
         logits, _ = model(feats, inputs)  # (B, T, V)
     else:
-        rows = torch.arange(feats.shape[0]).repeat_interleave(n)  # (B*n,)
+        rows = torch.arange(feats.shape[0], device=feats.device).repeat_interleave(n)  # (B*n,)
         logits, _ = model(feats, inputs, image_index=rows)  # (B*n, T, V)
     logits = logits.float().clone()
     logits[..., [Vocab.pad, Vocab.start, Vocab.unk]] = float("-inf")
@@ -125,6 +125,6 @@ class SelfCritical:
             advantage = r_sample - leave_one_out_mean(r_sample, n)  # (B*n,)
         logp = sequence_logprobs(model, feats, seqs, n)  # (B*n, T)
         words = (seqs != Vocab.pad).sum()
-        loss = -(advantage.unsqueeze(1) * logp).sum() / words
+        loss = -(advantage.to(logp.device).unsqueeze(1) * logp).sum() / words  # rewards are CPU-side
         return loss, SelfCriticalStats(float(r_sample.mean()),
                                        None if r_greedy is None else float(r_greedy.mean()))

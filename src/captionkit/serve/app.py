@@ -159,9 +159,7 @@ class ModelWorker:
     def _caption(self, beam: int, group: list[_Job]) -> None:
         cap = self.captioner
         try:
-            x = torch.stack([j.x for j in group]).contiguous(memory_format=torch.channels_last)
-            with torch.inference_mode():
-                feats = cap.encoder(x)
+            feats = cap.encode(torch.stack([j.x for j in group]))  # on the captioner's device
             results = [cap.result(c) for c in cap.decode_features(feats, beam)]
         except Exception as e:  # noqa: BLE001  (reported to the waiting requests as a 500)
             for j in group:
@@ -176,14 +174,16 @@ def model_name(path: str | Path | None) -> str:
     return Path(path).name if path else DEFAULT_MODEL.name
 
 
-def load_models(paths: list[str] | None) -> dict[str, Captioner]:
-    """Load each checkpoint folder once (the shipped model when none is given), keyed by name."""
+def load_models(paths: list[str] | None, device: str | torch.device = "cpu",
+                precision: str = "auto") -> dict[str, Captioner]:
+    """Load each checkpoint folder once (the shipped model when none is given), keyed by name,
+    onto ``device`` (see Captioner.place)."""
     models: dict[str, Captioner] = {}
     for p in paths or [None]:
         name, k = model_name(p), 2
         while name in models:
             name, k = f"{model_name(p)}-{k}", k + 1
-        models[name] = Captioner.load(p)
+        models[name] = Captioner.load(p, device=device, precision=precision)
     return models
 
 
@@ -417,9 +417,8 @@ def warm_up(models: dict[str, Captioner], config: ServeConfig) -> None:
     gen = torch.Generator().manual_seed(0)
     for cap in models.values():
         side = cap.encoder.preprocess.size
-        x = torch.randn(config.max_batch, 3, side, side, generator=gen).contiguous(memory_format=torch.channels_last)
-        with torch.inference_mode():
-            cap.decode_features(cap.encoder(x), config.max_beam)
+        x = torch.randn(config.max_batch, 3, side, side, generator=gen)
+        cap.decode_features(cap.encode(x), config.max_beam)
 
 
 def make_server(app: FastAPI, config: ServeConfig, **uvicorn_options):
@@ -435,11 +434,12 @@ def make_server(app: FastAPI, config: ServeConfig, **uvicorn_options):
 
 
 def serve(model_paths: list[str] | None, sock: socket.socket, config: ServeConfig,
-          threads: int | None = None) -> None:
-    """Load the models, warm them up and serve on ``sock`` (from serve.net.bind) until interrupted."""
+          threads: int | None = None, device: str | torch.device = "cpu", precision: str = "auto") -> None:
+    """Load the models onto ``device``, warm them up and serve on ``sock`` (from serve.net.bind)
+    until interrupted."""
     if threads:
         torch.set_num_threads(threads)
-    models = load_models(model_paths)
+    models = load_models(model_paths, device, precision)
     warm_up(models, config)
     app = create_app(models, config)
     host, port = sock.getsockname()[:2]
