@@ -620,7 +620,8 @@ def _add_device_opts(p: argparse.ArgumentParser, workers: bool = False, precisio
                             "that multiplies it natively, else fp32; fp16: CUDA only)")
     if workers:
         p.add_argument("--workers", type=int_at_least(0), default=2,
-                       help="processes decoding images ahead of the model (0: in this process)")
+                       help="processes decoding images ahead of a GPU (0: in this process); "
+                            "threads on the CPU")
 
 
 def _add_candidates_opt(p: argparse.ArgumentParser) -> None:
