@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from .cache import cache_root
 from .devices import module_device

@@ -6,8 +6,9 @@ The one loader of batch captioning and feature extraction (:meth:`Captioner.capt
 and the GPU never waits for them while they keep up; on CUDA the batch is put in pinned
 (page-locked) memory by the DataLoader's pinning thread and copied with ``non_blocking=True``,
 so the copy overlaps the previous batch's work. For the CPU, reader threads decode one batch
-ahead, as before devices existed (see :func:`_threaded` for why). An image that cannot be read is an :class:`ImageError` in
-its batch's ``errors``; the rest of the batch goes on. Order is the order of ``paths``.
+ahead, as before devices existed (see :func:`_threaded` for why). An image that cannot be
+read is an :class:`ImageError` in its batch's ``errors``; the rest of the batch goes on.
+Order is the order of ``paths``.
 """
 
 from __future__ import annotations
@@ -113,8 +114,9 @@ def _threaded(files: Dataset, collate: _Collate, batch_size: int, workers: int) 
     with two torch threads, and the same with one (docs/devices.md)."""
     starts = range(0, len(files), batch_size)
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        read = (lambda start: [pool.submit(files.__getitem__, i)
-                               for i in range(start, min(start + batch_size, len(files)))])
+        def read(start: int) -> list:
+            return [pool.submit(files.__getitem__, i) for i in range(start, min(start + batch_size, len(files)))]
+
         ahead = read(starts[0]) if starts else []
         for k in range(len(starts)):
             items = [f.result() for f in ahead]
