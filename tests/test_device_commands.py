@@ -163,3 +163,17 @@ def test_features_on_cuda_match_the_cpu(flickr_dir, tmp_path):
     a, b = np.asarray(cpu.feats, dtype=np.float32), np.asarray(gpu.feats, dtype=np.float32)
     # float32 on both (TF32 convolutions on the GPU), stored as float16
     assert np.abs(a - b).max() <= 1e-2 * max(1.0, np.abs(a).max())
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_shipped_transformer_captions_on_cuda_as_on_the_cpu():
+    """The shipped default (a transformer: its key/value cache and masks on the GPU) in float32."""
+    from pathlib import Path
+
+    photos = sorted((Path(__file__).resolve().parents[1] / "samples").glob("*.jpg"))
+    cpu = Captioner.load()
+    gpu = Captioner.load(device="cuda", precision="fp32")
+    assert gpu.device.type == "cuda" and next(gpu.decoder.parameters()).is_cuda
+    texts = [{p.name: r.text for p, r in c.caption_files(photos, beam=3, workers=1)} for c in (cpu, gpu)]
+    assert texts[1] == texts[0]

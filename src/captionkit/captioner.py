@@ -105,7 +105,10 @@ class Captioner:
         self.max_len = int(decoding.get("max_len", 20))
         # the length normalisation the model was tuned with on its dev split (0: none)
         self.length_penalty = float(decoding.get("length_penalty", 0.0))
-        self.place("cpu")
+        # where the decoder and encoder are as given (the CPU: checkpoints are read there, and the
+        # ONNX runtime's stand-ins are not modules to move); see place()
+        self.device = torch.device("cpu")
+        self.precision = resolve_precision("auto", self.device)
 
     def place(self, device: str | torch.device = "cpu", precision: str = "auto") -> "Captioner":
         """Move the decoder and encoder to ``device`` (a name as ``--device`` takes it, or a
