@@ -439,7 +439,7 @@ def no_model_load(monkeypatch):
     import captionkit.serve.app as serve_app
     calls = []
     monkeypatch.setattr(Captioner, "load", classmethod(lambda *a, **k: pytest.fail("a model was loaded")))
-    monkeypatch.setattr(serve_app, "serve", lambda model, sock, cfg, threads=None: calls.append((sock, cfg)))
+    monkeypatch.setattr(serve_app, "serve", lambda model, sock, cfg, threads=None, **where: calls.append((sock, cfg)))
     monkeypatch.delenv("CAPTIONKIT_API_KEY", raising=False)
     return calls
 

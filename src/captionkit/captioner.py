@@ -5,7 +5,6 @@ captions with any registered family."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -14,13 +13,16 @@ import torch
 
 from .checkpoint import CheckpointError, load_into, read_config, read_weights, split_weights
 from .decoding import Caption, beam_nbest, decode
+from .devices import resolve_device
 from .encoders import Encoder, create_encoder, load_finetuned
 from .ensemble import (COMBINE, ENSEMBLE_FILE, TTA, EnsembleDecoder, check_member_configs, check_member_encoders,
                        is_ensemble_folder, normalised_weights, read_ensemble, with_flip_views)
 from .errors import UserError
-from .images import ImageError, load_rgb, to_tensor
+from .image_batches import image_batches
+from .images import ImageError
 from .models import CaptionModel, create_model
 from .models.base import view_attention
+from .precision import autocast, resolve_precision
 from .rerank import RERANKERS, mbr_choice
 from .shipped import DEFAULT_MODEL, SHIPPED, shipped_models_text
 from .tokenizers import Tokenizer, load_tokenizer
@@ -109,32 +111,53 @@ class Captioner:
         self.max_len = int(decoding.get("max_len", 20))
         # the length normalisation the model was tuned with on its dev split (0: none)
         self.length_penalty = float(decoding.get("length_penalty", 0.0))
+        # where the decoder and encoder are as given (the CPU: checkpoints are read there, and the
+        # ONNX runtime's stand-ins are not modules to move); see place()
+        self.device = torch.device("cpu")
+        self.precision = resolve_precision("auto", self.device)
+
+    def place(self, device: str | torch.device = "cpu", precision: str = "auto") -> "Captioner":
+        """Move the decoder and encoder to ``device`` (a name as ``--device`` takes it, or a
+        torch.device) and decode under ``precision`` resolved for it (captionkit.precision:
+        "auto" is bf16 autocast on a GPU that has it and on a CPU that multiplies bf16
+        natively, else float32). Checkpoints are read on the CPU and moved here."""
+        self.device = resolve_device(device) if isinstance(device, str) else torch.device(device)
+        self.precision = resolve_precision(precision, self.device)
+        self.decoder.to(self.device)
+        if self.encoder is not None:
+            self.encoder.to(self.device)
+        return self
 
     @classmethod
     def load(cls, path: str | Path | None = None, with_encoder: bool = True,
-             encoder_weights: str | None = None, tta: str | None = None) -> "Captioner":
+             encoder_weights: str | None = None, tta: str | None = None, device: str | torch.device = "cpu",
+             precision: str = "auto") -> "Captioner":
         """Load a checkpoint folder, an ensemble folder (captionkit.ensemble), or a shipped model
-        by name (the default one when ``path`` is None). ``tta``: see :class:`Captioner`
-        (default: none, or what the ensemble folder says)."""
+        by name (the default one when ``path`` is None), onto ``device`` (see :meth:`place`).
+        ``tta``: see :class:`Captioner` (default: none, or what the ensemble folder says)."""
         path = existing_model_folder(path)
         if is_ensemble_folder(path):
             spec = read_ensemble(path)
             return cls.load_ensemble(spec.member_folders(SHIPPED), spec.weights, length_penalty=spec.length_penalty,
                                      max_len=spec.max_len, combine=spec.combine, with_encoder=with_encoder,
-                                     encoder_weights=encoder_weights, source=path, tta=tta or spec.tta)
+                                     encoder_weights=encoder_weights, source=path, tta=tta or spec.tta,
+                                     device=device, precision=precision)
         member = load_member(path)
-        return cls._with_encoder(member.decoder, member, member.config, with_encoder, encoder_weights, tta)
+        cap = cls._with_encoder(member.decoder, member, member.config, with_encoder, encoder_weights, tta)
+        return cap.place(device, precision)
 
     @classmethod
     def load_ensemble(cls, paths: Sequence[str | Path], weights: Sequence[float] | None = None, *,
                       length_penalty: float | None = None, max_len: int | None = None,
                       combine: str = "loglinear", with_encoder: bool = True,
                       encoder_weights: str | None = None, source: Path | None = None,
-                      tta: str | None = None) -> "Captioner":
+                      tta: str | None = None, device: str | torch.device = "cpu",
+                      precision: str = "auto") -> "Captioner":
         """Several checkpoints (folders or shipped names) of one tokenizer and encoder, decoded
         as one model (captionkit.ensemble). ``weights``: one per member (default equal);
         ``length_penalty`` and ``max_len``: the ensemble's (default the first member's).
-        ``source``: the ensemble folder they were named in, if any (for its errors)."""
+        ``source``: the ensemble folder they were named in, if any (for its errors).
+        ``device``, ``precision``: see :meth:`place`."""
         normalised_weights(weights, len(paths))  # a wrong weight is refused before anything loads
         if combine not in COMBINE:
             raise UserError(f"unknown combine {combine!r} (known: {', '.join(COMBINE)})")
@@ -161,7 +184,8 @@ class Captioner:
                   "ensemble": {"members": [str(m.path) for m in members], "weights": decoder.weights,
                                "combine": combine, "families": [m.config["family"] for m in members],
                                **({"folder": str(source)} if source else {})}}
-        return cls._with_encoder(decoder, first, config, with_encoder, encoder_weights, tta)
+        cap = cls._with_encoder(decoder, first, config, with_encoder, encoder_weights, tta)
+        return cap.place(device, precision)
 
     @classmethod
     def _with_encoder(cls, decoder: torch.nn.Module, member: "Member", config: dict, with_encoder: bool,
@@ -184,9 +208,14 @@ class Captioner:
     @torch.no_grad()
     def decode_features(self, feats: torch.Tensor, beam: int = 3,
                         length_penalty: float | None = None) -> list[Caption]:
-        """feats (B, L, D) -> one Caption per image (length_penalty None: the model's own)."""
-        return decode(self.decoder, feats.float(), beam=beam, max_len=self.max_len,
-                      length_penalty=self.length_penalty_or(length_penalty))
+        """feats (B, L, D) on any device -> one Caption per image (length_penalty None: the
+        model's own), decoded on this captioner's device and precision; Captions are CPU-side."""
+        with autocast(self.device, self.precision):
+            return decode(self.decoder, self._on_device(feats), beam=beam, max_len=self.max_len,
+                          length_penalty=self.length_penalty_or(length_penalty))
+
+    def _on_device(self, feats: torch.Tensor) -> torch.Tensor:
+        return feats.to(self.device, non_blocking=True).float()
 
     def mbr(self, lists: list[list[Caption]]) -> list[Caption]:
         """Each n-best list's consensus caption (captionkit.rerank; document frequencies from
@@ -199,8 +228,9 @@ class Captioner:
                        length_penalty: float | None = None) -> list[list[Caption]]:
         """feats (B, L, D) -> each image's ``n`` best beams, best first (beam width
         max(beam, n))."""
-        return beam_nbest(self.decoder, feats.float(), n, max(beam or n, n), self.max_len,
-                          self.length_penalty_or(length_penalty))
+        with autocast(self.device, self.precision):
+            return beam_nbest(self.decoder, self._on_device(feats), n, max(beam or n, n), self.max_len,
+                              self.length_penalty_or(length_penalty))
 
     def text(self, cap: Caption) -> str:
         """A caption's words as one string (what scoring and reranking compare)."""
@@ -222,21 +252,29 @@ class Captioner:
         return Result([w for w, _ in spans], attention, self.grid)
 
     def encode_batch(self, images: list[torch.Tensor]) -> torch.Tensor:
-        """Preprocessed images, each (3, S, S) -> the encoder's rows (B, L, D), without autograd;
-        with flip averaging (B, 2, L, D): the images' rows and their mirror images' (a second
-        encoder pass)."""
+        """Preprocessed images, each (3, S, S) -> the encoder's rows (B, L, D), without autograd
+        (with flip averaging (B, 2, L, D), see :meth:`encode`)."""
+        return self.encode(torch.stack(images))
+
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Preprocessed pixels (B, 3, S, S) on any device -> the encoder's rows (B, L, D) on this
+        captioner's device, under its precision, without autograd; with flip averaging
+        (B, 2, L, D): the images' rows and their mirror images' (a second encoder pass)."""
         if self.encoder is None:
             raise RuntimeError("this Captioner was loaded without its encoder")
-        feats = self.encoder.encode_batch(images)
-        if self.tta == "flip":
-            feats = torch.stack([feats, self.encoder.encode_batch([x.flip(-1) for x in images])], 1)
+        with autocast(self.device, self.precision):
+            feats = self.encoder.encode(pixels)
+            if self.tta == "flip":
+                feats = torch.stack([feats, self.encoder.encode(pixels.flip(-1))], 1)
         return feats
 
     def caption_files(self, paths: list[Path], beam: int = 3, batch_size: int = 16,
                       length_penalty: float | None = None, workers: int = 1, nbest: int | None = None,
                       rerank: str | None = None) -> Iterator[tuple[Path, Result | ImageError]]:
         """Caption image files in order; a bad file yields its ImageError and the rest go on.
-        ``workers`` threads decode the next batch's images while this batch is captioned.
+        ``workers`` processes decode the next batches' images while this batch is captioned
+        (0: in this process; captionkit.image_batches), pinned and copied without blocking
+        when the device is a GPU.
         ``nbest``: keep each image's ``nbest`` best beams as the Result's ``candidates``;
         ``rerank="mbr"``: choose the caption among them by consensus (:meth:`mbr`), batch by
         batch."""
@@ -246,42 +284,22 @@ class Captioner:
             raise UserError("reranking chooses among the n best beams: give nbest")
         if self.encoder is None:
             raise RuntimeError("this Captioner was loaded without its encoder")
-        pre = self.encoder.preprocess
-
-        def load(p: Path):
-            try:
-                return to_tensor(load_rgb(p), pre)
-            except ImageError as e:
-                return e
-
-        batches = [paths[i:i + batch_size] for i in range(0, len(paths), batch_size)]
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            # reader threads decode the next batch while this one is encoded: one batch
-            # ahead, so memory stays flat however large the folder
-            def read(b: list[Path]) -> list[Future]:
-                return [pool.submit(load, p) for p in b]
-
-            nxt = read(batches[0]) if batches else None
-            for bi, batch in enumerate(batches):
-                loaded = [f.result() for f in nxt]
-                if bi + 1 < len(batches):
-                    nxt = read(batches[bi + 1])
-                good = [i for i, x in enumerate(loaded) if isinstance(x, torch.Tensor)]
-                caps: dict[int, Caption] = {}
-                lists: dict[int, list[Caption]] = {}
-                if good:
-                    feats = self.encode_batch([loaded[i] for i in good])  # (B, L, D)
-                    if nbest:
-                        lists = dict(zip(good, self.nbest_features(feats, nbest, beam, length_penalty)))
-                        chosen = self.mbr(list(lists.values())) if rerank else [c[0] for c in lists.values()]
-                        caps = dict(zip(good, chosen))
-                    else:
-                        caps = dict(zip(good, self.decode_features(feats, beam, length_penalty)))
-                for i, p in enumerate(batch):
-                    if i not in caps:
-                        yield p, loaded[i]
-                        continue
-                    res = self.result(caps[i])
-                    if i in lists:
-                        res.candidates = [self.text(c) for c in lists[i]]
-                    yield p, res
+        for batch in image_batches(paths, self.encoder.preprocess, batch_size, workers, self.device):
+            caps: dict[int, Caption] = {}
+            lists: dict[int, list[Caption]] = {}
+            if batch.good:
+                feats = self.encode(batch.pixels)  # (B, L, D)
+                if nbest:
+                    lists = dict(zip(batch.good, self.nbest_features(feats, nbest, beam, length_penalty)))
+                    chosen = self.mbr(list(lists.values())) if rerank else [c[0] for c in lists.values()]
+                    caps = dict(zip(batch.good, chosen))
+                else:
+                    caps = dict(zip(batch.good, self.decode_features(feats, beam, length_penalty)))
+            for i, p in enumerate(batch.paths):
+                if i not in caps:
+                    yield p, batch.errors[i]
+                    continue
+                res = self.result(caps[i])
+                if i in lists:
+                    res.candidates = [self.text(c) for c in lists[i]]
+                yield p, res

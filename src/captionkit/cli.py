@@ -72,13 +72,26 @@ def _check_models(models: list[str] | None, weights: list[float] | None, rerank:
         raise UsageError("--candidates writes the n best beams: give --nbest N (or --rerank mbr)")
 
 
-def _load_captioner(models: list[str] | None, weights: list[float] | None, tta: str | None = None):
-    """One --model (or the default), or an ensemble of several (captionkit.ensemble); ``tta``:
-    --tta (None: none, or what an ensemble folder says)."""
+def _device(device: str, precision: str = "auto"):
+    """--device and --precision -> (torch.device, resolved precision), or one line naming the
+    device that is not here: called before anything loads (captionkit.devices)."""
+    from .devices import resolve_device
+    from .precision import resolve_precision
+
+    where = resolve_device(device)
+    return where, resolve_precision(precision, where)
+
+
+def _load_captioner(models: list[str] | None, weights: list[float] | None, tta: str | None = None,
+                    device=None, precision: str = "auto"):
+    """One --model (or the default), or an ensemble of several (captionkit.ensemble), on
+    ``device`` (None: the CPU); ``tta``: --tta (None: none, or what an ensemble folder says)."""
+    place = {"tta": tta, "device": device or "cpu", "precision": precision}
     from .captioner import Captioner
+    place = {"device": device or "cpu", "precision": precision}
     if models and len(models) > 1:
-        return Captioner.load_ensemble(models, weights, tta=tta)
-    return Captioner.load(models[0] if models else None, tta=tta)
+        return Captioner.load_ensemble(models, weights, **place)
+    return Captioner.load(models[0] if models else None, **place)
 
 
 def _nbest(rerank: str | None, nbest: int | None) -> int | None:
@@ -186,7 +199,8 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
                 verbose: bool = False, weights: list[float] | None = None, rerank: str | None = None,
                 nbest: int | None = None, candidates: str | None = None, engine: str = "local",
                 address: str | None = None, replicas: int = 1, shard_size: int | None = None,
-                gpus_per_replica: float = 0, paths_from: str | None = None, tta: str | None = None) -> int:
+                gpus_per_replica: float = 0, paths_from: str | None = None, tta: str | None = None,
+                device: str = "auto", precision: str = "auto") -> int:
     from .outputs import check_file_target
 
     paths = [*paths, *_listed_paths(paths_from)]
@@ -196,6 +210,9 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
         _check_ray_caption(jsonl or csv_out, onnx=onnx, attention=attention, rerank=rerank, nbest=nbest,
                            candidates=candidates, tta=tta)
     _check_caption_sources(model, onnx, weights, rerank, nbest, candidates, tta)
+    if onnx and (device not in ("auto", "cpu") or precision != "auto"):
+        raise UsageError("--device and --precision apply to PyTorch models; --onnx runs on onnxruntime's CPU")
+    where, precision = _device("cpu" if onnx else device, precision)
     settings = _caption_settings(model, weights, onnx, beam, length_penalty, rerank, nbest)
     if tta:  # recorded only when used, like --rerank
         settings.update(tta=tta)
@@ -210,7 +227,7 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
         from .onnx_runtime import load_onnx_captioner
         cap = load_onnx_captioner(onnx)
         return writer.run(lambda files: cap.caption_files(files, **options))
-    return _caption_with_candidates(writer, _load_captioner(model, weights, tta), candidates_path,
+    return _caption_with_candidates(writer, _load_captioner(model, weights, tta, where, precision), candidates_path,
                                     nbest=_nbest(rerank, nbest), rerank=rerank, **options)
 
 
@@ -355,7 +372,8 @@ def cmd_serve(model: list[str] | None, host: str, port: int, max_upload_mb: floa
               max_batch: int, threads: int | None, onnx: str | None, api_key: str | None = None,
               rate_limit: float | None = None, max_pixels: int | None = None, decode_workers: int = 2,
               decode_memory_mb: float = 512, decode_queue: int = 16, max_connections: int = 100,
-              header_timeout: float = 10.0, body_timeout: float = 30.0) -> int:
+              header_timeout: float = 10.0, body_timeout: float = 30.0, device: str = "auto",
+              precision: str = "auto") -> int:
     _check_serve_limits(port, max_upload_mb=max_upload_mb, queue_size=queue_size, max_batch=max_batch,
                         threads=threads, rate_limit=rate_limit, max_pixels=max_pixels, decode_workers=decode_workers,
                         decode_memory_mb=decode_memory_mb, decode_queue=decode_queue, max_connections=max_connections,
@@ -363,6 +381,7 @@ def cmd_serve(model: list[str] | None, host: str, port: int, max_upload_mb: floa
     api_key = _serve_api_key(api_key)
     if onnx and not (Path(onnx) / "manifest.json").exists():
         raise UsageError(f"{onnx}: no manifest.json (make one with captionkit export onnx --out {onnx})")
+    where, precision = _device(device, precision)
     sock = _listen(host, port, api_key)  # before anything heavy: a bad --host or --port fails at once
     try:
         from .serve.app import ServeConfig, serve
@@ -375,7 +394,7 @@ def cmd_serve(model: list[str] | None, host: str, port: int, max_upload_mb: floa
                       decode_workers=decode_workers, max_decode_bytes=int(decode_memory_mb * 2 ** 20),
                       decode_queue=decode_queue, max_connections=max_connections,
                       header_timeout=header_timeout, body_timeout=body_timeout, **limits)
-    serve(model, sock, cfg, threads=threads)
+    serve(model, sock, cfg, threads=threads, device=where, precision=precision)
     return 0
 
 
@@ -414,15 +433,16 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
                  tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str,
                  image_column: str, title_column: str, image_suffix: str, overwrite: bool = False,
                  weights: list[float] | None = None, rerank: str | None = None, nbest: int | None = None,
-                 tta: str | None = None) -> int:
+                 tta: str | None = None, device: str = "auto", precision: str = "auto", workers: int = 2) -> int:
     _check_targets(out, overwrite=overwrite)  # before torch, the dataset and the model load
     from .evaluation import score_captions
 
     _check_models(model, weights, rerank, nbest)
+    where, precision = _device(device, precision)
     items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
-    cap = _load_captioner(model, weights, tta)
+    cap = _load_captioner(model, weights, tta, where, precision)
     captions = _caption_split(cap, items, split, beam=beam, batch_size=batch_size, length_penalty=length_penalty,
-                              nbest=_nbest(rerank, nbest), rerank=rerank)
+                              nbest=_nbest(rerank, nbest), rerank=rerank, workers=workers)
     rep = score_captions(captions, {it.name: it.raw for it in items}, source="the model's captions",
                          refs_source=f"{dataset} ({split} split)",
                          **_score_opts(tokenizer, meteor, no_brevity_penalty, metrics))
@@ -580,13 +600,15 @@ def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool,
 def cmd_features(dataset: str, images: str | None, encoder: str,
                  image_column: str, title_column: str, image_suffix: str, engine: str = "local",
                  address: str | None = None, replicas: int = 1, shard_size: int | None = None,
-                 gpus_per_replica: float = 0, batch_size: int = 16, flip: bool = False) -> int:
+                 gpus_per_replica: float = 0, batch_size: int = 16, flip: bool = False, device: str = "auto",
+                 workers: int = 2) -> int:
     from .encoders import create_encoder, list_encoders
     from .features import build_features, default_cache_root
     from .outputs import check_writable_folder
 
     if encoder not in list_encoders():
         raise UsageError(f"--encoder: unknown encoder {encoder!r}; known: {', '.join(list_encoders())}")
+    where, _ = _device(device)
     check_writable_folder(default_cache_root())
     if engine == "ray":
         from .ray_engine import build_features_ray, ray_missing
@@ -600,7 +622,7 @@ def cmd_features(dataset: str, images: str | None, encoder: str,
         opts = _ray_options(address, replicas, gpus_per_replica, batch_size, shard_size)
         store = build_features_ray(encoder, None, paths, None, opts)
     else:
-        store = build_features(create_encoder(encoder), paths, flip=flip)
+        store = build_features(create_encoder(encoder).to(where), paths, workers=workers, flip=flip)
     print(f"{len(store.index)} images, grid {store.grid}: {store.folder}")
     return 0
 
@@ -627,15 +649,16 @@ def cmd_models() -> int:
 def cmd_zero_shot(paths: list[str], model: str, prompts: str | None, template: str | None,
                   json_out: str | None, batch_size: int, max_new_tokens: int, download: bool, dtype: str,
                   jsonl: str | None = None, csv_out: str | None = None, overwrite: bool = False,
-                  retry_failed: bool = False, verbose: bool = False) -> int:
+                  retry_failed: bool = False, verbose: bool = False, device: str = "auto") -> int:
     from .vlm import ZeroShotCaptioner, load_prompts
 
+    where, _ = _device(device)
     prompt = load_prompts(prompts).get(template)
     settings = {"model": str(Path(model).resolve()) if Path(model).is_dir() else model, "prompt": prompt,
                 "max_new_tokens": max_new_tokens, "dtype": dtype}
     writer = _caption_writer("zero-shot", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
                              overwrite=overwrite, retry_failed=retry_failed, verbose=verbose)
-    cap = ZeroShotCaptioner.load(model, download=download, dtype=dtype)
+    cap = ZeroShotCaptioner.load(model, download=download, dtype=dtype, device=where)
 
     def answers(files: list[Path]):
         for path, res in cap.caption_files(files, prompt, batch_size=batch_size, max_new_tokens=max_new_tokens):
@@ -772,6 +795,22 @@ def _add_tta_opt(p: argparse.ArgumentParser) -> None:
                         "(a second encoder pass; default: none, or what an ensemble folder says)")
 
 
+def _add_device_opts(p: argparse.ArgumentParser, workers: bool = False, precision: bool = True) -> None:
+    """Where a command computes (docs/devices.md): spelling checked here, presence before any model loads."""
+    from .devices import DEVICE_HELP
+    from .precision import PRECISIONS
+
+    p.add_argument("--device", type=device_name, default="auto", help=f"where the model runs: {DEVICE_HELP}")
+    if precision:
+        p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                       help="float format of the model's matmuls (auto: bf16 on a GPU that has it and on a CPU "
+                            "that multiplies it natively, else fp32; fp16: CUDA only)")
+    if workers:
+        p.add_argument("--workers", type=int_at_least(0), default=2,
+                       help="processes decoding images ahead of a GPU (0: in this process); "
+                            "threads on the CPU")
+
+
 def _add_candidates_opt(p: argparse.ArgumentParser) -> None:
     p.add_argument("--candidates", metavar="OUT",
                    help="also write each image's --nbest best beams here as {image: [caption, ...]}, "
@@ -799,8 +838,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--batch-size", type=positive_int, default=16, help="images captioned together (default 16)")
     c.add_argument("--length-penalty", type=float_at_least(0), default=None,
                    help="rank beams by logprob / (words + 1) ** this (0: plain sum; default: the model's)")
-    c.add_argument("--workers", type=positive_int, default=2, help="threads decoding images ahead of the model")
     c.add_argument("--onnx", metavar="DIR", help="caption with an ONNX export (captionkit export onnx) instead")
+    _add_device_opts(c, workers=True)
     _add_caption_outputs(c)
     _add_engine_opts(c)
 
@@ -817,6 +856,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--length-penalty", type=float, default=None,
                    help="rank beams by logprob / (words + 1) ** this (0: plain sum; default: the model's)")
     _add_overwrite(e, "replace the --out file if it exists")
+    _add_device_opts(e, workers=True)
     _add_score_opts(e)
     _add_csv_opts(e)
 
@@ -860,6 +900,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--encoder", default="efficientnet_lite2", help="the image encoder (default efficientnet_lite2)")
     f.add_argument("--flip", action="store_true",
                    help="cache the mirror images' features instead (for --tta flip experiments; docs/ensembles.md)")
+    _add_device_opts(f, workers=True, precision=False)
     _add_csv_opts(f)
     _add_engine_opts(f)
     f.add_argument("--batch-size", type=positive_int, default=16, help="ray: images per model call")
@@ -891,6 +932,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fetch the weights from the Hugging Face Hub when they are not in its cache")
     z.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="auto: the checkpoint's own (bfloat16 for Qwen2.5-VL)")
+    _add_device_opts(z, precision=False)
     _add_caption_outputs(z)
 
     xs = sub.add_parser("export", help="export a model for other runtimes: onnx, hf (Hugging Face transformers)")
@@ -958,6 +1000,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-connections", type=int, default=100, help="open connections before 503")
     v.add_argument("--header-timeout", type=float, default=10.0, help="seconds a connection has to send a request head")
     v.add_argument("--body-timeout", type=float, default=30.0, help="longest silence while a request body arrives")
+    _add_device_opts(v)
 
     w = sub.add_parser("sweep", help="train a grid (or a random sample) of config variations; see docs/experiments.md")
     w.set_defaults(func=cmd_sweep)

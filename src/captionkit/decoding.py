@@ -47,13 +47,13 @@ def allowed_words(logp: torch.Tensor, last_step: bool) -> torch.Tensor:
 @torch.no_grad()
 def greedy(model, feats: torch.Tensor, max_len: int = 20) -> list[Caption]:
     """Most probable word at every step, until <end> or ``max_len`` words."""
-    B = feats.shape[0]
+    B, device = feats.shape[0], feats.device
     mem = model.prepare(feats)
     state = model.init_state(mem)
-    tokens = torch.full((B,), Vocab.start, dtype=torch.long)
+    tokens = torch.full((B,), Vocab.start, dtype=torch.long, device=device)
     words, alphas = [], []
-    total = torch.zeros(B)
-    alive = torch.ones(B, dtype=torch.bool)
+    total = torch.zeros(B, device=device)
+    alive = torch.ones(B, dtype=torch.bool, device=device)
     for t in range(max_len + 1):
         logp, state, alpha = model.step(tokens, state, mem)
         best, tokens = allowed_words(logp, t == max_len).max(1)
@@ -63,8 +63,10 @@ def greedy(model, feats: torch.Tensor, max_len: int = 20) -> list[Caption]:
         alive &= tokens != Vocab.end
         if not alive.any():
             break
-    W = torch.stack(words, 1)  # (B, T)
-    Al = torch.stack(alphas, 1)  # (B, T, L)
+    # one copy each to the CPU, where Captions live (not one per image)
+    W = torch.stack(words, 1).cpu()  # (B, T)
+    Al = torch.stack(alphas, 1).cpu()  # (B, T, L)
+    total = total.cpu()
     out = []
     for b in range(B):
         ids = W[b].tolist()
@@ -91,15 +93,15 @@ def beam_nbest(model, feats: torch.Tensor, n_best: int, beam: int = 3, max_len: 
     best first, ranked as :func:`beam_search` ranks them (whose caption is the first)."""
     if not 1 <= n_best <= beam:
         raise ValueError(f"n_best must be between 1 and the beam size {beam}, got {n_best}")
-    B, K = feats.shape[0], beam
+    B, K, device = feats.shape[0], beam, feats.device
     mem = model.prepare(feats)
     state = model.init_state(mem)
-    rows = torch.arange(B).repeat_interleave(K)  # (B*K,)
+    rows = torch.arange(B, device=device).repeat_interleave(K)  # (B*K,)
     mem, state = mem.index_select(rows), select_rows(state, rows)
-    tokens = torch.full((B * K,), Vocab.start, dtype=torch.long)
-    scores = torch.full((B, K), float("-inf"))
+    tokens = torch.full((B * K,), Vocab.start, dtype=torch.long, device=device)
+    scores = torch.full((B, K), float("-inf"), device=device)
     scores[:, 0] = 0.0  # only the first beam is live at the start
-    seqs = torch.zeros(B * K, 0, dtype=torch.long)
+    seqs = torch.zeros(B * K, 0, dtype=torch.long, device=device)
     hist: torch.Tensor | None = None  # (B*K, t, L)
     finished: list[list[tuple[float, list[int], torch.Tensor, float]]] = [[] for _ in range(B)]
     done = [False] * B
@@ -123,11 +125,11 @@ def beam_nbest(model, feats: torch.Tensor, n_best: int, beam: int = 3, max_len: 
             row = b * K + int(src[b, r])
             ids = seqs[row].tolist()
             lp = float(top_s[b, r])
-            finished[b].append((norm(lp, len(ids)), ids, hist[row, :len(ids)].clone(), lp))
+            finished[b].append((norm(lp, len(ids)), ids, hist[row, :len(ids)].to("cpu", copy=True), lp))
         live_s = top_s.masked_fill(is_end, float("-inf"))
         pick = live_s.topk(K, dim=1).indices  # (B, K)
         scores = live_s.gather(1, pick)
-        parent = (torch.arange(B).unsqueeze(1) * K + src.gather(1, pick)).view(-1)  # (B*K,)
+        parent = (torch.arange(B, device=device).unsqueeze(1) * K + src.gather(1, pick)).view(-1)  # (B*K,)
         tokens = word.gather(1, pick).view(-1)
         seqs = torch.cat([seqs[parent], tokens.unsqueeze(1)], 1)
         hist = hist[parent]

@@ -13,14 +13,17 @@ captioning, feature extraction, serving and zero-shot all read them the same way
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from .errors import UserError
 
+# torch is imported inside the functions: the command line builds its --device options from
+# this module, and light commands (captionkit score) never load torch
 DEVICE_HELP = "auto (a GPU when there is one), cpu, cuda, cuda:N or mps"
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def check_device_name(spec: str) -> str:
@@ -32,12 +35,16 @@ def check_device_name(spec: str) -> str:
 
 
 def _mps_available() -> bool:
+    import torch
+
     backend = getattr(torch.backends, "mps", None)  # absent from some builds of torch
     return bool(backend is not None and backend.is_available())
 
 
 def resolve_device(spec: str = "auto") -> torch.device:
     """``spec`` -> a ``torch.device`` that exists on this machine (ValueError naming it if not)."""
+    import torch
+
     check_device_name(spec)
     if spec == "auto":
         if torch.cuda.is_available():
@@ -54,3 +61,15 @@ def resolve_device(spec: str = "auto") -> torch.device:
     if device.type == "mps" and not _mps_available():
         raise UserError(f"device {spec!r}: MPS is not available here")
     return device
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """Where a module computes: its first parameter's (or buffer's) device; the CPU for a module
+    that holds no tensors (e.g. the ``patches`` encoder, which runs wherever its input is)."""
+    import torch
+
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")

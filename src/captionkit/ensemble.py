@@ -89,7 +89,7 @@ def normalised_weights(weights: Sequence[float] | None, n: int) -> list[float]:
 def combine_logprobs(logprobs: Sequence[torch.Tensor], weights: Sequence[float], combine: str) -> torch.Tensor:
     """Members' log-probabilities (each (B, V)) -> the ensemble's (B, V), normalised."""
     stacked = torch.stack(list(logprobs))  # (M, B, V)
-    w = torch.tensor(weights, dtype=stacked.dtype).view(-1, 1, 1)
+    w = torch.tensor(weights, dtype=stacked.dtype, device=stacked.device).view(-1, 1, 1)
     if combine == "loglinear":
         mixed = (w * stacked).sum(0)
         return mixed - torch.logsumexp(mixed, dim=-1, keepdim=True)

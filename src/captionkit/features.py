@@ -23,16 +23,15 @@ import io
 import json
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from .cache import cache_root
+from .devices import module_device
 from .encoders.base import Encoder
 from .errors import OutputError
-from .images import ImageError, load_rgb, to_tensor
+from .image_batches import image_batches
 from .outputs import atomic_write_bytes, atomic_write_text, check_writable_folder, owner_kind, write_marker
 
 
@@ -166,7 +165,7 @@ def _folder_for(root: Path, encoder: Encoder, paths: list[Path], flip: bool = Fa
 
 
 def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None,
-                   batch_size: int = 16, progress: bool = True,
+                   batch_size: int = 16, progress: bool = True, workers: int = 2,
                    flip: bool = False) -> FeatureStore | ShardedFeatureStore:
     """Encode every image of ``paths`` once (resuming a partial build) and return the store:
     the complete sharded store of these images when ``--engine ray`` wrote one, else the
@@ -174,7 +173,10 @@ def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None
     image instead (test-time flip averaging, captionkit.ensemble.with_flip_views), cached apart
     from the photos' features (in the single-file layout only).
 
-    Unreadable images are reported on stderr and left out of the store."""
+    The encoder runs where it is (``encoder.to(device)`` first), in float32 on every device:
+    the cache is shared by every later run whatever device it is on. ``workers`` processes
+    decode the images (0: this process; captionkit.image_batches). Unreadable images are
+    reported on stderr and left out of the store."""
     root = check_writable_folder(root or default_cache_root())
     sharded = sharded_folder_for(root, encoder, paths)
     if not flip and (sharded / "manifest.json").exists() and (store := ShardedFeatureStore(sharded)).complete:
@@ -199,33 +201,26 @@ def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None
     todo = [i for i in range(len(paths)) if not done[i]]
     failed: list[str] = []
     t0, n_done = time.time(), 0
-
-    def load(i: int):
-        try:
-            x = to_tensor(load_rgb(paths[i]), encoder.preprocess)  # (3, S, S)
-            return i, x.flip(-1) if flip else x
-        except ImageError as e:
-            return i, str(e)
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        for start in range(0, len(todo), batch_size):
-            items = list(pool.map(load, todo[start:start + batch_size]))
-            good = [(i, x) for i, x in items if isinstance(x, torch.Tensor)]
-            failed += [x for _, x in items if isinstance(x, str)]
-            if good:
-                out = encoder.encode_batch([x for _, x in good]).numpy().astype(np.float16)  # (B, L, D)
-                for (i, _), row in zip(good, out):
-                    feats[i] = row
-                    done[i] = True
-            n_done += len(items)
-            if start // batch_size % 20 == 0 or start + batch_size >= len(todo):
-                feats.flush()
-                np.save(done_path, done)
-                if progress:
-                    rate = n_done / max(time.time() - t0, 1e-9)
-                    eta = (len(todo) - n_done) / max(rate, 1e-9)
-                    print(f"\rfeatures {encoder.name}: {n_done}/{len(todo)} "
-                          f"{rate:.1f} img/s, ETA {eta / 60:.1f} min", end="", file=sys.stderr, flush=True)
+    for start, batch in zip(range(0, len(todo), batch_size),
+                            image_batches([paths[i] for i in todo], encoder.preprocess, batch_size, workers,
+                                          module_device(encoder))):
+        rows = todo[start:start + batch_size]  # the cache rows of this batch's images
+        failed += [str(e) for e in batch.errors.values()]
+        if batch.good:
+            pixels = batch.pixels.flip(-1) if flip else batch.pixels  # (B, 3, S, S)
+            out = encoder.encode(pixels).float().cpu().numpy().astype(np.float16)  # (B, L, D)
+            for k, row in zip(batch.good, out):
+                feats[rows[k]] = row
+                done[rows[k]] = True
+        n_done += len(rows)
+        if start // batch_size % 20 == 0 or start + batch_size >= len(todo):
+            feats.flush()
+            np.save(done_path, done)
+            if progress:
+                rate = n_done / max(time.time() - t0, 1e-9)
+                eta = (len(todo) - n_done) / max(rate, 1e-9)
+                print(f"\rfeatures {encoder.name}: {n_done}/{len(todo)} "
+                      f"{rate:.1f} img/s, ETA {eta / 60:.1f} min", end="", file=sys.stderr, flush=True)
     if progress and todo:
         print(file=sys.stderr)
     for msg in failed:

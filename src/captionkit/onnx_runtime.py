@@ -90,6 +90,10 @@ class OrtEncoder:
         """As :meth:`captionkit.encoders.base.Encoder.encode_batch`."""
         return self(torch.stack(images))
 
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """As :meth:`captionkit.encoders.base.Encoder.encode` (onnxruntime reads CPU memory)."""
+        return self(pixels.cpu())
+
 
 def read_manifest(folder: str | Path) -> dict:
     path = Path(folder) / "manifest.json"

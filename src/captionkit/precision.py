@@ -14,14 +14,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import platform
-from typing import ContextManager
+from typing import TYPE_CHECKING, ContextManager
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from .errors import UserError
 
+# torch is imported inside the functions: the command line builds its --precision options from
+# PRECISIONS, and light commands (captionkit score) never load torch
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # names of torch dtypes
 _NATIVE_BF16_FLAGS = {"amx_bf16", "avx512_bf16", "bf16"}  # x86 flags; "bf16" in Arm's Features
 
 
@@ -46,6 +49,8 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
     """``"auto"`` -> the format that pays on ``device``: "bf16", "fp16" or "fp32"; others are
     checked and returned. fp16 is a CUDA format (trained under a gradient scaler, see
     :func:`grad_scaler`); on the CPU or MPS it is refused rather than emulated."""
+    import torch
+
     if precision not in PRECISIONS:
         raise UserError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
     kind = torch.device(device).type
@@ -62,11 +67,15 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
 
 def autocast(device: torch.device, precision: str) -> ContextManager:
     """The autocast region for a resolved precision on ``device`` (a no-op for fp32)."""
+    import torch
+
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=_DTYPES[precision])
+    return torch.autocast(device.type, dtype=getattr(torch, _DTYPES[precision]))
 
 
 def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
     """A gradient scaler, enabled only for fp16 (bf16 has float32's range and needs none)."""
+    import torch
+
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16")

@@ -127,6 +127,6 @@ class SelfCritical:
             advantage = r_sample - leave_one_out_mean(r_sample, n)  # (B*n,)
         logp = sequence_logprobs(model, feats, seqs, n)  # (B*n, T)
         words = (seqs != Vocab.pad).sum()
-        loss = -(advantage.unsqueeze(1) * logp).sum() / words
+        loss = -(advantage.to(logp.device).unsqueeze(1) * logp).sum() / words  # rewards are CPU-side
         return loss, SelfCriticalStats(float(r_sample.mean()),
                                        None if r_greedy is None else float(r_greedy.mean()))

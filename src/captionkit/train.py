@@ -705,7 +705,8 @@ class Trainer:
         tc, data = self.cfg.train, self.data
         length_penalty = self.length_penalty if length_penalty is None else length_penalty
         self.model.eval()
-        cap = Captioner(self.model, self.vocab, self.checkpoint_config())
+        # decoded where the model trains (place() moves nothing that is already there)
+        cap = Captioner(self.model, self.vocab, self.checkpoint_config()).place(self.device)
         captions = {}
         for i in range(0, len(data.val_items), 100):
             feats = self.to_device(data.val_feats[i:i + 100]).float()

@@ -20,9 +20,13 @@ import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import ImageError, UserError, WeightsUnavailable
 from .hf import require_transformers
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_VLM = "Qwen/Qwen2.5-VL-7B-Instruct"
 DEFAULT_PROMPTS = Path(__file__).with_name("vlm_prompts.toml")
@@ -147,12 +151,17 @@ class ZeroShotCaptioner:
 
     @classmethod
     def load(cls, model: str = DEFAULT_VLM, download: bool = False, dtype: str = "auto",
-             device: str | None = None) -> ZeroShotCaptioner:
+             device: str | torch.device = "auto") -> ZeroShotCaptioner:
         """``model``: a folder or a Hub name (looked up in the Hugging Face cache, and on the
         Hub when ``download``). ``dtype``: "auto" keeps the checkpoint's (bfloat16 for
-        Qwen2.5-VL: 16 GB for the 7B model, where float32 would need 30 GB)."""
+        Qwen2.5-VL: 16 GB for the 7B model, where float32 would need 30 GB). ``device``: as
+        ``--device`` takes it (captionkit.devices; "auto": a GPU when there is one), or a
+        torch.device; checked before the weights load."""
+        from .devices import resolve_device
+
         if dtype not in DTYPES:
             raise UserError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+        where = resolve_device(device) if isinstance(device, str) else device
         tf = _transformers()
         import torch
 
@@ -175,8 +184,7 @@ class ZeroShotCaptioner:
                              f"({str(e).splitlines()[0]})") from None
         if not getattr(processor, "chat_template", None):
             raise UserError(f"{model}: its processor has no chat template (not an instruction-tuned model?)")
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        return cls(vlm.to(device).eval(), processor)
+        return cls(vlm.to(where).eval(), processor)
 
     def answer(self, images: list, prompt: str, max_new_tokens: int = 32) -> list[Answer]:
         """One greedy answer per PIL image to the same prompt (one user turn: image, then text)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..devices import module_device
 from ..errors import CheckpointError, UserError, WeightsUnavailable  # noqa: F401  (re-exported for the encoder modules)
 from ..images import Preprocess
 from ..registry import ENCODERS, list_encoders, register_encoder  # noqa: F401  (re-exported for the encoder modules)
@@ -41,16 +42,21 @@ class Encoder(nn.Module):
         return fmap.flatten(2).transpose(1, 2)  # (B, L, D)
 
     def encode_batch(self, images: list[torch.Tensor]) -> torch.Tensor:
-        """Preprocessed images, each (3, S, S) -> annotation vectors (B, L, D), without autograd.
-        The one place a batch of photos goes through an encoder (captioning, the feature cache)."""
-        x = torch.stack(images).contiguous(memory_format=torch.channels_last)
+        """Preprocessed images, each (3, S, S) -> annotation vectors (B, L, D), without autograd."""
+        return self.encode(torch.stack(images))
+
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Preprocessed pixels (B, 3, S, S) on any device -> annotation vectors (B, L, D) on the
+        encoder's device, without autograd. The one place a batch of photos goes through an
+        encoder (captioning, serving, the feature cache)."""
+        x = pixels.to(module_device(self), non_blocking=True).contiguous(memory_format=torch.channels_last)
         with torch.inference_mode():
             return self(x)
 
     def grid(self) -> tuple[int, int]:
         with torch.no_grad():
             size = self.preprocess.size
-            fmap = self.features(torch.zeros(1, 3, size, size))
+            fmap = self.features(torch.zeros(1, 3, size, size, device=module_device(self)))
         return int(fmap.shape[2]), int(fmap.shape[3])
 
     def split(self, blocks: int) -> tuple["Encoder", nn.Module]:

@@ -77,8 +77,8 @@ class _GoogLeNetInput(nn.Module):
     """torchvision GoogLeNet's transform_input: ImageNet-normalised -> (x - 0.5) / 0.5."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mean = torch.tensor(IMAGENET["mean"], dtype=x.dtype).view(1, 3, 1, 1)
-        std = torch.tensor(IMAGENET["std"], dtype=x.dtype).view(1, 3, 1, 1)
+        mean = torch.tensor(IMAGENET["mean"], dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+        std = torch.tensor(IMAGENET["std"], dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
         return (x * std + mean - 0.5) / 0.5
 
 

@@ -6,6 +6,10 @@ machine's C compiler on first use and cached; where no compiler is found, or
 ``CAPTIONKIT_KERNELS=0`` is set, the same function runs in plain PyTorch. Both give the same
 values and gradients (tested).
 
+The C kernel reads host memory: it is a CPU path only (``KERNEL_DEVICE``). For tensors on any
+other device (CUDA, MPS) :func:`_check` is False and the PyTorch path runs, which there is
+a few fused GPU kernels anyway; this is the one place that choice is made.
+
 For training, :class:`EnergyContext` wraps a batch's ``proj`` once, so that the gradient of
 ``proj`` is accumulated in place across all time steps instead of being summed by autograd.
 """
@@ -87,8 +91,12 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+KERNEL_DEVICE = "cpu"  # the only device type the C kernel runs on
+
+
 def _check(*ts: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in ts)
+    """May the C kernel take these tensors? float32, contiguous, and on the CPU."""
+    return all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == KERNEL_DEVICE for t in ts)
 
 
 def energy_reference(proj: torch.Tensor, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -260,7 +260,8 @@ class PrefixLMCaptioner(TrainedTensorsMixin, LMTokens, CaptionModel):
             cells = att.view(B, self.cfg.n_cells, self.cfg.tokens_per_cell).sum(2)  # (B, P)
             attention = cells @ self.cell_to_grid  # (B, L)
         else:
-            attention = torch.full((B, self.cell_to_grid.shape[1]), 1.0 / self.cell_to_grid.shape[1])
+            attention = torch.full((B, self.cell_to_grid.shape[1]), 1.0 / self.cell_to_grid.shape[1],
+                                   device=logp.device)
         return logp, tuple(t for layer in cache.layers for t in (layer.keys, layer.values)), attention
 
     # ---- teacher-forced training (forward and training_loss: LMTokens) -------------------

@@ -146,8 +146,9 @@ class SoftAttentionDecoder(CaptionModel):
     def prepare(self, feats: torch.Tensor) -> Memory:
         """(B, L, D) annotation vectors -> Memory."""
         mean = feats.mean(1, dtype=torch.float32)  # (B, D)
-        if torch.is_autocast_enabled("cpu"):  # cast once here, not at every use
-            feats = feats.to(torch.get_autocast_dtype("cpu"))
+        kind = feats.device.type
+        if torch.is_autocast_enabled(kind):  # cast once here, not at every use
+            feats = feats.to(torch.get_autocast_dtype(kind))
         return Memory(feats, self.att_feat(feats), mean)  # proj: (B, L, A)
 
     def init_state(self, mem: Memory) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,7 +242,7 @@ class SoftAttentionDecoder(CaptionModel):
             raise UserError("train.label_smoothing applies to the cross-entropy objective, "
                              "not hard attention's lower bound")
         B = inputs.shape[0]
-        sampled = torch.rand(B) >= cfg.expected_prob  # (B,) captions trained on drawn locations
+        sampled = torch.rand(B, device=inputs.device) >= cfg.expected_prob  # (B,) captions trained on drawn locations
         logits, alphas, locs = self._unroll(feats, inputs, sampled)
         mask = (targets != Vocab.pad).float()  # (B, T)
         n_words = mask.sum()

@@ -270,9 +270,10 @@ class TransformerCaptioner(CaptionModel):
     def init_state(self, mem: KVMemory) -> tuple[torch.Tensor, ...]:
         """(position (B,), then per layer keys and values (B, h, max_positions, d)), all zero."""
         B, h, _, d = mem.keys[0].shape
+        device = mem.keys[0].device
         # distinct tensors, not one repeated: an exporter treats aliased inputs as one input
-        caches = tuple(torch.zeros(B, h, self.cfg.max_positions, d) for _ in range(2 * len(self.layers)))
-        return (torch.zeros(B, dtype=torch.long),) + caches
+        caches = tuple(torch.zeros(B, h, self.cfg.max_positions, d, device=device) for _ in range(2 * len(self.layers)))
+        return (torch.zeros(B, dtype=torch.long, device=device),) + caches
 
     def step(self, tokens: torch.Tensor, state, mem: KVMemory):
         """tokens (B,) at the state's position -> (log-probs (B, V), new state, attention (B, L)):

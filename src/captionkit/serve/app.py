@@ -159,7 +159,7 @@ class ModelWorker:
     def _caption(self, beam: int, group: list[_Job]) -> None:
         cap = self.captioner
         try:
-            feats = cap.encode_batch([j.x for j in group])  # both views when the model averages flips
+            feats = cap.encode(torch.stack([j.x for j in group]))  # on the captioner's device; both views when it averages flips
             results = [cap.result(c) for c in cap.decode_features(feats, beam)]
         except Exception as e:  # noqa: BLE001  (reported to the waiting requests as a 500)
             for j in group:
@@ -174,14 +174,16 @@ def model_name(path: str | Path | None) -> str:
     return Path(path).name if path else DEFAULT_MODEL.name
 
 
-def load_models(paths: list[str] | None) -> dict[str, Captioner]:
-    """Load each checkpoint folder once (the shipped model when none is given), keyed by name."""
+def load_models(paths: list[str] | None, device: str | torch.device = "cpu",
+                precision: str = "auto") -> dict[str, Captioner]:
+    """Load each checkpoint folder once (the shipped model when none is given), keyed by name,
+    onto ``device`` (see Captioner.place)."""
     models: dict[str, Captioner] = {}
     for p in paths or [None]:
         name, k = model_name(p), 2
         while name in models:
             name, k = f"{model_name(p)}-{k}", k + 1
-        models[name] = Captioner.load(p)
+        models[name] = Captioner.load(p, device=device, precision=precision)
     return models
 
 
@@ -416,7 +418,7 @@ def warm_up(models: dict[str, Captioner], config: ServeConfig) -> None:
     for cap in models.values():
         side = cap.encoder.preprocess.size
         x = torch.randn(config.max_batch, 3, side, side, generator=gen)
-        cap.decode_features(cap.encode_batch(list(x)), config.max_beam)
+        cap.decode_features(cap.encode(x), config.max_beam)
 
 
 def make_server(app: FastAPI, config: ServeConfig, **uvicorn_options):
@@ -432,11 +434,12 @@ def make_server(app: FastAPI, config: ServeConfig, **uvicorn_options):
 
 
 def serve(model_paths: list[str] | None, sock: socket.socket, config: ServeConfig,
-          threads: int | None = None) -> None:
-    """Load the models, warm them up and serve on ``sock`` (from serve.net.bind) until interrupted."""
+          threads: int | None = None, device: str | torch.device = "cpu", precision: str = "auto") -> None:
+    """Load the models onto ``device``, warm them up and serve on ``sock`` (from serve.net.bind)
+    until interrupted."""
     if threads:
         torch.set_num_threads(threads)
-    models = load_models(model_paths)
+    models = load_models(model_paths, device, precision)
     warm_up(models, config)
     app = create_app(models, config)
     host, port = sock.getsockname()[:2]
