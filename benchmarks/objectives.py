@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from timing import median_time
 
-from captionkit.captioner import FAST_MODEL, Captioner
+from captionkit.captioner import Captioner
+from captionkit.shipped import FAST_MODEL
 from captionkit.encoders import create_encoder
 from captionkit.images import load_rgb, to_tensor
 from captionkit.models import create_model

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from captionkit.captioner import FAST_MODEL, Captioner  # noqa: E402
+from captionkit.captioner import Captioner  # noqa: E402
+from captionkit.shipped import FAST_MODEL  # noqa: E402
 from captionkit.data import load_dataset  # noqa: E402
 from captionkit.evaluation import score_captions  # noqa: E402
 from captionkit.export import export_onnx  # noqa: E402

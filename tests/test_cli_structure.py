@@ -63,7 +63,9 @@ def test_version_is_the_installed_package_metadata(capsys):
 
 def test_models_lists_the_pretrained_folder(capsys):
     names = list_shipped_models()
-    assert sorted(names) == sorted(p.name for p in SHIPPED.iterdir() if (p / "config.json").is_file())
+    assert sorted(names) == sorted(p.name for p in SHIPPED.iterdir()
+                                   if (p / "config.json").is_file() or (p / "ensemble.json").is_file())
+    assert "ensemble-lite2-flickr8k" in names  # an ensemble folder is a shipped model too
     assert main(["models"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == names and "(the default)" in lines[0]

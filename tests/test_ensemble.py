@@ -338,7 +338,7 @@ def test_flip_views_average_the_two_views_log_probabilities():
 
 
 def test_flip_tta_encodes_the_mirror_image_and_ships_in_an_ensemble_folder(lite0_members, tmp_path):
-    from conftest import shape_image
+    from helpers import shape_image
 
     from captionkit.images import to_tensor
     a, b = lite0_members
@@ -362,7 +362,7 @@ def test_flip_tta_encodes_the_mirror_image_and_ships_in_an_ensemble_folder(lite0
 
 
 def test_caption_command_takes_tta_flip(lite0_members, tmp_path):
-    from conftest import shape_image
+    from helpers import shape_image
     a, _ = lite0_members
     shape_image(0, size=64).save(tmp_path / "img0.jpg")
     out = tmp_path / "caps.json"
@@ -371,7 +371,7 @@ def test_caption_command_takes_tta_flip(lite0_members, tmp_path):
 
 
 def test_mirror_image_features_are_cached_apart(tmp_path):
-    from conftest import shape_image
+    from helpers import shape_image
 
     from captionkit.encoders import create_encoder
     from captionkit.features import build_features

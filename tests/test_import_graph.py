@@ -46,3 +46,14 @@ def test_shared_code_never_names_or_probes_a_family():
         assert not probes, (name, probes)
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert "inspect" not in imported, name
+
+
+def test_tests_take_shared_helpers_from_helpers_not_conftest():
+    """conftest.py holds fixtures only; what tests share is imported from tests/helpers.py
+    (importing conftest as a module loads it twice, with its own copies of the fixtures' state)."""
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    offenders = [str(p.relative_to(root)) for folder in ("tests", "benchmarks") for p in (root / folder).rglob("*.py")
+                 if "from conftest import" in p.read_text() and p.name != Path(__file__).name]
+    assert offenders == []

@@ -5,7 +5,8 @@ from collections import Counter
 
 import pytest
 
-from captionkit.captioner import DEFAULT_MODEL, FAST_MODEL, Captioner, model_folder
+from captionkit.captioner import Captioner, model_folder
+from captionkit.shipped import DEFAULT_MODEL, FAST_MODEL
 from captionkit.checkpoint import CheckpointError
 
 
@@ -39,8 +40,8 @@ def test_a_local_folder_wins_over_a_shipped_name(tmp_path, monkeypatch):
 def test_an_unknown_name_lists_the_shipped_models(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(CheckpointError, match="no-such-model: no such model folder "
-                                              r"\(shipped models: ensemble-lite2-flickr8k, prefix-smollm2-lora-flickr8k, "
-                                              r"sat-lite2-flickr8k, transformer-lite2-flickr8k\)"):
+                                              r"\(shipped models: ensemble-lite2-flickr8k \(the default\), "
+                                              r"prefix-smollm2-lora-flickr8k, sat-lite2-flickr8k, transformer-lite2-flickr8k\)"):
         Captioner.load("no-such-model", with_encoder=False)
 
 
