@@ -65,6 +65,7 @@ def _short(tiny_config, tmp_path, epochs: int) -> RunConfig:
     return path
 
 
+@pytest.mark.slow  # a training run
 def test_a_training_run_never_reads_the_whole_store(tiny_config, tmp_path, monkeypatch):
     stores: list[CountingStore] = []
 
@@ -94,6 +95,7 @@ def _fit(cfg: RunConfig, out, eager: bool) -> tuple[dict[str, torch.Tensor], lis
     return trainer.model.state_dict(), [{k: v for k, v in h.items() if k != "seconds"} for h in state.history]
 
 
+@pytest.mark.slow  # two training runs
 @pytest.mark.parametrize("objective", ["xe", "scst"])
 def test_lazy_reads_train_the_same_weights_as_the_eager_tensor(tiny_config, tmp_path, objective):
     """Every reader: training batches (caption rows, or scst's image rows), dev decoding in
