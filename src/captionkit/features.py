@@ -99,6 +99,11 @@ class FeatureRows:
         """A contiguous span of rows, ``rows[i:j]`` -> (j - i, L, D)."""
         return self._read(self.names[span])
 
+    def in_memory(self) -> FeatureRows:
+        """These rows read once, all together, into memory: how the trainer held its features
+        before it read them lazily (benchmarks/trainer_memory.py compares the two)."""
+        return FeatureRows(ArrayStore(self.names, self.store.rows(self.names)), self.names)
+
     def _read(self, names: list[str]) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(self.store.rows(names)))
 
