@@ -45,6 +45,20 @@ class EagerRows:
         return self.tensor[span]
 
 
+@pytest.fixture
+def stores(monkeypatch) -> list[CountingStore]:
+    """Every store the trainer opens from now on, counting its reads."""
+    opened: list[CountingStore] = []
+    real = train_module.build_features
+
+    def counting(*args, **kwargs):
+        opened.append(CountingStore(real(*args, **kwargs)))
+        return opened[-1]
+
+    monkeypatch.setattr(train_module, "build_features", counting)
+    return opened
+
+
 def test_feature_rows_read_only_the_rows_asked_for(tiny_config):
     data = prepare_data(RunConfig.load(tiny_config))
     store = CountingStore(data.train_feats.store)
@@ -54,6 +68,7 @@ def test_feature_rows_read_only_the_rows_asked_for(tiny_config):
     assert torch.equal(rows.select(index), eager.select(index)) and rows.select(index).dtype == torch.float16
     assert torch.equal(rows[2:5], eager[2:5]) and len(rows) == len(eager) == 9
     assert store.reads == [4, 4, 3]
+    assert torch.equal(rows.in_memory().select(index), eager.select(index)) and store.reads[-1] == 9
 
 
 def _short(tiny_config, tmp_path, epochs: int) -> RunConfig:
@@ -66,15 +81,7 @@ def _short(tiny_config, tmp_path, epochs: int) -> RunConfig:
 
 
 @pytest.mark.slow  # a training run
-def test_a_training_run_never_reads_the_whole_store(tiny_config, tmp_path, monkeypatch):
-    stores: list[CountingStore] = []
-
-    def counting_build_features(*args, **kwargs):
-        stores.append(CountingStore(real_build_features(*args, **kwargs)))
-        return stores[-1]
-
-    real_build_features = train_module.build_features
-    monkeypatch.setattr(train_module, "build_features", counting_build_features)
+def test_a_training_run_never_reads_the_whole_store(tiny_config, tmp_path, stores):
     config = _short(tiny_config, tmp_path, epochs=2)
     cfg = RunConfig.load(config)
     state = train_module.train(config, out=tmp_path / "run", progress=False)
@@ -109,3 +116,31 @@ def test_lazy_reads_train_the_same_weights_as_the_eager_tensor(tiny_config, tmp_
     for k in lazy:
         assert torch.equal(lazy[k], eager[k]), k
     assert lazy_history == eager_history and "CIDEr" in lazy_history[-1]
+
+
+def _from(tiny_config, tmp_path, name: str, train_lines: str):
+    """The tiny config with its model taken from train.init, and ``train_lines`` added."""
+    head, _, rest = tiny_config.read_text().partition("[model]")
+    path = tmp_path / f"{name}.toml"
+    path.write_text((head + rest[rest.index("[train]"):]).replace("[train]", "[train]\n" + train_lines))
+    return path
+
+
+@pytest.mark.slow  # a training run
+def test_frozen_tuned_blocks_give_the_rows_the_eager_tensor_gave(tiny_run, tiny_config, tmp_path, stores):
+    """A run from a checkpoint whose last encoder block was tuned, with the block frozen now:
+    its output is computed once from the store's rows (read 256 at a time), bit for bit what it
+    was from the eager tensor of every row."""
+    tuned = tmp_path / "tuned"
+    train_module.train(_from(tiny_config, tmp_path, "tune", f'init = "{tiny_run / "best"}"\n'
+                             'finetune_blocks = 1\nencoder_lr = 1e-2'), out=tuned, max_steps=1, progress=False)
+    stores.clear()
+    data = prepare_data(RunConfig.load(_from(tiny_config, tmp_path, "frozen", f'init = "{tuned / "last"}"')))
+    assert data.tuned_blocks == 1 and data.source_grid == data.grid and data.tail is not None
+    (store,) = stores  # the rows before the tuned block
+    for rows in (data.train_feats, data.val_feats):
+        eager = torch.from_numpy(np.ascontiguousarray(store.rows(rows.names)))
+        with torch.no_grad():  # the trainer's computation before FeatureRows, on the eager tensor
+            expected = torch.cat([data.tail(eager[i:i + 256].float(), store.grid).half()
+                                  for i in range(0, len(eager), 256)])
+        assert torch.equal(rows[:], expected) and rows[:].dtype == torch.float16
