@@ -79,7 +79,7 @@ def test_the_stages_one_by_one(tiny_config, tmp_path):
     takes; nothing is written before the Trainer runs."""
     cfg = RunConfig.load(tiny_config)
     data = prepare_data(cfg)
-    assert data.train_feats.shape[0] == len(data.train_items) == 9 and data.tail is None
+    assert len(data.train_feats) == len(data.train_items) == 9 and data.tail is None
     vocab = build_tokenizer(cfg, data)
     built = build_model(cfg, data, vocab)
     assert built.family == "sat" and built.config["vocab_size"] == len(vocab)

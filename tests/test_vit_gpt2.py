@@ -179,7 +179,7 @@ def test_the_checkpoint_reloads_to_identical_captions(trained, tiny_vit, tiny_gp
     assert saved and set(saved) == trainer.model.trained
     assert not any(".embeddings." in k or ".layers.0." in k or "pooler" in k for k in saved)  # frozen: not saved
     cap = Captioner.load(best)
-    feats = trainer.data.val_feats.float()
+    feats = trainer.data.val_feats[:].float()
     ours = cap.decode_features(feats, beam=2)
     trainer.model.eval()
     theirs = Captioner(trainer.model, trainer.vocab, cfg).decode_features(feats, beam=2)

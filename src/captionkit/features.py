@@ -14,6 +14,10 @@ ones with their message). The .json is written last, atomically: a shard with on
 and a rerun computes only the shards without one. :class:`ShardedFeatureStore` reads it lazily
 (one memory-mapped .npy per shard, opened on first use) and :func:`shards_for_rank` splits the
 shards among DDP ranks. See docs/scale.md for its size per encoder.
+
+The trainer reads a store through :class:`FeatureRows`: the rows of its images, in its order,
+read only when a batch asks for them (a COCO-sized store is never loaded whole, and the
+processes of a machine share the memory-mapped pages through the page cache).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from .cache import cache_root
 from .devices import module_device
@@ -57,6 +62,50 @@ class FeatureStore:
     def rows(self, names: list[str]) -> np.ndarray:
         idx = [self.index[n] for n in names]
         return self.feats[idx]  # (B, L, D)
+
+
+class ArrayStore:
+    """A store held in memory: ``rows(names)`` of an (N, L, D) array whose rows are ``names``'
+    (features computed from another store's, e.g. by frozen encoder blocks)."""
+
+    def __init__(self, names: list[str], feats: np.ndarray):
+        self.feats = feats  # (N, L, D)
+        self.index = {n: i for i, n in enumerate(names)}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.index
+
+    def rows(self, names: list[str]) -> np.ndarray:
+        return self.feats[[self.index[n] for n in names]]  # (B, L, D)
+
+
+class FeatureRows:
+    """The features of a list of images (``names``, in that order) as rows 0..N-1, read from
+    ``store`` (anything with ``rows(names) -> (B, L, D)``) only when asked for: what the trainer
+    holds instead of an (N, L, D) tensor, so that a process's memory holds a batch's rows, not
+    the store's. The rows come as the store keeps them (float16), as a CPU tensor."""
+
+    def __init__(self, store: FeatureStore | ShardedFeatureStore | ArrayStore, names: list[str]):
+        self.store, self.names = store, list(names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def select(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` (a 1-d index tensor) -> (B, L, D), like ``tensor.index_select(0, rows)``."""
+        return self._read([self.names[i] for i in rows.tolist()])
+
+    def __getitem__(self, span: slice) -> torch.Tensor:
+        """A contiguous span of rows, ``rows[i:j]`` -> (j - i, L, D)."""
+        return self._read(self.names[span])
+
+    def in_memory(self) -> FeatureRows:
+        """These rows read once, all together, into memory: how the trainer held its features
+        before it read them lazily (benchmarks/trainer_memory.py compares the two)."""
+        return FeatureRows(ArrayStore(self.names, self.store.rows(self.names)), self.names)
+
+    def _read(self, names: list[str]) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(self.store.rows(names)))
 
 
 FEATURE_SHARDS_KIND = "feature-shards"  # the outputs.MARKER kind of a sharded store

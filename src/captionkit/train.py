@@ -34,7 +34,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -81,7 +80,7 @@ from .distributed import (
 from .encoders import Encoder, create_encoder, load_finetuned
 from .errors import DatasetError, OutputError, UserError
 from .evaluation import coco_scores, format_scores
-from .features import build_features
+from .features import ArrayStore, FeatureRows, build_features
 from .glove import Coverage, glove_embedding, vector_dim
 from .models import (
     CaptionModel,
@@ -236,7 +235,8 @@ class InitCheckpoint:
 class TrainData:
     """What :func:`prepare_data` gives: the splits, the encoder and the cached features.
 
-    Features are the cache's rows (N, L, C) float16. With encoder blocks tuned (now:
+    Features are the cache's rows (N, L, C) float16, read lazily (:class:`FeatureRows`: a
+    batch's rows when it asks for them; never the whole store). With encoder blocks tuned (now:
     ``tail_params`` trained; or by the init checkpoint, then frozen and run once here), the
     cached rows come from before ``tail`` (on ``source_grid``), and :meth:`Trainer.features`
     runs ``tail`` at every step; ``grid`` is the encoder's output grid."""
@@ -244,8 +244,8 @@ class TrainData:
     train_items: list[ImageItem]
     val_items: list[ImageItem]
     encoder: Encoder
-    train_feats: torch.Tensor
-    val_feats: torch.Tensor
+    train_feats: FeatureRows
+    val_feats: FeatureRows
     grid: tuple[int, int]
     source_grid: tuple[int, int]
     tuned_blocks: int = 0
@@ -272,7 +272,9 @@ def load_init(cfg: RunConfig) -> InitCheckpoint | None:
 def prepare_data(cfg: RunConfig, device: torch.device = CPU) -> TrainData:
     """Stage 1: the dataset's splits, the encoder (with the init checkpoint's tuned blocks) and
     the cached features of every image (computed once per encoder, see captionkit.features).
-    The features stay in memory on the CPU; tuned encoder blocks go to ``device``."""
+    The features stay in the store, read a batch at a time on the CPU (encoder blocks tuned
+    before and frozen now: their output is computed here and held in memory); tuned encoder
+    blocks go to ``device``."""
     tc = cfg.train
     torch.manual_seed(tc.seed)  # the encoder's random weights (tests) and everything after
     init = load_init(cfg)  # before the dataset: a bad folder costs nothing
@@ -308,16 +310,19 @@ def prepare_data(cfg: RunConfig, device: torch.device = CPU) -> TrainData:
     return data
 
 
-def _load_feats(store, items: list[ImageItem]) -> torch.Tensor:
+def _load_feats(store, items: list[ImageItem]) -> FeatureRows:
     missing = [it.name for it in items if it.name not in store]
     if missing:
         raise DatasetError(f"{len(missing)} images have no features (unreadable?), e.g. {missing[0]}")
-    return torch.from_numpy(np.ascontiguousarray(store.rows([it.name for it in items])))
+    return FeatureRows(store, [it.name for it in items])
 
 
 @torch.no_grad()
-def _run_tail(tail: torch.nn.Module, feats: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-    return torch.cat([tail(feats[i:i + 256].float(), grid).half() for i in range(0, len(feats), 256)])
+def _run_tail(tail: torch.nn.Module, feats: FeatureRows, grid: tuple[int, int]) -> FeatureRows:
+    """The frozen tuned blocks' output for every row, computed once, 256 rows at a time: held
+    in memory (N, L, D) float16, as the blocks' output is in no store."""
+    out = torch.cat([tail(feats[i:i + 256].float(), grid).half() for i in range(0, len(feats), 256)])
+    return FeatureRows(ArrayStore(feats.names, out.numpy()), feats.names)
 
 
 def build_tokenizer(cfg: RunConfig, data: TrainData) -> Tokenizer:
@@ -514,7 +519,7 @@ class Trainer:
         tc = self.cfg.train
         with autocast(self.device, self.precision):
             if self.scst is not None:
-                rows = self.data.train_feats.index_select(0, torch.tensor(idx))
+                rows = self.data.train_feats.select(torch.tensor(idx))
                 feats = self.features(self.to_device(rows))  # (B, L, D)
                 loss, stats = self.scst.loss(self.model, feats, idx)
                 figures = {"reward": stats.sample_reward}
@@ -529,7 +534,7 @@ class Trainer:
             if tc.batching == "image":  # each image once, indexed per caption
                 rows, image_index = torch.unique(rows, return_inverse=True)  # (U,), (B,)
                 image_index = self.to_device(image_index)
-            feats = self.features(self.to_device(self.data.train_feats.index_select(0, rows)))  # (B or U, L, D)
+            feats = self.features(self.to_device(self.data.train_feats.select(rows)))  # (B or U, L, D)
             ids = self.to_device(ids)
             loss, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], alpha_c=tc.alpha_c,
                                                 label_smoothing=tc.label_smoothing, image_index=image_index)
@@ -732,7 +737,7 @@ class Trainer:
                 rows = torch.tensor([examples[i][0] for i in idx])
                 ids = self.to_device(torch.tensor([examples[i][1] for i in idx]))  # (B, T+1), one length per batch
                 with autocast(self.device, self.precision):
-                    feats = self.features(self.to_device(self.data.val_feats.index_select(0, rows)))
+                    feats = self.features(self.to_device(self.data.val_feats.select(rows)))
                     _, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], alpha_c=tc.alpha_c)
                 total += float(ce) * ids[:, 1:].numel()
                 tokens += ids[:, 1:].numel()
