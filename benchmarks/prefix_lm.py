@@ -27,8 +27,7 @@ import torch
 
 from captionkit.captioner import Captioner
 from captionkit.cli import tune_allocator
-from captionkit.tokenizers import build_tokenizer
-from captionkit.train import RunConfig, Trainer
+from captionkit.train import RunConfig, build_trainer
 
 
 def main() -> None:
@@ -43,29 +42,28 @@ def main() -> None:
     cfg = RunConfig.load(args.config)
     t0 = time.time()
     with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(cfg, Path(out))
-        trainer.setup(build_tokenizer("lm", [], lm=cfg.model.get("lm")))
+        trainer = build_trainer(cfg, Path(out))  # the training stages: data, tokenizer, model, optimizer
         print(f"{args.config}: set-up {time.time() - t0:.0f} s; prefix {trainer.model.cfg.prefix_len} tokens; "
               f"trained parameters {sum(p.numel() for g in trainer.opt.param_groups for p in g['params']):,}",
               file=sys.stderr)
         batches = trainer.epoch_batches(0)
         for threads in args.threads:
             torch.set_num_threads(threads)
-            start = trainer.state["step"]
-            trainer.run(max_steps=start + args.warmup, progress=False)
-            first = trainer.state["batch_in_epoch"]
+            start = trainer.state.step
+            trainer.fit(max_steps=start + args.warmup, progress=False)
+            first = trainer.state.batch_in_epoch
             t, cpu = time.time(), time.process_time()
-            trainer.run(max_steps=start + args.warmup + args.steps, progress=False)
+            trainer.fit(max_steps=start + args.warmup + args.steps, progress=False)
             seconds, cpu = time.time() - t, time.process_time() - cpu
-            done = batches[first:trainer.state["batch_in_epoch"]]
+            done = batches[first:trainer.state.batch_in_epoch]
             captions = sum(len(b) for b in done)
             tokens = sum(len(trainer.examples[i][1]) - 1 for b in done for i in b)
             print(f"threads {threads}: training {captions / seconds:.2f} captions/s wall, {captions / cpu:.2f} per "
                   f"CPU second ({len(done)} batches of {cfg.train.batch_size}, {tokens / captions:.1f} tokens + "
                   f"{trainer.model.cfg.prefix_len} prefix per caption, {seconds:.1f} s wall, {cpu:.1f} s CPU)")
             trainer.model.eval()
-            cap = Captioner(trainer.model, trainer.vocab, trainer.checkpoint_config())
-            feats = trainer.val_feats[:args.images].float()
+            cap = Captioner(trainer.model, trainer.vocab, trainer.checkpoint_config()).place(trainer.device)
+            feats = trainer.data.val_feats[:args.images].float()
             for beam in (1, 3):
                 t, cpu = time.time(), time.process_time()
                 caps = [c for i in range(0, len(feats), 16) for c in cap.decode_features(feats[i:i + 16], beam=beam)]
