@@ -60,14 +60,17 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=8000, help="the first N Flickr8k images, sorted (default all)")
     ap.add_argument("--replicas", type=int, default=1, help="--replicas of the Ray engine")
     ap.add_argument("--no-costs", action="store_true", help="skip the per-image encoder/decoder costs")
+    ap.add_argument("--model", default="transformer-lite2-flickr8k",
+                    help="the model both engines run (default the fast single model, which the figures in "
+                         "docs/scale.md used; the default captioner is an ensemble at about 2.2x its cost)")
     args = ap.parse_args()
     if not FLICKR.is_dir():
         sys.exit(f"{FLICKR}: not found (the Flickr8k images)")
     images = sorted(FLICKR.glob("*.jpg"))[:args.images]
-    print(f"{len(images)} Flickr8k images, shipped default model, beam 3, batch 16, {os.cpu_count()} CPUs")
+    print(f"{len(images)} Flickr8k images, model {args.model}, beam 3, batch 16, {os.cpu_count()} CPUs")
     with tempfile.TemporaryDirectory() as tmp:
         listing = [str(FLICKR)] if args.images >= len(list(FLICKR.glob("*.jpg"))) else list(map(str, images))
-        base = [sys.executable, "-m", "captionkit.cli", "caption", *listing]
+        base = [sys.executable, "-m", "captionkit.cli", "caption", *listing, "--model", args.model]
         rows = {}
         for engine, extra in (("local", []), ("ray", ["--engine", "ray", "--replicas", str(args.replicas)])):
             out = Path(tmp) / f"{engine}.jsonl"
@@ -85,7 +88,7 @@ def main() -> None:
         from speed import bench_captioning
 
         torch.set_num_threads(1)
-        c = bench_captioning(64)
+        c = bench_captioning(64, model=args.model)
         print(f"per image, 1 thread, batch 16, beam 3: encoder {c['encoder ms/image']:.1f} ms, "
               f"decoder {c['decoding ms/image']:.1f} ms; end to end {c['images/s']:.2f} images/s")
 
