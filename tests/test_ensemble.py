@@ -355,6 +355,9 @@ def test_flip_tta_encodes_the_mirror_image_and_ships_in_an_ensemble_folder(lite0
     assert len(cap.decode_features(got, beam=2)) == 2
     plain = Captioner.load(a, tta="flip")  # one model with --tta flip
     assert plain.tta == "flip" and plain.decoder.views == [0, 1]
+    off = Captioner.load(tmp_path / "ens", tta="none")  # --tta none over the folder's flip
+    assert off.tta is None and "tta" not in off.config
+    assert off.encode_batch(images).shape[:2] == (2, cap.grid[0] * cap.grid[1])  # one view: (B, L, D)
     doc = json.loads((tmp_path / "ens" / ENSEMBLE_FILE).read_text())
     (tmp_path / "ens" / ENSEMBLE_FILE).write_text(json.dumps({**doc, "decoding": {"tta": "rotate"}}))
     with pytest.raises(CheckpointError, match="decoding.tta"):

@@ -15,7 +15,7 @@ from .checkpoint import CheckpointError, load_into, read_config, read_weights, s
 from .decoding import Caption, beam_nbest, decode
 from .devices import resolve_device
 from .encoders import Encoder, create_encoder, load_finetuned
-from .ensemble import (COMBINE, ENSEMBLE_FILE, TTA, EnsembleDecoder, check_member_configs, check_member_encoders,
+from .ensemble import (COMBINE, ENSEMBLE_FILE, TTA, TTA_OFF, EnsembleDecoder, check_member_configs, check_member_encoders,
                        is_ensemble_folder, normalised_weights, read_ensemble, with_flip_views)
 from .errors import UserError
 from .image_batches import image_batches
@@ -95,7 +95,9 @@ class Captioner:
                  tta: str | None = None):
         """``tta="flip"``: test-time flip averaging -- every image is encoded twice, as it is and
         mirrored, and the decoder decodes both views as one ensemble (ensemble.with_flip_views);
-        features given to ``decode_features`` are then (B, 2, L, D)."""
+        features given to ``decode_features`` are then (B, 2, L, D). ``"none"``: none (what
+        ``--tta none`` asks for over an ensemble folder's own)."""
+        tta = None if tta == TTA_OFF else tta
         if tta not in (None, *TTA):
             raise ValueError(f"unknown test-time augmentation {tta!r} (known: {', '.join(TTA)})")
         self.tta = tta
@@ -134,7 +136,8 @@ class Captioner:
              precision: str = "auto") -> "Captioner":
         """Load a checkpoint folder, an ensemble folder (captionkit.ensemble), or a shipped model
         by name (the default one when ``path`` is None), onto ``device`` (see :meth:`place`).
-        ``tta``: see :class:`Captioner` (default: none, or what the ensemble folder says)."""
+        ``tta``: see :class:`Captioner` (default: none, or what the ensemble folder says;
+        "none" switches the folder's off)."""
         path = existing_model_folder(path)
         if is_ensemble_folder(path):
             spec = read_ensemble(path)

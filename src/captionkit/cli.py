@@ -790,9 +790,10 @@ def _add_ensemble_opts(p: argparse.ArgumentParser) -> None:
 
 
 def _add_tta_opt(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tta", choices=("flip",),  # captionkit.ensemble.TTA, without importing torch
+    p.add_argument("--tta", choices=("flip", "none"),  # captionkit.ensemble.TTA and TTA_OFF, without torch
                    help="test-time augmentation: flip decodes each photo and its mirror image as one ensemble "
-                        "(a second encoder pass; default: none, or what an ensemble folder says)")
+                        "(a second encoder pass); none: no augmentation, even where an ensemble folder asks "
+                        "for one (default: none, or what an ensemble folder says)")
 
 
 def _add_device_opts(p: argparse.ArgumentParser, workers: bool = False, precision: bool = True) -> None:

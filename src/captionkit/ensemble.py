@@ -158,6 +158,7 @@ class EnsembleDecoder(nn.Module):
 
 # ---- test-time augmentation: the photo and its mirror image --------------------------------
 TTA = ("flip",)
+TTA_OFF = "none"  # --tta none: no augmentation, not even an ensemble folder's own
 
 
 def with_flip_views(decoder: nn.Module) -> EnsembleDecoder:
