@@ -113,13 +113,16 @@ def _check_caption_sources(model: list[str] | None, onnx: str | None, weights: l
 
 
 def _caption_settings(model: list[str] | None, weights: list[float] | None, onnx: str | None, beam: int,
-                      length_penalty: float | None, rerank: str | None, nbest: int | None) -> dict:
+                      length_penalty: float | None, rerank: str | None, nbest: int | None,
+                      tta: str | None = None) -> dict:
     """What decides caption's captions, recorded beside resumable outputs (captionkit.batch)."""
     settings = {"model": None if onnx else _models_setting(model, weights),
                 "onnx": str(Path(onnx).resolve()) if onnx else None,
                 "beam": beam, "length_penalty": length_penalty}
     if rerank or nbest:  # recorded only when used: other runs' settings stay as they were
         settings.update(rerank=rerank, nbest=_nbest(rerank, nbest))
+    if tta:  # likewise
+        settings.update(tta=tta)
     return settings
 
 
@@ -213,9 +216,7 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
     if onnx and (device not in ("auto", "cpu") or precision != "auto"):
         raise UsageError("--device and --precision apply to PyTorch models; --onnx runs on onnxruntime's CPU")
     where, precision = _device("cpu" if onnx else device, precision)
-    settings = _caption_settings(model, weights, onnx, beam, length_penalty, rerank, nbest)
-    if tta:  # recorded only when used, like --rerank
-        settings.update(tta=tta)
+    settings = _caption_settings(model, weights, onnx, beam, length_penalty, rerank, nbest, tta)
     candidates_path = check_file_target(candidates, overwrite=overwrite) if candidates else None
     writer = _caption_writer("caption", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
                              attention=attention, overwrite=overwrite, retry_failed=retry_failed, verbose=verbose)
