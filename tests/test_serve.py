@@ -353,6 +353,22 @@ def test_slow_head_gets_408_when_its_deadline_passes(live):
     assert time.perf_counter() - t0 < 5
 
 
+def test_a_client_sending_across_its_deadline_reads_the_408_and_a_clean_end(live):
+    """A client still sending when its head deadline passes must read the 408 and then an orderly
+    end of stream. Closing a socket with unread bytes in it makes the kernel send a reset instead,
+    and the client's next read fails with ECONNRESET; so the server half-closes and reads on."""
+    import select
+    import time
+    s = _connect(live)
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    t0 = time.perf_counter()
+    while not select.select([s], [], [], 0)[0] and time.perf_counter() - t0 < 5:
+        s.sendall(b"a")  # a byte every 0.2 ms: some are in flight when the deadline passes
+        time.sleep(0.0002)
+    data, _ = _read_until_closed(s)
+    assert data.startswith(b"HTTP/1.1 408") and b"no complete request head within 1 s" in data
+
+
 def _errors(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= 40 or r.exc_info]
 

@@ -13,6 +13,11 @@ the head is complete. This protocol adds two:
 
 On expiry the connection is closed, after a 408 JSON answer if the client had begun a request
 and no answer was started; a request the app was reading then ends as a client disconnect.
+
+After a 408 the close is staged (RFC 9112, section 9.6): the server half-closes, then reads and
+drops what the client still sends until the client closes or ``LINGER_SECONDS`` pass. Closing at
+once would leave the client's in-flight bytes unread, and a socket closed with unread bytes sends a
+reset instead of an orderly end: the client then fails with ECONNRESET around the 408.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import json
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+LINGER_SECONDS = 2.0  # after a 408, how long to read and drop the rest of the request
 
 
 def _timeout_answer(message: str) -> bytes:
@@ -35,6 +42,7 @@ class GuardedH11Protocol(H11Protocol):
         self.header_timeout, self.body_timeout = header_timeout, body_timeout
         self._deadline = None  # asyncio.TimerHandle of the armed deadline
         self._phase = None  # "head" or "body": what the armed deadline waits for
+        self._linger = None  # asyncio.TimerHandle of the final close, once a 408 has been sent
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -42,9 +50,13 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        if self._linger is not None:
+            self._linger.cancel()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._linger is not None:
+            return  # the rest of a request already answered with a 408: dropped
         super().data_received(data)
         self._update(received=True)
 
@@ -88,6 +100,11 @@ class GuardedH11Protocol(H11Protocol):
             # as connection_lost will: the app's next receive() is a disconnect, its answer is dropped
             self.cycle.disconnected = True
             self.cycle.message_event.set()
-        if begun:
-            self.transport.write(_timeout_answer(message))
-        self.transport.close()
+        if not begun:
+            return self.transport.close()
+        self.transport.write(_timeout_answer(message))
+        if not self.transport.can_write_eof():
+            return self.transport.close()
+        self.transport.write_eof()  # sent once the answer is flushed: the client reads 408, then EOF
+        self.flow.resume_reading()  # read on (and drop), so no unread bytes remain at the close
+        self._linger = self.loop.call_later(LINGER_SECONDS, self.transport.close)
