@@ -41,6 +41,18 @@ def test_fused_attention_kernel_matches_pytorch():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not kernel_available(), reason="no C compiler: fused kernel unavailable")
+def test_loading_the_kernel_keeps_subnormal_floats():
+    """The kernel is built with -ffast-math; linked with it, loading the library would switch the
+    whole process to flush-to-zero, so that numpy and torch silently turn 1e-40 into 0."""
+    import subprocess
+    import sys
+    code = ("import numpy as np, torch; from captionkit.kernels import _load; assert _load() is not None; "
+            "print(float(np.float32(1e-39) * np.float32(0.5)), float(torch.tensor([1e-39]) * 0.5))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert [float(v) for v in out] == pytest.approx([5e-40, 5e-40], rel=1e-3, abs=0)  # not 0.0
+
+
 def test_step_and_teacher_forced_forward_agree():
     m = tiny()
     feats = torch.randn(2, 6, 10)

@@ -48,14 +48,24 @@ def _load():
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         return None
-    flags = ["-O3", "-ffast-math", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-    key = hashlib.sha1(_SRC.read_bytes() + " ".join([cc, platform.machine(), platform.node(), *flags]).encode())
+    # Compiled with -ffast-math (vectorised tanhf) but linked without it: linked with it, the
+    # compiler adds crtfastmath.o, whose constructor sets flush-to-zero for the whole process the
+    # moment the library loads, so every later numpy and torch op would silently lose subnormals.
+    compile_flags = ["-O3", "-ffast-math", "-march=native", "-fopenmp", "-fPIC", "-c"]
+    link_flags = ["-shared", "-fopenmp"]
+    key = hashlib.sha1(_SRC.read_bytes() + " ".join([cc, platform.machine(), platform.node(), *compile_flags,
+                                                     "|", *link_flags]).encode())
     so = cache_dir("kernels") / f"attention-{key.hexdigest()[:12]}.so"
     if not so.exists():
         so.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
         os.close(fd)
-        r = subprocess.run([cc, *flags, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True)
+        obj = tmp[:-3] + ".o"
+        r = subprocess.run([cc, *compile_flags, str(_SRC), "-o", obj], capture_output=True, text=True)
+        if r.returncode == 0:
+            r = subprocess.run([cc, *link_flags, obj, "-o", tmp, "-lm"], capture_output=True, text=True)
+        if os.path.exists(obj):
+            os.unlink(obj)
         if r.returncode != 0:
             os.unlink(tmp)
             print(f"captionkit: fused attention kernel did not compile, using PyTorch ({r.stderr.strip()[:200]})",
