@@ -88,6 +88,16 @@ def test_the_stages_one_by_one(tiny_config, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_train_and_val_max_images_take_the_first_images_of_each_split(tiny_config, tmp_path):
+    full = prepare_data(RunConfig.load(tiny_config))
+    cut = tiny_config.parent / "cut.toml"
+    cut.write_text(tiny_config.read_text().replace("[train]", "[train]\ntrain_max_images = 4\nval_max_images = 2"))
+    data = prepare_data(RunConfig.load(cut))
+    assert [it.name for it in data.train_items] == [it.name for it in full.train_items[:4]]
+    assert [it.name for it in data.val_items] == [it.name for it in full.val_items[:2]]
+    assert len(data.train_feats) == 4 and len(data.val_feats) == 2
+
+
 def test_a_run_resumes_from_a_checkpoint_of_the_old_state_format(tiny_config, tmp_path):
     """A run folder whose last checkpoint holds the state as the old trainer wrote it resumes."""
     out = tmp_path / "run"

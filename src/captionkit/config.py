@@ -124,6 +124,8 @@ class TrainConfig:
     val_every: score the dev split after every N-th epoch (and the last); the best checkpoint
         is chosen among those epochs. For runs of many short epochs (caption_sampling
         "random_one"), where a dev pass would cost as much as the epoch.
+    train_max_images: train on the first N images of the train split only (0: all of them): a
+        smaller budget, the same for every trial of a study, or a quick check.
     checkpoint_every: also save the resumable checkpoint every N steps.
     length_penalties: after training, the best checkpoint's beam-search length normalisation
         is chosen among these on the dev split (by val_metric) and saved in its config.
@@ -156,6 +158,7 @@ class TrainConfig:
     val_beam: int = spec(3, ge=1)
     val_metric: str = spec("CIDEr", choices=VAL_METRICS)
     val_max_images: int = spec(0, ge=0)  # 0: the whole dev split
+    train_max_images: int = spec(0, ge=0)  # 0: the whole train split
     val_every: int = spec(1, ge=1)
     patience: int = spec(5, ge=1)
     min_delta: float = spec(0.0, ge=0)

@@ -283,6 +283,8 @@ def prepare_data(cfg: RunConfig, device: torch.device = CPU) -> TrainData:
     train_items, val_items = ds.split(cfg.data.train_split), ds.split(cfg.data.val_split)
     if tc.val_max_images:
         val_items = val_items[:tc.val_max_images]
+    if tc.train_max_images:
+        train_items = train_items[:tc.train_max_images]
     if not train_items:
         raise DatasetError(f"{cfg.data.dataset}: the {cfg.data.train_split} split is empty")
     encoder = create_encoder(cfg.encoder.name, weights=cfg.encoder.weights or None)
