@@ -321,8 +321,9 @@ class _Page(HTMLParser):
 @pytest.mark.slow  # the tiny_sweep fixture: 4 trials, ~30 s on the shared 2-core machine
 def test_report_holds_every_run_and_image(tiny_sweep, tiny_run, tmp_path, flickr_dir):
     out = tmp_path / "report.html"
+    data = tmp_path / "report.json"
     assert main(["report", str(tiny_sweep), "--out", str(out), "--images", "3", "--metrics", "bleu,rouge,cider",
-                 "--bootstrap", "50"]) == 0
+                 "--bootstrap", "50", "--data", str(data)]) == 0
     page = _Page()
     page.feed(out.read_text())
     text = " ".join(page.text)
@@ -339,6 +340,15 @@ def test_report_holds_every_run_and_image(tiny_sweep, tiny_run, tmp_path, flickr
     assert text.count("[") >= 4 * 6  # an interval beside every score
     for ref in load_dataset(str(flickr_dir)).split("dev")[0].raw:
         assert ref in text
+    # --data: the same runs, every dev image's caption, and scores that these captions give again
+    from captionkit.evaluation import score_captions
+    saved = json.loads(data.read_text())
+    assert [r["label"] for r in saved["runs"]] == [r.label for r in runs] and saved["split"] == "dev"
+    refs = {it.name: it.raw for it in load_dataset(str(flickr_dir)).split("dev")}
+    for r in saved["runs"]:
+        assert sorted(r["captions"]) == sorted(dev) and set(r["intervals"]) == set(r["scores"])
+        again = score_captions(r["captions"], refs, quiet=True, metrics=["bleu", "rouge", "cider"]).scores
+        assert again == pytest.approx(r["scores"], abs=1e-12)
 
 
 def test_report_attention_is_kept_only_where_it_says_something():

@@ -733,19 +733,24 @@ def cmd_plot(runs: list[str], out: str, metrics: str | None, x: str, data: str |
 
 
 def cmd_report(runs: list[str], out: str, split: str, images: int, beam: int, bootstrap: int, seed: int,
-               overwrite: bool, tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str) -> int:
+               overwrite: bool, tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str,
+               data: str | None = None) -> int:
     from .outputs import atomic_write_text, check_file_target
-    from .report import build_report
+    from .report import build_report, report_data
     from .runs import find_runs
 
     if images < 0 or bootstrap < 0:
         raise UsageError("--images and --bootstrap must be >= 0")
     target = check_file_target(out, overwrite=overwrite)
+    data_target = check_file_target(data, overwrite=overwrite) if data else None
     found = find_runs(runs)
+    results = []
     page = build_report(found, split=split, images=images, beam=beam, rounds=bootstrap, seed=seed,
                         score_opts=_score_opts(tokenizer, meteor, no_brevity_penalty, metrics),
-                        progress=lambda line: print(line, file=sys.stderr, flush=True))
+                        progress=lambda line: print(line, file=sys.stderr, flush=True), results_out=results)
     atomic_write_text(target, page)
+    if data_target:
+        atomic_write_text(data_target, json.dumps(report_data(results, split, beam, bootstrap), indent=1))
     print(f"wrote {out} ({len(page.encode()) / 1e6:.1f} MB): {len(found)} runs, {images} images")
     return 0
 
@@ -1042,6 +1047,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--bootstrap", type=int, default=1000, metavar="N",
                    help="resamples for the 95%% intervals (0: none)")
     r.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resampling")
+    r.add_argument("--data", metavar="FILE", help="also write the scores, intervals and every caption as JSON")
     _add_overwrite(r, "replace an existing report")
     _add_score_opts(r)
     return p

@@ -93,9 +93,11 @@ def _fmt_score(v: float, ci: tuple[float, float] | None) -> str:
 
 
 def build_report(runs: list[Run], split: str = "dev", images: int = 10, beam: int = 3, rounds: int = 1000,
-                 seed: int = 0, score_opts: dict | None = None, progress=None) -> str:
+                 seed: int = 0, score_opts: dict | None = None, progress=None,
+                 results_out: list[RunResult] | None = None) -> str:
     """The report's HTML (see the module's doc). ``score_opts``: captionkit.evaluation.score_captions
-    options (metrics, tokenizer, meteor, brevity_penalty)."""
+    options (metrics, tokenizer, meteor, brevity_penalty). ``results_out``, a list, receives each
+    run's RunResult (its captions, scores and intervals), for :func:`report_data`."""
     from .data import load_dataset
 
     data = _same_data(runs)
@@ -115,6 +117,8 @@ def build_report(runs: list[Run], split: str = "dev", images: int = 10, beam: in
         res.scores, res.implementation = rep.scores, rep.implementation
         res.intervals = bootstrap(rep, rounds=rounds, seed=seed) if rounds else {}
         results.append(res)
+    if results_out is not None:
+        results_out.extend(results)
     history_metrics = {k for r in runs for e in r.history for k in e}
     metrics = [m for m in default_metrics(runs) if m in history_metrics]
     x = "captions" if all(counts_captions(r) for r in runs) else "epochs"
@@ -122,6 +126,15 @@ def build_report(runs: list[Run], split: str = "dev", images: int = 10, beam: in
     photos = {it.name: thumbnail(it.path) for it in shown_items}
     return _html(results, shown_items, photos, curves, split=split, beam=beam, rounds=rounds,
                  dataset=str(data["dataset"]), n_images=len(items), x=x)
+
+
+def report_data(results: list[RunResult], split: str, beam: int, rounds: int) -> dict:
+    """What a report scored, as JSON (``captionkit report --data``): for tables elsewhere and for
+    ``captionkit score``. Scores as the scorers give them (BLEU 0..1, CIDEr 0..10), not x100."""
+    return {"split": split, "beam": beam, "bootstrap": rounds,
+            "runs": [{"label": r.run.label, "run": str(r.run.path), "checkpoint": str(r.run.checkpoint),
+                      "scores": r.scores, "intervals": {k: list(v) for k, v in r.intervals.items()},
+                      "implementation": r.implementation, "captions": r.captions} for r in results]}
 
 
 # ---- the page ----------------------------------------------------------------------------
