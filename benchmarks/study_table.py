@@ -39,7 +39,7 @@ def sweep_rows(sweeps: list[str]) -> dict[str, dict]:
 
 def no_bp_bleu4(run: dict) -> float:
     """BLEU-4 of the run's saved captions without the brevity penalty."""
-    data = read_config(Path(run["checkpoint"]))["data"]
+    data = read_config(Path(run["checkpoint"]))["train"]["data"]  # the run config it trained with
     ds = load_dataset(data["dataset"], data.get("images") or None)
     refs = {it.name: it.raw for it in ds.all_items() if it.name in run["captions"]}
     rep = score_captions(run["captions"], refs, metrics=["bleu"], brevity_penalty=False, quiet=True)
