@@ -13,6 +13,7 @@ so no captioning is repeated.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -37,11 +38,17 @@ def sweep_rows(sweeps: list[str]) -> dict[str, dict]:
     return rows
 
 
+@functools.cache
+def references(dataset: str, images: str | None) -> dict[str, list[str]]:
+    """{image: its reference captions}, read once per dataset (the runs of a study share it)."""
+    return {it.name: it.raw for it in load_dataset(dataset, images).all_items()}
+
+
 def no_bp_bleu4(run: dict) -> float:
     """BLEU-4 of the run's saved captions without the brevity penalty."""
     data = read_config(Path(run["checkpoint"]))["train"]["data"]  # the run config it trained with
-    ds = load_dataset(data["dataset"], data.get("images") or None)
-    refs = {it.name: it.raw for it in ds.all_items() if it.name in run["captions"]}
+    refs = references(data["dataset"], data.get("images") or None)
+    refs = {name: refs[name] for name in run["captions"]}
     rep = score_captions(run["captions"], refs, metrics=["bleu"], brevity_penalty=False, quiet=True)
     return rep.scores["Bleu_4"]
 
@@ -60,7 +67,7 @@ def main() -> int:
     for spec in args.report:
         split, _, path = spec.partition("=")
         reports[split] = {str(Path(r["run"]).resolve()): r for r in json.loads(Path(path).read_text())["runs"]}
-    runs = list(next(iter(reports.values())))
+    first = next(iter(reports.values()))  # the runs, in the first report's order
     head = ["run", "trained parameters", "time"]
     for split in reports:
         head += [f"{split} {SHORT.get(c, c)}" for c in columns]
@@ -68,10 +75,9 @@ def main() -> int:
             head.append(f"{split} B-4 no BP")
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
-    for run in runs:
+    for run in first:
         row = rows[run]
-        first = next(iter(reports.values()))[run]
-        cells = [first["label"], f"{row['trained_parameters']:,}", f"{row['seconds'] / 60:.0f} min"]
+        cells = [first[run]["label"], f"{row['trained_parameters']:,}", f"{row['seconds'] / 60:.0f} min"]
         for split, rep in reports.items():
             scores = rep[run]["scores"]
             cells += [f"{100 * scores[c]:.2f}" for c in columns]

@@ -744,10 +744,9 @@ def cmd_report(runs: list[str], out: str, split: str, images: int, beam: int, bo
     target = check_file_target(out, overwrite=overwrite)
     data_target = check_file_target(data, overwrite=overwrite) if data else None
     found = find_runs(runs)
-    results = []
-    page = build_report(found, split=split, images=images, beam=beam, rounds=bootstrap, seed=seed,
-                        score_opts=_score_opts(tokenizer, meteor, no_brevity_penalty, metrics),
-                        progress=lambda line: print(line, file=sys.stderr, flush=True), results_out=results)
+    page, results = build_report(found, split=split, images=images, beam=beam, rounds=bootstrap, seed=seed,
+                                 score_opts=_score_opts(tokenizer, meteor, no_brevity_penalty, metrics),
+                                 progress=lambda line: print(line, file=sys.stderr, flush=True))
     atomic_write_text(target, page)
     if data_target:
         atomic_write_text(data_target, json.dumps(report_data(results, split, beam, bootstrap), indent=1))

@@ -93,11 +93,10 @@ def _fmt_score(v: float, ci: tuple[float, float] | None) -> str:
 
 
 def build_report(runs: list[Run], split: str = "dev", images: int = 10, beam: int = 3, rounds: int = 1000,
-                 seed: int = 0, score_opts: dict | None = None, progress=None,
-                 results_out: list[RunResult] | None = None) -> str:
-    """The report's HTML (see the module's doc). ``score_opts``: captionkit.evaluation.score_captions
-    options (metrics, tokenizer, meteor, brevity_penalty). ``results_out``, a list, receives each
-    run's RunResult (its captions, scores and intervals), for :func:`report_data`."""
+                 seed: int = 0, score_opts: dict | None = None, progress=None) -> tuple[str, list[RunResult]]:
+    """The report's HTML (see the module's doc) and each run's RunResult (its captions, scores and
+    intervals: :func:`report_data`). ``score_opts``: captionkit.evaluation.score_captions options
+    (metrics, tokenizer, meteor, brevity_penalty)."""
     from .data import load_dataset
 
     data = _same_data(runs)
@@ -117,15 +116,14 @@ def build_report(runs: list[Run], split: str = "dev", images: int = 10, beam: in
         res.scores, res.implementation = rep.scores, rep.implementation
         res.intervals = bootstrap(rep, rounds=rounds, seed=seed) if rounds else {}
         results.append(res)
-    if results_out is not None:
-        results_out.extend(results)
     history_metrics = {k for r in runs for e in r.history for k in e}
     metrics = [m for m in default_metrics(runs) if m in history_metrics]
     x = "captions" if all(counts_captions(r) for r in runs) else "epochs"
     curves = base64.b64encode(draw_curves(curve_series(runs, metrics, x))).decode("ascii") if metrics else ""
     photos = {it.name: thumbnail(it.path) for it in shown_items}
-    return _html(results, shown_items, photos, curves, split=split, beam=beam, rounds=rounds,
+    page = _html(results, shown_items, photos, curves, split=split, beam=beam, rounds=rounds,
                  dataset=str(data["dataset"]), n_images=len(items), x=x)
+    return page, results
 
 
 def report_data(results: list[RunResult], split: str, beam: int, rounds: int) -> dict:
