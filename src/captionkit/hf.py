@@ -15,6 +15,7 @@ loaded, so this module is cheap to import."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import socket
 import sys
@@ -42,6 +43,20 @@ def require_transformers(needed_by: str, extra: str, quiet: bool = True):
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
     return transformers
+
+
+@functools.cache
+def _cache_keyword() -> str:
+    import transformers
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return "cache" if (major, minor) >= (5, 24) else "past_key_values"
+
+
+def with_cache(cache) -> dict:
+    """The keyword arguments handing a KV cache to a transformers model's forward:
+    ``cache=`` from transformers 5.24, which deprecates ``past_key_values=`` (to go in 5.40),
+    ``past_key_values=`` before it. ``model(..., **with_cache(cache))``."""
+    return {_cache_keyword(): cache, "use_cache": True}
 
 
 def refuse_missing(info: dict, source: str, what: str, allowed: Callable[[str], bool] = lambda name: False) -> None:

@@ -40,7 +40,7 @@ from torch import nn
 
 from ..errors import CheckpointError, UserError, WeightsUnavailable
 from ..fields import check_fields, field_error, spec
-from ..hf import DEFAULT_LM, load_lm, load_lm_tokenizer
+from ..hf import DEFAULT_LM, load_lm, load_lm_tokenizer, with_cache
 from ..registry import register_exporter, register_family
 from .base import CaptionModel, KVMemory, TrainedTensorsMixin, TransformersExport
 from .lm_tokens import N_SPECIAL, LMTokens
@@ -234,7 +234,7 @@ class PrefixLMCaptioner(TrainedTensorsMixin, LMTokens, CaptionModel):
         """(B, L, feat_dim) -> the LM's keys/values of the k prefix positions (its transformer
         only: the prefix positions' logits are never needed)."""
         cache = self._cache([])
-        self.core.get_decoder()(inputs_embeds=self.prefix(feats), past_key_values=cache, use_cache=True)
+        self.core.get_decoder()(inputs_embeds=self.prefix(feats), **with_cache(cache))
         return KVMemory([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
 
     def init_state(self, mem: KVMemory) -> tuple[torch.Tensor, ...]:
@@ -250,7 +250,7 @@ class PrefixLMCaptioner(TrainedTensorsMixin, LMTokens, CaptionModel):
         """tokens (B,) -> (log-probs (B, V), the cache one position longer, attention (B, L))."""
         cache = self._cache(state)
         mapped = self.cfg.projector != "transformer"
-        out = self.core(inputs_embeds=self.embed(tokens.unsqueeze(1)), past_key_values=cache, use_cache=True,
+        out = self.core(inputs_embeds=self.embed(tokens.unsqueeze(1)), **with_cache(cache),
                         output_attentions=mapped)
         logp = self.to_vocab(out.logits[:, -1])  # (B, V)
         B, k = tokens.shape[0], self.cfg.prefix_len
@@ -276,7 +276,7 @@ class PrefixLMCaptioner(TrainedTensorsMixin, LMTokens, CaptionModel):
         if image_index is not None:
             mem = mem.index_select(image_index)  # (B, kv_heads, k, d)
         cache = self._cache(self.init_state(mem))
-        return self.core(inputs_embeds=self.embed(inputs), past_key_values=cache, use_cache=True).logits
+        return self.core(inputs_embeds=self.embed(inputs), **with_cache(cache)).logits
 
     # ---- export --------------------------------------------------------------------------
     def standalone_lm(self) -> nn.Module:

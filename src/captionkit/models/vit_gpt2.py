@@ -66,7 +66,7 @@ from torch import nn
 from ..errors import UserError
 from ..fields import check_fields, spec
 from ..hf import (DEFAULT_VIT, gpt2_config, is_cross_attention, load_gpt2, load_image_processor_dict,
-                  load_lm_tokenizer, load_vit, require_transformers, vit_geometry)
+                  load_lm_tokenizer, load_vit, require_transformers, vit_geometry, with_cache)
 from ..registry import register_exporter, register_family
 from .base import CaptionModel, KVMemory, TrainedTensorsMixin, TransformersExport
 from .lm_tokens import N_SPECIAL, LMTokens
@@ -271,7 +271,7 @@ class ViTGPT2Captioner(TrainedTensorsMixin, LMTokens, CaptionModel):
         hidden = self.encode(feats)  # (B, L, D)
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
         start = torch.full((hidden.shape[0], 1), self.bos_id, dtype=torch.long, device=hidden.device)
-        self.gpt2.transformer(input_ids=start, encoder_hidden_states=hidden, past_key_values=cache, use_cache=True)
+        self.gpt2.transformer(input_ids=start, encoder_hidden_states=hidden, **with_cache(cache))
         cross = cache.cross_attention_cache.layers
         return CrossMemory(hidden, [layer.keys for layer in cross], [layer.values for layer in cross])
 
@@ -292,7 +292,7 @@ class ViTGPT2Captioner(TrainedTensorsMixin, LMTokens, CaptionModel):
         """tokens (B,) -> (log-probs (B, V), the cache one position longer, attention (B, H*W))."""
         cache = self._cache(state, mem)
         out = self.gpt2(input_ids=self.lm_ids(tokens).unsqueeze(1), encoder_hidden_states=mem.hidden,
-                        past_key_values=cache, use_cache=True, output_attentions=True)
+                        **with_cache(cache), output_attentions=True)
         logp = self.to_vocab(out.logits[:, -1])  # (B, V)
         # per layer (B, heads, 1, L): the new position over the ViT's tokens
         att = torch.stack([a[:, :, -1] for a in out.cross_attentions]).float().mean((0, 2))  # (B, L)
@@ -312,8 +312,7 @@ class ViTGPT2Captioner(TrainedTensorsMixin, LMTokens, CaptionModel):
         if image_index is not None:
             mem = mem.index_select(image_index)  # (B, ...)
         cache = self._cache(self.init_state(mem), mem)
-        return self.gpt2(input_ids=self.lm_ids(inputs), encoder_hidden_states=mem.hidden, past_key_values=cache,
-                         use_cache=True).logits
+        return self.gpt2(input_ids=self.lm_ids(inputs), encoder_hidden_states=mem.hidden, **with_cache(cache)).logits
 
 
 @register_exporter("transformers", "vit_gpt2")
