@@ -351,6 +351,22 @@ def test_report_holds_every_run_and_image(tiny_sweep, tiny_run, tmp_path, flickr
         assert again == pytest.approx(r["scores"], abs=1e-12)
 
 
+def test_report_max_images_scores_the_splits_first_images_only(tiny_run, tmp_path, flickr_dir):
+    from captionkit.data import load_dataset
+    from captionkit.evaluation import score_captions
+    dev = load_dataset(str(flickr_dir)).split("dev")
+    assert len(dev) > 2
+    out, data = tmp_path / "report.html", tmp_path / "report.json"
+    assert main(["report", str(tiny_run), "--out", str(out), "--images", "1", "--max-images", "2",
+                 "--metrics", "bleu,cider", "--bootstrap", "0", "--data", str(data)]) == 0
+    saved = json.loads(data.read_text())
+    assert saved["images"] == 2 and sorted(saved["runs"][0]["captions"]) == sorted(it.name for it in dev[:2])
+    again = score_captions(saved["runs"][0]["captions"], {it.name: it.raw for it in dev[:2]}, quiet=True,
+                           metrics=["bleu", "cider"]).scores
+    assert again == pytest.approx(saved["runs"][0]["scores"], abs=1e-12)
+    assert f"its first 2 of {len(dev)} images" in out.read_text()
+
+
 def test_report_attention_is_kept_only_where_it_says_something():
     from captionkit.captioner import Result
     from captionkit.report import _attention

@@ -734,19 +734,20 @@ def cmd_plot(runs: list[str], out: str, metrics: str | None, x: str, data: str |
 
 def cmd_report(runs: list[str], out: str, split: str, images: int, beam: int, bootstrap: int, seed: int,
                overwrite: bool, tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str,
-               data: str | None = None) -> int:
+               data: str | None = None, max_images: int = 0) -> int:
     from .outputs import atomic_write_text, check_file_target
     from .report import build_report, report_data
     from .runs import find_runs
 
-    if images < 0 or bootstrap < 0:
-        raise UsageError("--images and --bootstrap must be >= 0")
+    if images < 0 or bootstrap < 0 or max_images < 0:
+        raise UsageError("--images, --max-images and --bootstrap must be >= 0")
     target = check_file_target(out, overwrite=overwrite)
     data_target = check_file_target(data, overwrite=overwrite) if data else None
     found = find_runs(runs)
     page, results = build_report(found, split=split, images=images, beam=beam, rounds=bootstrap, seed=seed,
                                  score_opts=_score_opts(tokenizer, meteor, no_brevity_penalty, metrics),
-                                 progress=lambda line: print(line, file=sys.stderr, flush=True))
+                                 progress=lambda line: print(line, file=sys.stderr, flush=True),
+                                 max_images=max_images)
     atomic_write_text(target, page)
     if data_target:
         atomic_write_text(data_target, json.dumps(report_data(results, split, beam, bootstrap), indent=1))
@@ -1042,6 +1043,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", required=True, help="the HTML file to write")
     r.add_argument("--split", default="dev", help="the split to caption and score (dev; test for final numbers)")
     r.add_argument("--images", type=int, default=10, help="images in the captions table")
+    r.add_argument("--max-images", type=int, default=0, metavar="N",
+                   help="caption and score the split's first N images only (0: all; default), e.g. "
+                   "the dev images a run validated on (train.val_max_images)")
     r.add_argument("--beam", type=positive_int, default=3, help="beam width (1: greedy; default 3)")
     r.add_argument("--bootstrap", type=int, default=1000, metavar="N",
                    help="resamples for the 95%% intervals (0: none)")

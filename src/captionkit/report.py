@@ -93,10 +93,12 @@ def _fmt_score(v: float, ci: tuple[float, float] | None) -> str:
 
 
 def build_report(runs: list[Run], split: str = "dev", images: int = 10, beam: int = 3, rounds: int = 1000,
-                 seed: int = 0, score_opts: dict | None = None, progress=None) -> tuple[str, list[RunResult]]:
+                 seed: int = 0, score_opts: dict | None = None, progress=None,
+                 max_images: int = 0) -> tuple[str, list[RunResult]]:
     """The report's HTML (see the module's doc) and each run's RunResult (its captions, scores and
     intervals: :func:`report_data`). ``score_opts``: captionkit.evaluation.score_captions options
-    (metrics, tokenizer, meteor, brevity_penalty)."""
+    (metrics, tokenizer, meteor, brevity_penalty). ``max_images``: caption and score the first N
+    images of the split only (0: all), as ``train.val_max_images`` validates on."""
     from .data import load_dataset
 
     data = _same_data(runs)
@@ -104,6 +106,8 @@ def build_report(runs: list[Run], split: str = "dev", images: int = 10, beam: in
                          data["image_suffix"]).split(split)
     if not items:
         raise UserError(f"{data['dataset']}: the {split} split is empty")
+    split_size = len(items)
+    items = items[:max_images] if max_images else items
     refs = {it.name: it.raw for it in items}
     shown_items = items[:images]
     shown = {it.name for it in shown_items}
@@ -122,14 +126,14 @@ def build_report(runs: list[Run], split: str = "dev", images: int = 10, beam: in
     curves = base64.b64encode(draw_curves(curve_series(runs, metrics, x))).decode("ascii") if metrics else ""
     photos = {it.name: thumbnail(it.path) for it in shown_items}
     page = _html(results, shown_items, photos, curves, split=split, beam=beam, rounds=rounds,
-                 dataset=str(data["dataset"]), n_images=len(items), x=x)
+                 dataset=str(data["dataset"]), n_images=len(items), split_size=split_size, x=x)
     return page, results
 
 
 def report_data(results: list[RunResult], split: str, beam: int, rounds: int) -> dict:
     """What a report scored, as JSON (``captionkit report --data``): for tables elsewhere and for
     ``captionkit score``. Scores as the scorers give them (BLEU 0..1, CIDEr 0..10), not x100."""
-    return {"split": split, "beam": beam, "bootstrap": rounds,
+    return {"split": split, "beam": beam, "bootstrap": rounds, "images": len(results[0].captions) if results else 0,
             "runs": [{"label": r.run.label, "run": str(r.run.path), "checkpoint": str(r.run.checkpoint),
                       "scores": r.scores, "intervals": {k: list(v) for k, v in r.intervals.items()},
                       "implementation": r.implementation, "captions": r.captions} for r in results]}
@@ -201,8 +205,12 @@ def _caption_html(res: RunResult, name: str) -> str:
     return f'<span class="c" data-att="{payload}">{words}</span>'
 
 
+def _image_count(n: int, split_size: int) -> str:
+    return f"{n} images" if n == split_size else f"its first {n} of {split_size} images"
+
+
 def _html(results: list[RunResult], shown_items, photos, curves: str, split: str, beam: int, rounds: int,
-          dataset: str, n_images: int, x: str) -> str:
+          dataset: str, n_images: int, split_size: int, x: str) -> str:
     runs = [r.run for r in results]
     keys = differing_settings(runs)
     flat = [flatten(r.config) for r in runs]
@@ -212,7 +220,7 @@ def _html(results: list[RunResult], shown_items, photos, curves: str, split: str
     out = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>captionkit report</title>"
            f"<style>{_CSS}</style></head><body>",
            f"<h1>captionkit report</h1><div class=\"meta\">{len(runs)} run{'s' * (len(runs) != 1)} &middot; "
-           f"{_e(dataset)}, {_e(split)} split ({n_images} images) &middot; beam {beam} &middot; "
+           f"{_e(dataset)}, {_e(split)} split ({_image_count(n_images, split_size)}) &middot; beam {beam} &middot; "
            f"written {time.strftime('%Y-%m-%d %H:%M')}</div>"]
     # the runs and what differs: as columns when few settings differ, else as rows of their own table
     wide = len(keys) > _SETTING_COLUMNS
@@ -242,7 +250,8 @@ def _html(results: list[RunResult], shown_items, photos, curves: str, split: str
     # scores
     metrics = list(dict.fromkeys(k for r in results for k in r.scores))
     best = {m: max(r.scores.get(m, float("-inf")) for r in results) for m in metrics}
-    out.append(f"<h2>Scores on the {_e(split)} split</h2><div class=\"note\">x100, {n_images} images, beam {beam}, "
+    out.append(f"<h2>Scores on the {_e(split)} split</h2><div class=\"note\">x100, "
+               f"{_image_count(n_images, split_size)}, beam {beam}, "
                f"each model's own length penalty" +
                (f"; in brackets the 95% bootstrap interval over images ({rounds} resamples)" if rounds else "") +
                "; the best of each column in bold.</div>")
