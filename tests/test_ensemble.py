@@ -353,8 +353,9 @@ def test_flip_tta_encodes_the_mirror_image_and_ships_in_an_ensemble_folder(lite0
     assert got.shape[:2] == (2, 2)
     # the encoder's own output under the captioner's precision (bf16 autocast on a CPU with bf16)
     with autocast(cap.device, cap.precision):
-        torch.testing.assert_close(got[:, 0], cap.encoder.encode_batch(images))
-        torch.testing.assert_close(got[:, 1], cap.encoder.encode_batch([x.flip(-1) for x in images]))
+        torch.testing.assert_close(got[:, 0], cap.encoder.encode_batch(images).float())
+        torch.testing.assert_close(got[:, 1], cap.encoder.encode_batch([x.flip(-1) for x in images]).float())
+    assert got.dtype == torch.float32
     assert len(cap.decode_features(got, beam=2)) == 2
     plain = Captioner.load(a, tta="flip")  # one model with --tta flip
     assert plain.tta == "flip" and plain.decoder.views == [0, 1]

@@ -261,15 +261,17 @@ class Captioner:
 
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         """Preprocessed pixels (B, 3, S, S) on any device -> the encoder's rows (B, L, D) on this
-        captioner's device, under its precision, without autograd; with flip averaging
-        (B, 2, L, D): the images' rows and their mirror images' (a second encoder pass)."""
+        captioner's device, computed under its precision, without autograd; with flip averaging
+        (B, 2, L, D): the images' rows and their mirror images' (a second encoder pass).
+        float32 whatever the precision (the decoders take float32 features; bf16 autocast
+        would otherwise hand back bf16 rows on some CPUs and float32 on others)."""
         if self.encoder is None:
             raise RuntimeError("this Captioner was loaded without its encoder")
         with autocast(self.device, self.precision):
             feats = self.encoder.encode(pixels)
             if self.tta == "flip":
                 feats = torch.stack([feats, self.encoder.encode(pixels.flip(-1))], 1)
-        return feats
+        return feats.float()
 
     def caption_files(self, paths: list[Path], beam: int = 3, batch_size: int = 16,
                       length_penalty: float | None = None, workers: int = 1, nbest: int | None = None,
