@@ -146,11 +146,12 @@ body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif;
 h1 { font-size: 24px; margin: 0 0 4px; } h2 { font-size: 18px; margin: 28px 0 8px; }
 .meta, .note { color: #5b6670; } .note { font-size: 12.5px; margin: 4px 0 10px; }
 table { border-collapse: collapse; margin: 6px 0; }
-th, td { border: 1px solid #d5dbe0; padding: 5px 8px; text-align: left; vertical-align: top; }
+th, td { border: 1px solid #d5dbe0; padding: 5px 8px; text-align: left; vertical-align: top;
+         overflow-wrap: anywhere; }
 th { background: #f2f5f7; font-weight: 600; }
-td.num { text-align: right; white-space: nowrap; font-variant-numeric: tabular-nums; }
+td.num { text-align: right; white-space: nowrap; overflow-wrap: normal; font-variant-numeric: tabular-nums; }
 .best { font-weight: 700; } .ci { display: block; color: #6b7782; font-size: 12px; font-weight: 400; }
-td.label { white-space: nowrap; }
+td.label { min-width: 14em; }
 .run { font-weight: 600; } .path { color: #6b7782; font-size: 12px; word-break: break-all; }
 .swatch { display: inline-block; width: 10px; height: 10px; border-radius: 2px; margin-right: 6px; }
 img.curves { max-width: 100%; border: 1px solid #e3e7ea; }
