@@ -1,8 +1,9 @@
 """The sample captions README.md shows are what the default model prints: the block between
 ``<!-- sample-captions:start -->`` and ``<!-- sample-captions:end -->`` holds ``make demo``'s
 lines (``filename<TAB>caption``), and the caption command with no ``--model``, run as the
-Makefile's demo target runs it (in float32), must print exactly those lines for those photos. A change of
-the shipped default (or of decoding) that changes them fails here until the README is updated."""
+Makefile's demo target runs it (in float32), must print exactly those lines for those photos. A
+change of the shipped default (or of decoding) that changes them fails here until the README is
+updated."""
 
 import re
 from pathlib import Path
