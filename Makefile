@@ -1,5 +1,5 @@
 # Quick start: `make demo` captions the sample photos; `make test` runs the test suite
-# (`make test-fast` all but the tests marked slow; `make lint` runs ruff).
+# (`make test-fast` all but the tests marked slow; `make lint` runs ruff and lint-imports).
 # Both create the virtual environment and install everything on first use.
 PYTHON ?= python3.11
 VENV ?= .venv
@@ -51,9 +51,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# ruff's rules and line length are in pyproject.toml ([tool.ruff])
+# ruff's rules and line length are in pyproject.toml ([tool.ruff]); the import-linter contracts
+# (the wings' layers, scoring without torch) in [tool.importlinter]
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/lint-imports
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/speed.py

@@ -50,9 +50,9 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from captionkit.captioner import Captioner
-    from captionkit.cli import tune_allocator
-    from captionkit.images import load_rgb, to_tensor
+    from captionkit.cli.main import tune_allocator
+    from captionkit.data.images import load_rgb, to_tensor
+    from captionkit.inference.captioner import Captioner
 
     images = sorted((Path(args.dataset) / "Flicker8k_Dataset").glob("*.jpg"))[:args.n]
     tmp = Path(tempfile.mkdtemp(prefix="captionkit-batch-"))

@@ -19,8 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from captionkit.captioner import SHIPPED, Captioner  # noqa: E402
-from captionkit.checkpoint import read_weights, verify  # noqa: E402
+from captionkit.core.checkpoint import read_weights, verify  # noqa: E402
+from captionkit.inference.captioner import SHIPPED, Captioner  # noqa: E402
 
 
 def best_of(fn, repeat: int) -> float:

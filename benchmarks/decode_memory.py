@@ -24,7 +24,7 @@ from PIL import Image
 
 CHILD = r"""
 import json, sys
-from captionkit.images import decode_reduced
+from captionkit.data.images import decode_reduced
 
 def status(field):
     for line in open("/proc/self/status"):

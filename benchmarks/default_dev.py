@@ -9,7 +9,7 @@ with the coco-caption scorers from cached encoder rows (the test split is never 
 A system is ``MODEL[+MODEL...]`` (checkpoint folders, ensemble folders or shipped names) followed
 by options: ``w=W1,W2,..`` (member weights, default equal), ``lp=X`` (length penalty, default the
 model's own), ``flip`` (test-time flip averaging: each member also decodes the mirror image's
-features, captionkit.ensemble.with_flip_views), ``mbr=N`` (consensus over the N best beams,
+features, captionkit.inference.ensemble.with_flip_views), ``mbr=N`` (consensus over the N best beams,
 reranked batch by batch as ``caption --rerank mbr`` does).
 
 The photos' features come from the cache ``captionkit features`` writes; the mirror images'
@@ -52,7 +52,7 @@ def parse_system(text: str) -> dict:
 
 
 def load(spec: dict):
-    from captionkit.captioner import Captioner
+    from captionkit.inference.captioner import Captioner
     if len(spec["models"]) == 1 and spec["weights"] is None:
         return Captioner.load(spec["models"][0], with_encoder=False, tta="flip" if spec["flip"] else None)
     return Captioner.load_ensemble(spec["models"], spec["weights"], length_penalty=spec["lp"],
@@ -86,10 +86,11 @@ def main() -> None:
     specs = [parse_system(s) for s in args.system]
 
     import torch
-    from captionkit.data import load_dataset
+
+    from captionkit.data.datasets import load_dataset
     from captionkit.encoders import create_encoder
-    from captionkit.evaluation import score_captions
-    from captionkit.features import build_features
+    from captionkit.encoders.features import build_features
+    from captionkit.scoring.evaluation import score_captions
 
     torch.set_num_threads(1)
     items = load_dataset(args.dataset).split("dev")

@@ -27,14 +27,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from captionkit.argtypes import device_name  # noqa: E402
-from captionkit.captioner import Captioner  # noqa: E402
-from captionkit.cli import tune_allocator  # noqa: E402
-from captionkit.devices import resolve_device  # noqa: E402
+from captionkit.cli.argtypes import device_name  # noqa: E402
+from captionkit.cli.main import tune_allocator  # noqa: E402
+from captionkit.core.devices import resolve_device  # noqa: E402
+from captionkit.core.precision import PRECISIONS  # noqa: E402
+from captionkit.data.images import find_images  # noqa: E402
 from captionkit.encoders import create_encoder  # noqa: E402
-from captionkit.features import build_features  # noqa: E402
-from captionkit.images import find_images  # noqa: E402
-from captionkit.precision import PRECISIONS  # noqa: E402
+from captionkit.encoders.features import build_features  # noqa: E402
+from captionkit.inference.captioner import Captioner  # noqa: E402
 
 
 def device_label(device: torch.device) -> str:

@@ -6,9 +6,9 @@ split (1,000 images): scores with the coco-caption scorers and captioning speed.
 
 Rows (beam 3 unless said):
 - each model alone, at its own dev-tuned length penalty;
-- their ensemble (captionkit.ensemble), weights 0.5/0.5, log-linear at length penalty 1.0, 1.5
+- their ensemble (captionkit.inference.ensemble), weights 0.5/0.5, log-linear at length penalty 1.0, 1.5
   and 2.0, and the linear (probability-mean) combination at 1.0;
-- MBR (captionkit.rerank) over the union of both models' ``nbest``-best lists (beam ``nbest``,
+- MBR (captionkit.inference.rerank) over the union of both models' ``nbest``-best lists (beam ``nbest``,
   each model at its own length penalty): uniform weights, probability weights, and uniform with
   document frequencies from pools of 16 images (what ``caption``/``evaluate --rerank mbr`` do
   with their default batch size) instead of all 1,000;
@@ -39,7 +39,7 @@ BATCH = 16
 
 def feature_store(cache_key: str, names: list[str]):
     """The cached feature set (captionkit features) that holds every image of ``names``."""
-    from captionkit.features import FeatureStore, default_cache_root
+    from captionkit.encoders.features import FeatureStore, default_cache_root
 
     for folder in sorted((default_cache_root() / cache_key).glob("*/")):
         if (folder / "meta.json").is_file():
@@ -89,7 +89,7 @@ def mbr(sources: list, weighted: bool = False, pool: int | None = None):
     """A system: MBR over the union of the ``sources``' n-best lists; ``weighted``: each list's
     probabilities renormalised over the list, the lists weighted equally; ``pool``: rerank that
     many images at a time (document frequencies from them only; default all)."""
-    from captionkit.rerank import mbr_choice, sequence_weights
+    from captionkit.inference.rerank import mbr_choice, sequence_weights
 
     def run(names):
         lists = [src(names) for src in sources]
@@ -132,10 +132,10 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from captionkit.captioner import Captioner
-    from captionkit.data import load_dataset
-    from captionkit.evaluation import score_captions
-    from captionkit.outputs import atomic_write_text, check_folder_target
+    from captionkit.core.outputs import atomic_write_text, check_folder_target
+    from captionkit.data.datasets import load_dataset
+    from captionkit.inference.captioner import Captioner
+    from captionkit.scoring.evaluation import score_captions
 
     out_dir = check_folder_target(args.out, overwrite=False) if args.out else None
     torch.set_num_threads(1)

@@ -24,15 +24,15 @@ from pathlib import Path
 import torch
 from timing import median_time
 
-from captionkit.captioner import Captioner
-from captionkit.shipped import FAST_MODEL
+from captionkit.core.precision import resolve_precision
+from captionkit.data.images import load_rgb, to_tensor
+from captionkit.data.vocab import Vocab
 from captionkit.encoders import create_encoder
-from captionkit.images import load_rgb, to_tensor
+from captionkit.inference.captioner import Captioner
+from captionkit.inference.shipped import FAST_MODEL
 from captionkit.models import create_model
-from captionkit.precision import resolve_precision
-from captionkit.scst import SelfCritical
-from captionkit.train import TrainConfig, make_optimizer
-from captionkit.vocab import Vocab
+from captionkit.training.run import TrainConfig, make_optimizer
+from captionkit.training.scst import SelfCritical
 
 ROOT = Path(__file__).resolve().parents[1]
 B, T, V, GRID, D = 32, 13, 2541, (9, 9), 1280

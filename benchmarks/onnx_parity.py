@@ -4,7 +4,7 @@
 
 Exports the shipped model (float32 and int8 decoder graphs; --onnx DIR reuses an export),
 captions the first N test images with PyTorch, onnxruntime float32 and onnxruntime int8 (the
-same search code, captionkit.decoding), and prints: the share of captions identical to
+same search code, captionkit.inference.decoding), and prints: the share of captions identical to
 PyTorch's, each system's test scores (BLEU-4, ROUGE-L, CIDEr-D; PTB tokenizer in Python),
 the graph sizes, and images/s (encoder included, batches of 16). --json writes everything.
 """
@@ -22,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from captionkit.captioner import Captioner  # noqa: E402
-from captionkit.shipped import FAST_MODEL  # noqa: E402
-from captionkit.data import load_dataset  # noqa: E402
-from captionkit.evaluation import score_captions  # noqa: E402
-from captionkit.export import export_onnx  # noqa: E402
-from captionkit.onnx_runtime import load_onnx_captioner, read_manifest  # noqa: E402
+from captionkit.data.datasets import load_dataset  # noqa: E402
+from captionkit.export.exporters import export_onnx  # noqa: E402
+from captionkit.export.onnx_runtime import load_onnx_captioner, read_manifest  # noqa: E402
+from captionkit.inference.captioner import Captioner  # noqa: E402
+from captionkit.inference.shipped import FAST_MODEL  # noqa: E402
+from captionkit.scoring.evaluation import score_captions  # noqa: E402
 
 
 def caption_all(cap, paths, beam):

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from captionkit.captioner import Captioner
-from captionkit.cli import tune_allocator
-from captionkit.train import RunConfig, build_trainer
+from captionkit.cli.main import tune_allocator
+from captionkit.inference.captioner import Captioner
+from captionkit.training.run import RunConfig, build_trainer
 
 
 def main() -> None:

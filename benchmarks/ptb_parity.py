@@ -1,4 +1,4 @@
-"""The Python PTB tokenizer (captionkit.ptb) against the Stanford PTBTokenizer jar that
+"""The Python PTB tokenizer (captionkit.scoring.ptb) against the Stanford PTBTokenizer jar that
 pycocoevalcap runs: how many captions get different tokens, on every data set at hand, and the
 time each takes. Needs Java.
 
@@ -11,7 +11,7 @@ dropped, lower-cased):
 - tests/data/ptb_cases.json: the hand-written cases, each case's lines as one text;
 - --fuzz N random lines (tests/ptb_fuzz.py: caption-like lines and random characters);
 - --chars: every code point up to U+FFFF (surrogates and line breaks aside) in three contexts,
-  "a{c}b", "{c}" and "x {c} y", which checks the character classes in captionkit/_ptb_chars.py.
+  "a{c}b", "{c}" and "x {c} y", which checks the character classes in captionkit/scoring/_ptb_chars.py.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from ptb_fuzz import random_lines  # noqa: E402
 
-from captionkit.ptb import tokenize_lines  # noqa: E402
-from captionkit.ptb_tokenize import LINE_BREAKS, jar_command, one_line  # noqa: E402
+from captionkit.scoring.ptb import tokenize_lines  # noqa: E402
+from captionkit.scoring.ptb_tokenize import LINE_BREAKS, jar_command, one_line  # noqa: E402
 
 
 def jar_lines(lines: list[str]) -> tuple[list[str], float]:

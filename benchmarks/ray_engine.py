@@ -70,7 +70,7 @@ def main() -> None:
     print(f"{len(images)} Flickr8k images, model {args.model}, beam 3, batch 16, {os.cpu_count()} CPUs")
     with tempfile.TemporaryDirectory() as tmp:
         listing = [str(FLICKR)] if args.images >= len(list(FLICKR.glob("*.jpg"))) else list(map(str, images))
-        base = [sys.executable, "-m", "captionkit.cli", "caption", *listing, "--model", args.model]
+        base = [sys.executable, "-m", "captionkit.cli.main", "caption", *listing, "--model", args.model]
         rows = {}
         for engine, extra in (("local", []), ("ray", ["--engine", "ray", "--replicas", str(args.replicas)])):
             out = Path(tmp) / f"{engine}.jsonl"

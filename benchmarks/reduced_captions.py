@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from captionkit.captioner import Captioner
-from captionkit.images import decode_reduced, decode_rgb, to_tensor
+from captionkit.data.images import decode_reduced, decode_rgb, to_tensor
+from captionkit.inference.captioner import Captioner
 
 ROOT = Path(__file__).resolve().parents[1]
 

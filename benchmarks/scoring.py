@@ -33,8 +33,8 @@ def pycocoevalcap_three(cands, refs):
 
 
 def main() -> None:
-    from captionkit.data import load_dataset
-    from captionkit.evaluation import score_captions
+    from captionkit.data.datasets import load_dataset
+    from captionkit.scoring.evaluation import score_captions
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--captions")
@@ -57,7 +57,7 @@ def main() -> None:
     cpath, rpath = os.path.join(tmp, "c.json"), os.path.join(tmp, "r.json")
     Path(cpath).write_text(json.dumps(cands))
     Path(rpath).write_text(json.dumps(refs))
-    cli = [sys.executable, "-m", "captionkit.cli", "score", "--captions", cpath, "--refs", rpath,
+    cli = [sys.executable, "-m", "captionkit.cli.main", "score", "--captions", cpath, "--refs", rpath,
            "--metrics", "bleu,rouge,cider", "--tokenizer", "python"]
 
     def run_cli():

@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from timing import median_time  # noqa: E402
 from tutorial_decoder import TutorialDecoder  # noqa: E402
 
-from captionkit.cli import tune_allocator  # noqa: E402
+from captionkit.cli.main import tune_allocator  # noqa: E402
 from captionkit.models.sat import SATConfig, SoftAttentionDecoder, caption_loss  # noqa: E402
-from captionkit.train import TrainConfig, make_optimizer  # noqa: E402
+from captionkit.training.run import TrainConfig, make_optimizer  # noqa: E402
 
 B, L, D, DIM, V, T = 32, 196, 1280, 512, 2633, 13
 
@@ -104,7 +104,7 @@ def sample_photos(n: int) -> list[Path]:
 
 def bench_extraction(n: int) -> float:
     from captionkit.encoders import create_encoder
-    from captionkit.features import build_features
+    from captionkit.encoders.features import build_features
 
     enc = create_encoder("efficientnet_lite2")
     paths = sample_photos(n)
@@ -115,8 +115,8 @@ def bench_extraction(n: int) -> float:
 
 
 def bench_captioning(n: int, beam: int = 3, model: str | None = None) -> dict:
-    from captionkit.captioner import Captioner
-    from captionkit.images import load_rgb, to_tensor
+    from captionkit.data.images import load_rgb, to_tensor
+    from captionkit.inference.captioner import Captioner
 
     cap = Captioner.load(model)
     paths = sample_photos(n)

@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from captionkit.checkpoint import read_config  # noqa: E402
-from captionkit.data import load_dataset  # noqa: E402
-from captionkit.evaluation import score_captions  # noqa: E402
+from captionkit.core.checkpoint import read_config  # noqa: E402
+from captionkit.data.datasets import load_dataset  # noqa: E402
+from captionkit.scoring.evaluation import score_captions  # noqa: E402
 
 SHORT = {"Bleu_1": "B-1", "Bleu_2": "B-2", "Bleu_3": "B-3", "Bleu_4": "B-4", "ROUGE_L": "ROUGE-L",
          "METEOR": "METEOR", "CIDEr": "CIDEr-D"}

@@ -6,7 +6,7 @@
 Each mode trains ``--steps`` steps of the config (no validation) in a fresh process, on the
 cached features (build them first: ``captionkit features`` or a training run; the Flickr8k
 Lite2 cache is 8,000 x 207 KB = 1.66 GB):
-- lazy: the trainer as it is (captionkit.features.FeatureRows: a batch's rows read from the
+- lazy: the trainer as it is (captionkit.encoders.features.FeatureRows: a batch's rows read from the
   memory-mapped store when the batch needs them);
 - eager: every training and dev image's rows read into memory first
   (``FeatureRows.in_memory()``, what the trainer did before).
@@ -40,8 +40,8 @@ def memory(field: str) -> int:
 
 
 def one_run(config: str, steps: int, eager: bool) -> dict:
-    from captionkit.config import RunConfig
-    from captionkit.train import build_trainer, prepare_data
+    from captionkit.training.config import RunConfig
+    from captionkit.training.run import build_trainer, prepare_data
 
     cfg = RunConfig.load(config)
     t0 = time.time()

@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from helpers import TINY_CONFIG, shapes_bpe, write_flickr8k
 
 
@@ -21,15 +20,15 @@ def _isolated_cache(tmp_path_factory):
 def no_expensive_work(monkeypatch):
     """Fail the test if a command gets as far as loading a dataset, features or a model: user
     mistakes (a bad config, a refused output folder) are reported before any of these."""
-    import captionkit.captioner
-    import captionkit.train
+    import captionkit.inference.captioner
+    import captionkit.training.run
 
     def expensive(*a, **k):
         raise AssertionError("expensive work started before the user's input was checked")
 
-    monkeypatch.setattr(captionkit.train, "load_dataset", expensive)
-    monkeypatch.setattr(captionkit.train, "build_features", expensive)
-    monkeypatch.setattr(captionkit.captioner.Captioner, "load", expensive)
+    monkeypatch.setattr(captionkit.training.run, "load_dataset", expensive)
+    monkeypatch.setattr(captionkit.training.run, "build_features", expensive)
+    monkeypatch.setattr(captionkit.inference.captioner.Captioner, "load", expensive)
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +46,7 @@ def tiny_config(flickr_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_run(tiny_config, tmp_path_factory) -> Path:
     """A run folder with 'best' and 'last' checkpoints of a tiny model trained 3 epochs."""
-    from captionkit.train import train
+    from captionkit.training.run import train
 
     out = tmp_path_factory.mktemp("run")
     train(tiny_config, out=out, progress=False)

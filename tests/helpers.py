@@ -144,7 +144,7 @@ def assert_beam_one_is_greedy(model, feats, max_len: int) -> list:
     captions, log-probabilities and attention (one row over the L locations per word)."""
     import torch
 
-    from captionkit.decoding import beam_search, greedy
+    from captionkit.inference.decoding import beam_search, greedy
     g = greedy(model, feats, max_len=max_len)
     b = beam_search(model, feats, beam=1, max_len=max_len)
     assert len(g) == len(b) == feats.shape[0]
@@ -174,8 +174,8 @@ def assert_shared_image_matches_repeats(model, feats, ids, image_index, **tolera
 def word_trainer(cfg, out):
     """A Trainer for ``cfg`` (a loaded RunConfig) built through the training stages, with a word
     vocabulary of every training token (min count 1)."""
-    from captionkit.tokenizers import build_tokenizer
-    from captionkit.train import build_trainer, prepare_data
+    from captionkit.data.tokenizers import build_tokenizer
+    from captionkit.training.run import build_trainer, prepare_data
 
     data = prepare_data(cfg)
     return build_trainer(cfg, out, data, build_tokenizer("word", [t for it in data.train_items for t in it.tokens], 1))

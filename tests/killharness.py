@@ -10,7 +10,7 @@ Two kinds of kill (a plan per launch):
   report);
 - a named point (``save:model``, ``save:files``, ``save:swap``, ``save:done``, ``validate``): the
   process kills itself the N-th time it gets there (``CAPTIONKIT_TEST_KILL``, see
-  ``captionkit.checkpoint.kill_point``), the only way to land inside a checkpoint write every time.
+  ``captionkit.core.checkpoint.kill_point``), the only way to land inside a checkpoint write every time.
 
 Before every resume the harness reads the checkpoint on disk (``last``, or ``.last.old`` when a
 save was killed between its renames): both tensor files must pass their digests, its step must
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from captionkit.checkpoint import KILL_ENV, read_config, read_weights, resolve
+from captionkit.core.checkpoint import KILL_ENV, read_config, read_weights, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = ("save:model", "save:files", "save:swap", "save:done", "validate")
@@ -84,7 +84,7 @@ class Launch:
     """One ``captionkit train`` process, its stderr collected as it comes."""
 
     def __init__(self, config: Path, out: Path, resume: bool, kill_at: str | None = None):
-        cmd = [sys.executable, "-m", "captionkit.cli", "train", "--config", str(config), "--out", str(out)]
+        cmd = [sys.executable, "-m", "captionkit.cli.main", "train", "--config", str(config), "--out", str(out)]
         self.proc = subprocess.Popen(cmd + (["--resume"] if resume else []), stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, env=_env({KILL_ENV: kill_at} if kill_at else {}))
         self.err = ""

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import shape_image
 
-from captionkit.cli import main
+from captionkit.cli.main import main
 
 
 @pytest.fixture(scope="module")

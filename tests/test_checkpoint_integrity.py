@@ -9,10 +9,19 @@ import torch
 from helpers import shape_image
 from safetensors.torch import load_file
 
-from captionkit.captioner import SHIPPED, Captioner
-from captionkit.checkpoint import (DIGESTS, CheckpointError, file_sha256, read_config, read_weights,
-                                   remove_leftovers, resolve, save_checkpoint, verify)
-from captionkit.cli import main
+from captionkit.cli.main import main
+from captionkit.core.checkpoint import (
+    DIGESTS,
+    CheckpointError,
+    file_sha256,
+    read_config,
+    read_weights,
+    remove_leftovers,
+    resolve,
+    save_checkpoint,
+    verify,
+)
+from captionkit.inference.captioner import SHIPPED, Captioner
 
 TENSOR_FILES = ("model.safetensors", "optimizer.safetensors")
 
@@ -75,7 +84,7 @@ def test_a_resaved_config_gets_the_digests_of_the_new_files(tiny_run, tmp_path):
 
 def shipped_checkpoints() -> list[str]:
     """Every shipped checkpoint folder, relative to SHIPPED: an ensemble's are its members."""
-    from captionkit.ensemble import is_ensemble_folder, read_ensemble
+    from captionkit.inference.ensemble import is_ensemble_folder, read_ensemble
     out = []
     for p in sorted(p for p in SHIPPED.iterdir() if p.is_dir()):
         folders = read_ensemble(p).member_folders(SHIPPED) if is_ensemble_folder(p) else [p]

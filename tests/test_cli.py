@@ -10,8 +10,8 @@ import pytest
 from helpers import shape_image
 from PIL import Image
 
-from captionkit.cli import main
-from captionkit.images import ImageError, load_rgb
+from captionkit.cli.main import main
+from captionkit.data.images import ImageError, load_rgb
 
 
 def _png_header_only(path: Path, w: int, h: int) -> None:
@@ -118,7 +118,7 @@ def test_evaluate_and_score_end_to_end(tiny_run, flickr_dir, tmp_path, capsys):
 
 @pytest.mark.slow  # a child process
 def test_console_script_runs(tiny_run, photo_dir):
-    r = subprocess.run([sys.executable, "-m", "captionkit.cli", "caption", str(photo_dir / "good.jpg"),
+    r = subprocess.run([sys.executable, "-m", "captionkit.cli.main", "caption", str(photo_dir / "good.jpg"),
                         "--model", str(tiny_run / "best")], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("good.jpg\t")
 

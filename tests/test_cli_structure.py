@@ -11,9 +11,9 @@ from importlib.metadata import version
 import pytest
 
 import captionkit
-from captionkit import rerank
-from captionkit.cli import build_parser, main
-from captionkit.shipped import SHIPPED, list_shipped_models
+from captionkit.cli.main import build_parser, main
+from captionkit.inference import rerank
+from captionkit.inference.shipped import SHIPPED, list_shipped_models
 
 
 def _walk(parser: argparse.ArgumentParser, name: str = "captionkit"):
@@ -96,15 +96,15 @@ def test_an_internal_error_is_not_swallowed(error, tmp_path, monkeypatch, capsys
 
 @pytest.mark.slow
 def test_an_internal_error_shows_a_traceback_from_the_command(tmp_path):
-    code = ("import sys, captionkit.rerank as r\n"
+    code = ("import sys, captionkit.inference.rerank as r\n"
             "def broken(*a, **k): raise ValueError('an impossible state')\n"
             "r.rerank_files = broken\n"
-            "from captionkit.cli import main\n"
+            "from captionkit.cli.main import main\n"
             "sys.exit(main(['rerank', 'c.json']))\n")
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 1
     assert "Traceback (most recent call last)" in run.stderr and "ValueError: an impossible state" in run.stderr
-    user = subprocess.run([sys.executable, "-m", "captionkit.cli", "rerank", "c.json"], cwd=tmp_path,
+    user = subprocess.run([sys.executable, "-m", "captionkit.cli.main", "rerank", "c.json"], cwd=tmp_path,
                           capture_output=True, text=True)
     assert user.returncode == 2 and user.stderr == "captionkit rerank: error: c.json: no such candidates file\n"
 

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from captionkit.cli import main
-from captionkit.config import SECTIONS, TRAINER_SET, DataConfig, EncoderConfig, RunConfig, TrainConfig
-from captionkit.errors import ConfigError
+from captionkit.cli.main import main
+from captionkit.core.errors import ConfigError
 from captionkit.models import family_fields
+from captionkit.training.config import SECTIONS, TRAINER_SET, DataConfig, EncoderConfig, RunConfig, TrainConfig
 
 BASE = '[data]\ndataset = "x"\n'
 FAMILIES = ["sat", "transformer", "prefix_lm", "vit_gpt2"]

@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 from helpers import shape_image
 
-from captionkit.data import DatasetError, load_dataset, normalize, read_flickr8k
-from captionkit.vocab import Vocab
+from captionkit.data.datasets import DatasetError, load_dataset, normalize, read_flickr8k
+from captionkit.data.vocab import Vocab
 
 
 def _images(folder: Path, names: list[str]) -> None:

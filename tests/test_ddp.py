@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 import captionkit
-from captionkit.checkpoint import read_config
-from captionkit.distributed import SINGLE, World, shard
-from captionkit.train import train
+from captionkit.core.checkpoint import read_config
+from captionkit.training.distributed import SINGLE, World, shard
+from captionkit.training.run import train
 
 pytestmark = pytest.mark.slow  # each torchrun start costs several seconds of imports per process
 

@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from captionkit.decoding import beam_search
+from captionkit.data.vocab import Vocab
+from captionkit.inference.decoding import beam_search
 from captionkit.kernels import EnergyContext, kernel_available
 from captionkit.models import create_model, family_config
 from captionkit.models.sat import SATConfig, caption_loss
-from captionkit.vocab import Vocab
 
 
 def tiny(**kw):

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from captionkit.captioner import Captioner
-from captionkit.cli import main
-from captionkit.decoding import beam_search, greedy
+from captionkit.cli.main import main
+from captionkit.data.images import load_rgb, to_tensor
 from captionkit.encoders import create_encoder
-from captionkit.features import build_features
-from captionkit.images import load_rgb, to_tensor
+from captionkit.encoders.features import build_features
+from captionkit.inference.captioner import Captioner
+from captionkit.inference.decoding import beam_search, greedy
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none)")
 
@@ -92,15 +92,15 @@ def test_feature_cache_of_a_cnn_is_the_same_in_worker_processes(flickr_dir, tmp_
     ["zero-shot", "x.jpg", "--device", "cuda"],
 ])
 def test_an_absent_gpu_is_one_line_before_any_model_loads(argv, no_expensive_work, monkeypatch, capsys):
-    import captionkit.cli
-    import captionkit.vlm
+    import captionkit.cli.main
+    import captionkit.inference.zero_shot
 
     def expensive(*a, **k):
         raise AssertionError("a model or dataset loaded before the device was checked")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(captionkit.cli, "_load_dataset", expensive)
-    monkeypatch.setattr(captionkit.vlm.ZeroShotCaptioner, "load", expensive)
+    monkeypatch.setattr(captionkit.cli.main, "_load_dataset", expensive)
+    monkeypatch.setattr(captionkit.inference.zero_shot.ZeroShotCaptioner, "load", expensive)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     device = argv[argv.index("--device") + 1]

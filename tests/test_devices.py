@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from captionkit.devices import check_device_name, resolve_device
+from captionkit.core.devices import check_device_name, resolve_device
 
 
 @pytest.mark.parametrize("name", ["auto", "cpu", "cuda", "cuda:1", "mps"])
@@ -19,7 +19,7 @@ def test_device_typos_are_one_line_errors(name):
 
 def test_auto_is_cpu_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr("captionkit.devices._mps_available", lambda: False)
+    monkeypatch.setattr("captionkit.core.devices._mps_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu")
     with pytest.raises(ValueError, match="device 'cuda:0': no CUDA GPU is visible"):
         resolve_device("cuda:0")

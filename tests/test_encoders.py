@@ -5,8 +5,8 @@ import pytest
 import torch
 from PIL import Image
 
+from captionkit.data.images import to_tensor
 from captionkit.encoders import WeightsUnavailable, create_encoder, list_encoders
-from captionkit.images import to_tensor
 
 SAMPLES = Path(__file__).resolve().parents[1] / "samples"
 # the encoders whose grid takes a few seconds on the 2-core machine (large networks)

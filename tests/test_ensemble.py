@@ -1,5 +1,5 @@
-"""Ensembles at decode time (captionkit.ensemble), n-best beam search, and consensus (MBR)
-reranking (captionkit.rerank), on tiny random-weight decoders."""
+"""Ensembles at decode time (captionkit.inference.ensemble), n-best beam search, and consensus (MBR)
+reranking (captionkit.inference.rerank), on tiny random-weight decoders."""
 
 from __future__ import annotations
 
@@ -11,16 +11,22 @@ import pytest
 import torch
 from helpers import assert_beam_one_is_greedy
 
-from captionkit.captioner import Captioner
-from captionkit.checkpoint import CheckpointError, save_checkpoint
-from captionkit.cli import main
-from captionkit.decoding import beam_nbest, beam_search, greedy
-from captionkit.ensemble import (ENSEMBLE_FILE, EnsembleDecoder, combine_logprobs, normalised_weights,
-                                 read_ensemble, with_flip_views)
+from captionkit.cli.main import main
+from captionkit.core.checkpoint import CheckpointError, save_checkpoint
+from captionkit.core.outputs import owner_kind
+from captionkit.data.vocab import SPECIALS
+from captionkit.inference.captioner import Captioner
+from captionkit.inference.decoding import beam_nbest, beam_search, greedy
+from captionkit.inference.ensemble import (
+    ENSEMBLE_FILE,
+    EnsembleDecoder,
+    combine_logprobs,
+    normalised_weights,
+    read_ensemble,
+    with_flip_views,
+)
+from captionkit.inference.rerank import consensus_utilities, mbr_choice, rerank_files
 from captionkit.models import create_model
-from captionkit.outputs import owner_kind
-from captionkit.rerank import consensus_utilities, mbr_choice, rerank_files
-from captionkit.vocab import SPECIALS
 
 WORDS = list(SPECIALS) + ["a", "red", "blue", "circle", "square", "on", "white", "the"]
 GRID, FEAT = [2, 3], 10
@@ -340,8 +346,8 @@ def test_flip_views_average_the_two_views_log_probabilities():
 def test_flip_tta_encodes_the_mirror_image_and_ships_in_an_ensemble_folder(lite0_members, tmp_path):
     from helpers import shape_image
 
-    from captionkit.images import to_tensor
-    from captionkit.precision import autocast
+    from captionkit.core.precision import autocast
+    from captionkit.data.images import to_tensor
     a, b = lite0_members
     assert main(["ensemble", "--model", str(a), "--model", str(b), "--tta", "flip", "--out", str(tmp_path / "ens")]) == 0
     assert read_ensemble(tmp_path / "ens").tta == "flip"
@@ -380,9 +386,9 @@ def test_caption_command_takes_tta_flip(lite0_members, tmp_path):
 def test_mirror_image_features_are_cached_apart(tmp_path):
     from helpers import shape_image
 
+    from captionkit.data.images import load_rgb, to_tensor
     from captionkit.encoders import create_encoder
-    from captionkit.features import build_features
-    from captionkit.images import load_rgb, to_tensor
+    from captionkit.encoders.features import build_features
     paths = []
     for k in range(2):
         shape_image(k, size=64).save(tmp_path / f"img{k}.jpg")
@@ -398,7 +404,7 @@ def test_mirror_image_features_are_cached_apart(tmp_path):
 
 # ---- int8 storage of shipped members -----------------------------------------------------------
 def test_int8_pack_is_a_quarter_of_the_size_and_decodes_like_float32(tmp_path):
-    from captionkit.checkpoint import INT8_SCALE, dequantize_int8, quantize_int8, read_weights
+    from captionkit.core.checkpoint import INT8_SCALE, dequantize_int8, quantize_int8, read_weights
     m = transformer()
     w = {k: v.repeat(8, 1) if k == "embed.weight" else v for k, v in m.state_dict().items()}  # one big matrix
     q = quantize_int8(w, min_size=64)

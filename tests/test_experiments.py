@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from captionkit import sweep as sw
-from captionkit.checkpoint import read_config
-from captionkit.cli import main
-from captionkit.errors import OutputError
-from captionkit.runs import find_runs, read_history
+from captionkit.cli.main import main
+from captionkit.core.checkpoint import read_config
+from captionkit.core.errors import OutputError
+from captionkit.experiments import sweep as sw
+from captionkit.experiments.runs import find_runs, read_history
 
 SWEEP_TRAIN = {"epochs": 2, "length_penalties": [0.0]}
 
@@ -171,7 +171,7 @@ def test_a_local_grid_gives_a_run_folder_per_trial_and_the_summary(tiny_sweep, c
 
 @pytest.mark.slow  # a sweep of training runs
 def test_an_interrupted_sweep_resumes_without_repeating_finished_trials(tiny_config, tmp_path, monkeypatch):
-    import captionkit.train as train_module
+    import captionkit.training.run as train_module
     real_train = train_module.train
     calls = []
 
@@ -228,9 +228,9 @@ def test_each_validation_records_the_teacher_forced_dev_loss(tiny_run, flickr_di
     """history's val_loss of the last epoch is the per-token cross-entropy of the dev captions
     under the last checkpoint (on the cached features the trainer uses), computed here caption
     by caption, apart from the trainer."""
-    from captionkit.captioner import Captioner
-    from captionkit.data import load_dataset
-    from captionkit.features import build_features
+    from captionkit.data.datasets import load_dataset
+    from captionkit.encoders.features import build_features
+    from captionkit.inference.captioner import Captioner
 
     history = read_history(tiny_run)
     assert all(math.isfinite(h["val_loss"]) and h["val_loss"] > 0 for h in history)
@@ -331,7 +331,7 @@ def test_report_holds_every_run_and_image(tiny_sweep, tiny_run, tmp_path, flickr
     runs = find_runs([tiny_sweep])
     for r in runs:  # in the runs table, the scores table and under every image
         assert text.count(r.label) >= 2 + 3
-    from captionkit.data import load_dataset
+    from captionkit.data.datasets import load_dataset
     dev = [it.name for it in load_dataset(str(flickr_dir)).split("dev")]
     assert page.rows == dev[:3]
     photos = [i for i in page.images if i["src"].startswith("data:image/jpeg;base64,")]
@@ -341,7 +341,7 @@ def test_report_holds_every_run_and_image(tiny_sweep, tiny_run, tmp_path, flickr
     for ref in load_dataset(str(flickr_dir)).split("dev")[0].raw:
         assert ref in text
     # --data: the same runs, every dev image's caption, and scores that these captions give again
-    from captionkit.evaluation import score_captions
+    from captionkit.scoring.evaluation import score_captions
     saved = json.loads(data.read_text())
     assert [r["label"] for r in saved["runs"]] == [r.label for r in runs] and saved["split"] == "dev"
     refs = {it.name: it.raw for it in load_dataset(str(flickr_dir)).split("dev")}
@@ -352,8 +352,8 @@ def test_report_holds_every_run_and_image(tiny_sweep, tiny_run, tmp_path, flickr
 
 
 def test_report_max_images_scores_the_splits_first_images_only(tiny_run, tmp_path, flickr_dir):
-    from captionkit.data import load_dataset
-    from captionkit.evaluation import score_captions
+    from captionkit.data.datasets import load_dataset
+    from captionkit.scoring.evaluation import score_captions
     dev = load_dataset(str(flickr_dir)).split("dev")
     assert len(dev) > 2
     out, data = tmp_path / "report.html", tmp_path / "report.json"
@@ -368,8 +368,8 @@ def test_report_max_images_scores_the_splits_first_images_only(tiny_run, tmp_pat
 
 
 def test_report_attention_is_kept_only_where_it_says_something():
-    from captionkit.captioner import Result
-    from captionkit.report import _attention
+    from captionkit.experiments.report import _attention
+    from captionkit.inference.captioner import Result
     peaked = Result(["a", "dog"], torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.7]]), (2, 2))
     flat = Result(["a", "dog"], torch.full((2, 4), 0.25), (2, 2))
     assert _attention(peaked, keep=True)["attention"][1] == [0.1, 0.1, 0.1, 0.7]

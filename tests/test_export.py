@@ -8,12 +8,12 @@ import torch
 pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from captionkit.captioner import Captioner  # noqa: E402
-from captionkit.cli import main  # noqa: E402
-from captionkit.export import decoder_export, export_onnx  # noqa: E402
-from captionkit.images import find_images  # noqa: E402
+from captionkit.cli.main import main  # noqa: E402
+from captionkit.data.images import find_images  # noqa: E402
+from captionkit.export.exporters import decoder_export, export_onnx  # noqa: E402
+from captionkit.export.onnx_runtime import load_onnx_captioner, parity_check  # noqa: E402
+from captionkit.inference.captioner import Captioner  # noqa: E402
 from captionkit.kernels import EnergyContext, kernel_available, plain_pytorch  # noqa: E402
-from captionkit.onnx_runtime import load_onnx_captioner, parity_check  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ fresh clone)."""
 import pytest
 from helpers import FLICKR8K
 
-from captionkit.data import load_dataset
+from captionkit.data.datasets import load_dataset
 
 pytestmark = pytest.mark.skipif(not (FLICKR8K / "Flickr8k.token.txt").is_file(),
                                 reason=f"Flickr8k not found at {FLICKR8K}")

@@ -15,7 +15,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from captionkit.data import CaptionDataset, DatasetError, load_dataset, read_coco, read_karpathy
+from captionkit.data.datasets import CaptionDataset, DatasetError, load_dataset, read_coco, read_karpathy
 
 FUZZ_EXAMPLES = int(os.environ.get("CAPTIONKIT_FUZZ_EXAMPLES", "30"))
 FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=timedelta(seconds=5), database=None,

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from PIL import Image
 from test_fuzz_datasets import FUZZ
 
-from captionkit.images import MAX_PIXELS, MIN_SIDE, ImageError, load_rgb
+from captionkit.data.images import MAX_PIXELS, MIN_SIDE, ImageError, load_rgb
 
 # (format, colour mode) pairs Pillow writes
 SAVES = [("PNG", m) for m in ("RGB", "RGBA", "L", "LA", "P", "1", "I;16")] + \

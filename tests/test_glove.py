@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from captionkit.glove import glove_embedding, read_vectors
-from captionkit.tokenizers import build_tokenizer
-from captionkit.vocab import Vocab
+from captionkit.data.tokenizers import build_tokenizer
+from captionkit.data.vocab import Vocab
+from captionkit.training.glove import glove_embedding, read_vectors
 
 FIXTURE = Path(__file__).parent / "data" / "glove_tiny.6d.txt"
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from captionkit import train as train_module
-from captionkit.config import RunConfig
-from captionkit.features import FeatureRows
-from captionkit.train import build_trainer, prepare_data
+from captionkit.encoders.features import FeatureRows
+from captionkit.training import run as train_module
+from captionkit.training.config import RunConfig
+from captionkit.training.run import build_trainer, prepare_data
 
 
 class CountingStore:

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from helpers import FLICKR8K
 
-from captionkit import metrics as M
-from captionkit.evaluation import bootstrap, paired_bootstrap, score_captions
-from captionkit.ptb_tokenize import java_available, tokenize_java, tokenize_python
+from captionkit.scoring import metrics as M
+from captionkit.scoring.evaluation import bootstrap, paired_bootstrap, score_captions
+from captionkit.scoring.ptb_tokenize import java_available, tokenize_java, tokenize_python
 
 MODEL_CAPTIONS = Path(__file__).parent / "data" / "flickr8k_test_sat_lite2.json"
 needs_java = pytest.mark.skipif(not java_available(), reason="Java not installed: the coco-caption jars cannot run")
@@ -75,7 +75,7 @@ def test_random_captions_parity_and_tokenizers_agree():
 
 
 def _flickr_sets():
-    from captionkit.data import load_dataset
+    from captionkit.data.datasets import load_dataset
     items = load_dataset(FLICKR8K).split("test")
     rest = {it.name: it.raw[1:] for it in items}
     first = {it.name: it.raw[0] for it in items}
@@ -117,7 +117,7 @@ def test_meteor_jar_equals_pycocoevalcap():
 
 
 def _wordnet_available() -> bool:
-    from captionkit.evaluation import _wordnet
+    from captionkit.scoring.evaluation import _wordnet
     try:
         _wordnet()
         return True
@@ -163,8 +163,8 @@ def test_bootstrap_interval_contains_the_score_and_paired_test_detects_a_better_
 
 
 def test_without_java_or_wordnet_the_rest_is_scored(monkeypatch, capsys):
-    import captionkit.evaluation as ev
-    import captionkit.ptb_tokenize as tk
+    import captionkit.scoring.evaluation as ev
+    import captionkit.scoring.ptb_tokenize as tk
     monkeypatch.setattr(ev, "java_available", lambda: False)
     monkeypatch.setattr(tk, "java_available", lambda: False)
 

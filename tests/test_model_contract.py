@@ -11,16 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import (TINY_CONFIG, assert_beam_one_is_greedy, assert_shared_image_matches_repeats, import_graph_module,
-                     shape_image)
+from helpers import (
+    TINY_CONFIG,
+    assert_beam_one_is_greedy,
+    assert_shared_image_matches_repeats,
+    import_graph_module,
+    shape_image,
+)
 from tiny_family import TinyCaptioner, TinyConfig
 from torch import nn
 
+from captionkit.core.registry import FAMILIES, register_family
+from captionkit.data.vocab import SPECIALS, Vocab
 from captionkit.models import CaptionModel, create_model, list_models, model_class
 from captionkit.models.base import ATTENTION_VIEWS
-from captionkit.registry import FAMILIES, register_family
-from captionkit.scst import sample, sequence_logprobs
-from captionkit.vocab import SPECIALS, Vocab
+from captionkit.training.scst import sample, sequence_logprobs
 
 TINY = "tiny_test_family"
 FEAT, GRID = 8, [2, 3]
@@ -35,7 +40,7 @@ def tiny_family():
 
 
 def _lm_vocab(source: str) -> int:
-    from captionkit.tokenizers import LMTokenizer
+    from captionkit.data.tokenizers import LMTokenizer
     return len(LMTokenizer.build(source))
 
 
@@ -187,7 +192,7 @@ def test_a_checkpoints_tensors_rebuild_the_model(family, request):
 @pytest.fixture(scope="module")
 def tiny_family_run(tiny_family, flickr_dir, tmp_path_factory) -> Path:
     """The tiny family trained 2 epochs by the real Trainer (image batching: each image once)."""
-    from captionkit.train import train
+    from captionkit.training.run import train
     folder = tmp_path_factory.mktemp("tiny_family")
     config = TINY_CONFIG.format(dataset=flickr_dir)
     config = config.replace('family = "sat"\nembed_dim = 16\nhidden_dim = 24\nattn_dim = 12\ndropout = 0.0',
@@ -209,10 +214,10 @@ def test_a_new_family_needs_only_its_own_file_and_the_registry():
 
 @pytest.mark.slow  # trains 2 epochs (about 9 s here, the feature cache included)
 def test_the_tiny_family_trains_decodes_and_captions(tiny_family_run, tmp_path, capsys):
-    from captionkit.captioner import Captioner
-    from captionkit.checkpoint import read_config
-    from captionkit.cli import main
-    from captionkit.decoding import beam_search, greedy
+    from captionkit.cli.main import main
+    from captionkit.core.checkpoint import read_config
+    from captionkit.inference.captioner import Captioner
+    from captionkit.inference.decoding import beam_search, greedy
 
     cfg = read_config(tiny_family_run / "best")
     assert cfg["family"] == TINY and cfg["state"]["epoch"] == 2 and cfg["trained_parameters"]["decoder"] > 0
@@ -223,7 +228,7 @@ def test_the_tiny_family_trains_decodes_and_captions(tiny_family_run, tmp_path, 
     images = [shape_image(k, size=96) for k in range(3)]
     for k, im in enumerate(images):
         im.save(tmp_path / f"shape{k}.jpg")
-    from captionkit.images import to_tensor
+    from captionkit.data.images import to_tensor
     feats = cap.encode_batch([to_tensor(im, cap.encoder.preprocess) for im in images])
     g = assert_beam_one_is_greedy(cap.decoder, feats, max_len=8)
     wide = beam_search(cap.decoder, feats, beam=3, max_len=8)

@@ -6,16 +6,16 @@ import json
 import pytest
 import torch
 
-from captionkit.captioner import Captioner
-from captionkit.checkpoint import read_config, read_weights
-from captionkit.decoding import greedy
+from captionkit.core.checkpoint import read_config, read_weights
+from captionkit.data.vocab import Vocab
 from captionkit.encoders import create_encoder
-from captionkit.metrics import CiderD
+from captionkit.inference.captioner import Captioner
+from captionkit.inference.decoding import greedy
 from captionkit.models import create_model
 from captionkit.models.sat import caption_loss
-from captionkit.scst import SelfCritical, leave_one_out_mean, sample, sequence_logprobs
-from captionkit.train import RunConfig, train
-from captionkit.vocab import Vocab
+from captionkit.scoring.metrics import CiderD
+from captionkit.training.run import RunConfig, train
+from captionkit.training.scst import SelfCritical, leave_one_out_mean, sample, sequence_logprobs
 
 
 def tiny(**kw):

@@ -1,12 +1,18 @@
-"""The one rule for what commands may write over (captionkit.outputs)."""
+"""The one rule for what commands may write over (captionkit.core.outputs)."""
 
 import os
 
 import pytest
 
-from captionkit.errors import OutputError
-from captionkit.outputs import (MARKER, atomic_write_text, check_file_target, check_folder_target,
-                                owner_kind, write_marker)
+from captionkit.core.errors import OutputError
+from captionkit.core.outputs import (
+    MARKER,
+    atomic_write_text,
+    check_file_target,
+    check_folder_target,
+    owner_kind,
+    write_marker,
+)
 
 
 def test_a_new_file_and_its_missing_parents_are_fine(tmp_path):

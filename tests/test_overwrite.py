@@ -1,5 +1,5 @@
 """Nothing lost: what pack, train --out, export onnx, merge-lora and features do with a target
-that exists (issue 17, point 1; the rule is captionkit.outputs, the table docs/outputs.md).
+that exists (issue 17, point 1; the rule is captionkit.core.outputs, the table docs/outputs.md).
 Every refusal is one line, comes before any expensive work, and leaves the target as it was."""
 
 import json
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from captionkit.checkpoint import read_config, read_weights
-from captionkit.cli import main
-from captionkit.errors import CheckpointError, OutputError
-from captionkit.outputs import MARKER, owner_kind, write_marker
+from captionkit.cli.main import main
+from captionkit.core.checkpoint import read_config, read_weights
+from captionkit.core.errors import CheckpointError, OutputError
+from captionkit.core.outputs import MARKER, owner_kind, write_marker
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -126,7 +126,7 @@ def test_resume_with_another_model_config_is_refused_before_any_work(tiny_config
 
 
 def test_train_overwrite_starts_a_marked_run_again(tiny_config, finished_run):
-    from captionkit.train import train
+    from captionkit.training.run import train
     train(tiny_config, out=finished_run, max_steps=2, overwrite=True, progress=False)
     assert owner_kind(finished_run) == "run"
     assert sorted(p.name for p in finished_run.iterdir()) == [MARKER, "last"]  # the old best and history are gone
@@ -134,7 +134,7 @@ def test_train_overwrite_starts_a_marked_run_again(tiny_config, finished_run):
 
 
 def test_resuming_a_run_written_before_markers_marks_it(tiny_config, finished_run):
-    from captionkit.train import train
+    from captionkit.training.run import train
     step = read_config(finished_run / "last")["state"]["step"]
     train(tiny_config, out=finished_run, resume=True, max_steps=step, progress=False)
     assert json.loads((finished_run / MARKER).read_text())["kind"] == "run"
@@ -161,8 +161,8 @@ def test_exports_refuse_an_unrelated_folder_before_loading_the_model(command, vi
 def test_export_replaces_its_own_export_only_with_overwrite(tiny_run, tmp_path, monkeypatch):
     """The folder rule of export_onnx; the graphs themselves are test_export's (a real export
     takes seconds), so here a stand-in writes the export's files."""
-    import captionkit.export as export
-    from captionkit.captioner import Captioner
+    import captionkit.export.exporters as export
+    from captionkit.inference.captioner import Captioner
 
     def write(captioner, out, *args):
         (out / "step.onnx").write_bytes(b"graph")
@@ -191,7 +191,7 @@ def test_export_replaces_its_own_export_only_with_overwrite(tiny_run, tmp_path, 
 def test_features_refuse_a_cache_that_is_a_file_and_a_folder_they_did_not_write(tmp_path, flickr_dir,
                                                                                 monkeypatch, capsys):
     from captionkit.encoders import create_encoder
-    from captionkit.features import _folder_for, build_features
+    from captionkit.encoders.features import _folder_for, build_features
 
     cache = tmp_path / "cache-file"
     cache.write_text("not a folder")

@@ -16,14 +16,14 @@ pytest.importorskip("peft")
 
 from helpers import shape_image, write_lm_config  # noqa: E402
 
-from captionkit.captioner import Captioner  # noqa: E402
-from captionkit.checkpoint import ENCODER_PREFIX, read_config, read_weights  # noqa: E402
-from captionkit.cli import main  # noqa: E402
-from captionkit.errors import WeightsUnavailable  # noqa: E402
+from captionkit.cli.main import main  # noqa: E402
+from captionkit.core.checkpoint import ENCODER_PREFIX, read_config, read_weights  # noqa: E402
+from captionkit.core.errors import WeightsUnavailable  # noqa: E402
+from captionkit.data.tokenizers import LMTokenizer, load_tokenizer  # noqa: E402
+from captionkit.inference.captioner import Captioner  # noqa: E402
 from captionkit.models import create_model  # noqa: E402
 from captionkit.models.prefix_lm import param_group  # noqa: E402
-from captionkit.tokenizers import LMTokenizer, load_tokenizer  # noqa: E402
-from captionkit.train import RunConfig, build_trainer, train  # noqa: E402
+from captionkit.training.run import RunConfig, build_trainer, train  # noqa: E402
 
 GRID = [7, 7]  # efficientnet_lite0's grid, the encoder of the trainer tests
 
@@ -60,7 +60,7 @@ def test_lm_tokenizer_keeps_the_special_ids_and_gives_words(tiny_lm):
     assert isinstance(again, LMTokenizer) and len(again) == len(tok) and again.encode(["a", "dog"]) == tok.encode(["a", "dog"])
 
 
-# the installed transformers' own way of passing the cache (captionkit.hf.with_cache): a
+# the installed transformers' own way of passing the cache (captionkit.core.hf.with_cache): a
 # deprecated keyword warns (FutureWarning), and stops working in a later release
 @pytest.mark.filterwarnings("error::FutureWarning")
 def test_kv_cached_steps_give_the_teacher_forced_log_probs(tiny_lm):

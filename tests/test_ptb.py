@@ -11,8 +11,8 @@ import pytest
 from helpers import FLICKR8K
 from ptb_fuzz import random_lines
 
-from captionkit import ptb
-from captionkit.ptb_tokenize import (
+from captionkit.scoring import ptb
+from captionkit.scoring.ptb_tokenize import (
     LINE_BREAKS,
     jar_command,
     java_available,
@@ -112,7 +112,7 @@ def test_line_breaks_inside_a_caption_are_spaces(tokenize):
 def test_the_jar_path_refuses_a_line_count_it_did_not_expect(monkeypatch):
     """If the jar ever gave more or fewer lines than captions, the tokens would be paired with
     the wrong images: it fails loudly instead."""
-    import captionkit.ptb_tokenize as tk
+    import captionkit.scoring.ptb_tokenize as tk
 
     monkeypatch.setattr(tk, "one_line", lambda text: text)  # let a line break through
     with pytest.raises(RuntimeError, match="returned 3 lines for 2 captions"):

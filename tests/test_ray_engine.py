@@ -1,4 +1,4 @@
-"""--engine ray (captionkit.ray_engine) on a local Ray of 2 CPUs, against the local engine:
+"""--engine ray (captionkit.inference.ray_engine) on a local Ray of 2 CPUs, against the local engine:
 the same captions and error records, the same features, and shard-level resume."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from helpers import shape_image
 
-from captionkit import cli
-from captionkit.features import ShardedFeatureStore, build_features, shard_file, shards_for_rank
-from captionkit.ray_engine import RayOptions, caption_shards_folder, ray_missing
+from captionkit.cli import main as cli
+from captionkit.encoders.features import ShardedFeatureStore, build_features, shard_file, shards_for_rank
+from captionkit.inference.ray_engine import RayOptions, caption_shards_folder, ray_missing
 
 
 def test_shards_for_rank_splits_every_shard_once():
@@ -23,7 +23,7 @@ def test_shards_for_rank_splits_every_shard_once():
 
 
 def test_engine_ray_without_ray_says_how_to_install(monkeypatch, tmp_path, capsys):
-    import captionkit.ray_engine as engine
+    import captionkit.inference.ray_engine as engine
 
     monkeypatch.setattr(engine, "ray_missing", lambda: engine.INSTALL_HINT)
     code = cli.main(["caption", str(tmp_path), "--engine", "ray", "--jsonl", str(tmp_path / "o.jsonl")])
@@ -105,7 +105,7 @@ def test_caption_engine_ray_matches_local(local_ray, tiny_run, photos, tmp_path,
 @pytest.mark.slow
 def test_features_engine_ray_matches_local_and_resumes_one_shard(local_ray, photos, tmp_path, capsys):
     from captionkit.encoders import create_encoder
-    from captionkit.ray_engine import build_features_ray
+    from captionkit.inference.ray_engine import build_features_ray
 
     paths = sorted(photos.iterdir())
     root = tmp_path / "cache"
@@ -152,7 +152,7 @@ def test_sharded_store_reads_lazily_and_splits_by_rank(tmp_path):
     """The sharded layout without Ray: shards written by write_shard, read by name, a rank's
     store indexing only its shards, unreadable images left out."""
     from captionkit.encoders import create_encoder
-    from captionkit.features import open_sharded, write_shard
+    from captionkit.encoders.features import open_sharded, write_shard
 
     enc = create_encoder("patches", weights="random")
     paths = [tmp_path / f"im{i}.jpg" for i in range(5)]
@@ -173,11 +173,11 @@ def test_sharded_store_reads_lazily_and_splits_by_rank(tmp_path):
 @pytest.mark.slow
 def test_trainer_reads_the_sharded_store(local_ray, tiny_config, tmp_path, monkeypatch):
     """After features --engine ray, training takes its features from the sharded store."""
-    import captionkit.train
-    from captionkit.ray_engine import build_features_ray
-    from captionkit.train import train
+    import captionkit.training.run
+    from captionkit.inference.ray_engine import build_features_ray
+    from captionkit.training.run import train
 
-    real = captionkit.train.build_features
+    real = captionkit.training.run.build_features
     used = []
 
     def ray_first(encoder, paths):
@@ -185,6 +185,6 @@ def test_trainer_reads_the_sharded_store(local_ray, tiny_config, tmp_path, monke
         used.append(real(encoder, paths))
         return used[-1]
 
-    monkeypatch.setattr(captionkit.train, "build_features", ray_first)
+    monkeypatch.setattr(captionkit.training.run, "build_features", ray_first)
     train(tiny_config, out=tmp_path / "run", max_steps=2, progress=False)
     assert isinstance(used[0], ShardedFeatureStore) and (tmp_path / "run" / "last" / "config.json").exists()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import FLICKR8K
 
-from captionkit.cli import main
+from captionkit.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- sample-captions:start -->", "<!-- sample-captions:end -->"

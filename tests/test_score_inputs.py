@@ -1,7 +1,7 @@
 """What `captionkit score` and `evaluate` accept: each wrong input of the captions or the
 references is one line naming the file and the image, before anything is scored; empty captions
 are counted; over-long captions reach METEOR cut, with a note; line breaks inside a reference do
-not shift the captions; outputs follow captionkit.outputs (an existing file needs --overwrite).
+not shift the captions; outputs follow captionkit.core.outputs (an existing file needs --overwrite).
 Hypothesis feeds the readers arbitrary JSON and bytes."""
 
 import json
@@ -12,11 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from captionkit.cli import main
-from captionkit.errors import DatasetError
-from captionkit.evaluation import METEOR_MAX_WORDS, _cut_for_meteor, score_captions
-from captionkit.score_inputs import read_captions, read_references
-from captionkit.ptb_tokenize import java_available
+from captionkit.cli.main import main
+from captionkit.core.errors import DatasetError
+from captionkit.scoring.evaluation import METEOR_MAX_WORDS, _cut_for_meteor, score_captions
+from captionkit.scoring.ptb_tokenize import java_available
+from captionkit.scoring.score_inputs import read_captions, read_references
 
 needs_java = pytest.mark.skipif(not java_available(), reason="Java not installed: the coco-caption jars cannot run")
 TOKENIZERS = ["python", pytest.param("java", marks=needs_java)]

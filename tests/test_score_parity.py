@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from captionkit.evaluation import score_captions
-from captionkit.ptb_tokenize import java_available, tokenize_java, tokenize_python
+from captionkit.scoring.evaluation import score_captions
+from captionkit.scoring.ptb_tokenize import java_available, tokenize_java, tokenize_python
 
 COCO = Path(__file__).resolve().parents[2] / "shared" / "data" / "parity" / "coco_magic"
 needs_coco = pytest.mark.skipif(not (COCO / "reference_scores.json").is_file(),

@@ -10,7 +10,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("multipart")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from captionkit.captioner import DEFAULT_MODEL, Captioner  # noqa: E402
+from captionkit.inference.captioner import DEFAULT_MODEL, Captioner  # noqa: E402
 from captionkit.serve import ServeConfig, create_app  # noqa: E402
 
 LIMIT = 200_000
@@ -44,7 +44,7 @@ def test_caption_has_words_and_attention(client, shipped):
     assert all(len(row) == 81 and abs(sum(row) - 1) < 1e-3 for row in body["attention"])
     assert body["elapsed_ms"] > 0
     # the same caption as the library gives for the same bytes and beam
-    from captionkit.images import decode_rgb, to_tensor
+    from captionkit.data.images import decode_rgb, to_tensor
     x = to_tensor(decode_rgb(_jpeg()), shipped.encoder.preprocess)
     ref = shipped.result(shipped.decode_features(shipped.encode_batch([x]), beam=2)[0])  # both views if flipped
     assert body["caption"] == ref.text
@@ -155,8 +155,8 @@ def _png_header(w: int, h: int) -> bytes:
 
 
 def test_pixel_count_and_decode_memory_are_checked_from_the_header():
-    from captionkit.errors import ImageError
-    from captionkit.images import decode_reduced
+    from captionkit.core.errors import ImageError
+    from captionkit.data.images import decode_reduced
     with pytest.raises(ImageError, match=r"2000x2000 image is too large \(over 1,000,000 pixels\)"):
         decode_reduced(_png_header(2000, 2000), 260, "h.png", max_pixels=1_000_000)
     # 9400 x 9400 RGBA: 353 MB decoded, more than allowed -> refused before a pixel is decoded
@@ -195,7 +195,7 @@ def test_reduced_decode_equals_converting_then_reducing(monkeypatch, mode, fmt):
     import numpy as np
     from PIL import Image
 
-    from captionkit import images
+    from captionkit.data import images
     monkeypatch.setattr(images, "STRIP_PIXELS", 403 * 8)  # many strips, the last one partial
     buf = io.BytesIO()
     _photo(mode).save(buf, fmt)
@@ -209,7 +209,7 @@ def test_reduced_decode_equals_converting_then_reducing(monkeypatch, mode, fmt):
 def test_big_jpeg_is_decoded_in_draft_mode_and_small_photos_as_before():
     import numpy as np
 
-    from captionkit.images import decode_reduced, decode_rgb
+    from captionkit.data.images import decode_reduced, decode_rgb
     buf = io.BytesIO()
     shape_image(1, size=1000).save(buf, "JPEG", quality=90)
     out, plan = decode_reduced(buf.getvalue(), 16)  # goal 48: the decoder scales 1000 px by 1/8
@@ -469,7 +469,7 @@ def no_model_load(monkeypatch):
     (["--api-key", "two words"], "--api-key (or CAPTIONKIT_API_KEY) must be printable ASCII"),
 ])
 def test_bad_serve_options_are_one_line_before_any_model(no_model_load, capsys, args, message):
-    from captionkit.cli import main
+    from captionkit.cli.main import main
     assert main(["serve", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("captionkit serve: error: ") and message in err and err.count("\n") == 1
@@ -479,7 +479,7 @@ def test_bad_serve_options_are_one_line_before_any_model(no_model_load, capsys, 
 def test_port_in_use_is_one_line(no_model_load, capsys):
     import socket
 
-    from captionkit.cli import main
+    from captionkit.cli.main import main
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -489,7 +489,7 @@ def test_port_in_use_is_one_line(no_model_load, capsys):
 
 
 def test_listening_beyond_loopback_without_a_key_warns(no_model_load, capsys, monkeypatch):
-    from captionkit.cli import main
+    from captionkit.cli.main import main
     assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 0
     assert "warning: listening on all interfaces without an API key" in capsys.readouterr().err
     monkeypatch.setenv("CAPTIONKIT_API_KEY", KEY)

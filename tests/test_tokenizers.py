@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from helpers import FLICKR8K, SHAPES, TEMPLATES
 
-from captionkit.data import load_dataset, normalize
-from captionkit.tokenizers import KINDS, BPETokenizer, CharTokenizer, build_tokenizer, load_tokenizer
-from captionkit.vocab import Vocab
+from captionkit.data.datasets import load_dataset, normalize
+from captionkit.data.tokenizers import KINDS, BPETokenizer, CharTokenizer, build_tokenizer, load_tokenizer
+from captionkit.data.vocab import Vocab
 
 
 def synthetic_captions() -> list[list[str]]:

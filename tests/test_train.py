@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from captionkit.captioner import Captioner
-from captionkit.checkpoint import CheckpointError, atomic_folder, read_config, read_weights, save_checkpoint
-from captionkit.train import RunConfig, length_batches, train
+from captionkit.core.checkpoint import CheckpointError, atomic_folder, read_config, read_weights, save_checkpoint
+from captionkit.inference.captioner import Captioner
+from captionkit.training.run import RunConfig, length_batches, train
 
 
 def test_length_batches_hold_one_length_each_and_cover_everything():
@@ -41,7 +41,7 @@ def test_init_on_the_command_line_replaces_the_configs(tmp_path):
 
 
 def test_auto_precision_uses_bf16_only_where_the_cpu_has_it(monkeypatch):
-    from captionkit import precision
+    from captionkit.core import precision
     for native, want in ((True, "bf16"), (False, "fp32")):
         monkeypatch.setattr(precision, "native_bf16", lambda native=native: native)
         assert precision.resolve_precision("auto") == want
@@ -126,7 +126,7 @@ def test_incompatible_checkpoint_gets_a_clear_error(tiny_run, tmp_path):
 
 
 def test_a_failed_save_keeps_the_previous_checkpoint(tiny_run, tmp_path, monkeypatch):
-    import captionkit.checkpoint as ck
+    import captionkit.core.checkpoint as ck
     w = read_weights(tiny_run / "best")
     cfg = {"family": "sat", "note": "first"}
     save_checkpoint(tmp_path / "ck", w, cfg)
@@ -142,7 +142,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tiny_run, tmp_path, monkeyp
 
 
 def test_the_models_own_length_penalty_is_the_default(tiny_run, tmp_path):
-    from captionkit.decoding import beam_search
+    from captionkit.inference.decoding import beam_search
     cfg = read_config(tiny_run / "best")
     cfg["decoding"] = dict(cfg["decoding"], length_penalty=1.0)
     save_checkpoint(tmp_path / "lp", read_weights(tiny_run / "best"), cfg)

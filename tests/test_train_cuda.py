@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from captionkit.captioner import Captioner
-from captionkit.checkpoint import read_config
-from captionkit.train import train
+from captionkit.core.checkpoint import read_config
+from captionkit.inference.captioner import Captioner
+from captionkit.training.run import train
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none)")]

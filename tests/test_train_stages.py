@@ -10,10 +10,10 @@ import pytest
 import torch
 from helpers import TINY_CONFIG
 
-from captionkit.checkpoint import CheckpointError, read_config
-from captionkit.cli import main
-from captionkit.config import ConfigError, RunConfig
-from captionkit.train import (
+from captionkit.cli.main import main
+from captionkit.core.checkpoint import CheckpointError, read_config
+from captionkit.training.config import ConfigError, RunConfig
+from captionkit.training.run import (
     EpochProgress,
     TrainState,
     build_model,

@@ -5,16 +5,15 @@ makes a figure."""
 
 import pytest
 import torch
+from helpers import assert_shared_image_matches_repeats
 from torch import nn
 
-from helpers import assert_shared_image_matches_repeats
-
-from captionkit.decoding import allowed_words, beam_search, greedy
+from captionkit.data.vocab import Vocab
+from captionkit.inference.decoding import allowed_words, beam_search, greedy
 from captionkit.models import create_model, family_config
 from captionkit.models.base import KVMemory
 from captionkit.models.transformer import TransformerConfig
-from captionkit.scst import SelfCritical
-from captionkit.vocab import Vocab
+from captionkit.training.scst import SelfCritical
 
 V, FEAT, GRID = 14, 10, [2, 3]
 
@@ -71,7 +70,7 @@ def test_cached_steps_equal_the_teacher_forced_forward(kw):
 @torch.no_grad()
 def _uncached_greedy(m, x, max_len):
     """Greedy decoding that recomputes the whole prefix with the teacher-forced forward at
-    every step (no cache), under the same rules as captionkit.decoding."""
+    every step (no cache), under the same rules as captionkit.inference.decoding."""
     out = []
     for b in range(x.shape[0]):
         seq = [Vocab.start]
@@ -198,8 +197,8 @@ def test_the_step_exports_as_one_graph():
 def test_cross_attention_figure_for_a_tiny_model(tmp_path):
     from PIL import Image
 
-    from captionkit.captioner import Captioner
-    from captionkit.figures import save_attention_figure
+    from captionkit.inference.captioner import Captioner
+    from captionkit.inference.figures import save_attention_figure
 
     m = tiny()
     vocab = Vocab(["<pad>", "<start>", "<end>", "<unk>"] + [f"w{i}" for i in range(V - 4)])

@@ -12,10 +12,10 @@ import torch
 from helpers import shape_image, word_trainer
 from PIL import Image
 
-from captionkit.captioner import Captioner
-from captionkit.checkpoint import read_config, read_weights
-from captionkit.cli import main
-from captionkit.train import RunConfig, TrainConfig, lr_factor, train
+from captionkit.cli.main import main
+from captionkit.core.checkpoint import read_config, read_weights
+from captionkit.inference.captioner import Captioner
+from captionkit.training.run import RunConfig, TrainConfig, lr_factor, train
 
 GLOVE = Path(__file__).parent / "data" / "glove_tiny.6d.txt"
 
@@ -293,9 +293,9 @@ def test_configuration_errors_name_the_field(flickr_dir, tmp_path):
 @pytest.mark.slow  # a training run and an ONNX export
 def test_onnx_export_gives_the_same_captions(word_run, char_run, flickr_dir, tmp_path):
     pytest.importorskip("onnxruntime")
-    from captionkit.export import export_onnx
-    from captionkit.images import find_images
-    from captionkit.onnx_runtime import parity_check
+    from captionkit.data.images import find_images
+    from captionkit.export.exporters import export_onnx
+    from captionkit.export.onnx_runtime import parity_check
     files = find_images([flickr_dir / "Flicker8k_Dataset"])
     for run in (word_run, char_run):
         cap = Captioner.load(run / "best")

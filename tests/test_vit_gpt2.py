@@ -22,16 +22,16 @@ pytest.importorskip("tokenizers")
 
 from helpers import shape_image, write_lm_config  # noqa: E402
 
-from captionkit.captioner import Captioner  # noqa: E402
-from captionkit.checkpoint import read_config, read_weights  # noqa: E402
-from captionkit.cli import main  # noqa: E402
+from captionkit.cli.main import main  # noqa: E402
+from captionkit.core.checkpoint import read_config, read_weights  # noqa: E402
+from captionkit.core.errors import WeightsUnavailable  # noqa: E402
+from captionkit.data.images import to_tensor  # noqa: E402
+from captionkit.data.tokenizers import LMTokenizer  # noqa: E402
 from captionkit.encoders import create_encoder  # noqa: E402
 from captionkit.encoders.vit_pixels import DEFAULT_VIT  # noqa: E402
-from captionkit.errors import WeightsUnavailable  # noqa: E402
-from captionkit.images import to_tensor  # noqa: E402
+from captionkit.inference.captioner import Captioner  # noqa: E402
 from captionkit.models import create_model  # noqa: E402
-from captionkit.tokenizers import LMTokenizer  # noqa: E402
-from captionkit.train import RunConfig, build_trainer  # noqa: E402
+from captionkit.training.run import RunConfig, build_trainer  # noqa: E402
 
 GRID, ROW = [4, 4], 3 * 8 * 8  # the tiny ViT's patch grid and pixels per patch
 
@@ -67,7 +67,7 @@ def test_the_encoder_rows_are_the_vits_pixels(tiny_vit, tiny_gpt2):
                                     "vit": tiny_vit, "lm": tiny_gpt2})
 
 
-# the installed transformers' own way of passing the cache (captionkit.hf.with_cache): a
+# the installed transformers' own way of passing the cache (captionkit.core.hf.with_cache): a
 # deprecated keyword warns (FutureWarning), and stops working in a later release
 @pytest.mark.filterwarnings("error::FutureWarning")
 def test_kv_cached_steps_give_the_teacher_forced_log_probs(tiny_vit, tiny_gpt2):
@@ -210,7 +210,7 @@ def test_captionkit_caption_prints_the_caption(trained, tmp_path, capsys):
 def test_the_transformers_export_gives_the_same_logits(trained, tmp_path):
     from transformers import VisionEncoderDecoderModel
 
-    from captionkit.export import export_transformers
+    from captionkit.export.exporters import export_transformers
     trainer, best = trained
     out = export_transformers(best, tmp_path / "hf")
     assert {"config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json"} <= {

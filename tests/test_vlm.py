@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from helpers import shape_image
 
-from captionkit.cli import main
-from captionkit.errors import ImageError, WeightsUnavailable
-from captionkit.vlm import DEFAULT_PROMPTS, DEFAULT_VLM, ZeroShotCaptioner, clean_answer, load_prompts
+from captionkit.cli.main import main
+from captionkit.core.errors import ImageError, WeightsUnavailable
+from captionkit.inference.zero_shot import DEFAULT_PROMPTS, DEFAULT_VLM, ZeroShotCaptioner, clean_answer, load_prompts
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,8 +28,14 @@ CHAT_TEMPLATE = (
 def tiny_vlm(tmp_path_factory) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
-                              Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

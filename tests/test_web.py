@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from captionkit.shipped import FAST_MODEL
+from captionkit.inference.shipped import FAST_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 WEB = ROOT / "src" / "captionkit" / "web"

@@ -1,6 +1,6 @@
 """A tiny caption family, the worked example of docs/architecture.md: everything a new family
 needs is this file, written against captionkit.models.base and registered through
-captionkit.registry; no other captionkit module changes. tests/test_model_contract.py
+captionkit.core.registry; no other captionkit module changes. tests/test_model_contract.py
 registers it (and unregisters it after), trains it through the real Trainer, decodes it with
 the shared greedy and beam search, and captions photos with it through Captioner.
 

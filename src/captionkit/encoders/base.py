@@ -3,8 +3,8 @@
 An encoder turns a batch of preprocessed images ``(B, 3, S, S)`` into annotation vectors
 ``(B, L, D)``: one ``D``-dimensional vector per cell of a ``grid = (H, W)`` over the image,
 ``L = H * W``, row-major. Everything an encoder needs to be reproduced (its input size and
-normalisation) lives in its :class:`~captionkit.images.Preprocess`, which is also the feature
-cache's key. Encoders register by name in :mod:`captionkit.registry` (``@register_encoder``).
+normalisation) lives in its :class:`~captionkit.data.images.Preprocess`, which is also the feature
+cache's key. Encoders register by name in :mod:`captionkit.core.registry` (``@register_encoder``).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..devices import module_device
-from ..errors import CheckpointError, UserError, WeightsUnavailable  # noqa: F401  (re-exported for the encoder modules)
-from ..images import Preprocess
-from ..registry import ENCODERS, list_encoders, register_encoder  # noqa: F401  (re-exported for the encoder modules)
+from ..core.devices import module_device
+from ..core.errors import CheckpointError, UserError, WeightsUnavailable  # noqa: F401  (re-exported for the encoder modules)
+from ..core.registry import ENCODERS, list_encoders, register_encoder  # noqa: F401  (re-exported for the encoder modules)
+from ..data.images import Preprocess
 
 IMAGENET = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import UserError
+from ..core.errors import UserError
 from .base import Encoder, Preprocess, WeightsUnavailable, load_state_file, register_encoder
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)

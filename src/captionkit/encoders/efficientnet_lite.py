@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import UserError
+from ..core.errors import UserError
 from .base import Encoder, Preprocess, WeightsUnavailable, load_state_file, register_encoder
 
 # (expand ratio, kernel, stride, out channels, repeats) of EfficientNet-B0; lite scales them.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UserError
+from ..core.errors import UserError
 from .base import Encoder, Preprocess, register_encoder
 
 

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..errors import UserError
+from ..core.errors import UserError
 from .base import IMAGENET, Encoder, Preprocess, WeightsUnavailable, load_state_file, register_encoder
 
 

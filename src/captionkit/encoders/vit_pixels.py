@@ -19,7 +19,7 @@ Why pixels and not the ViT's outputs: see the family's module docstring.
 
 from __future__ import annotations
 
-from ..hf import DEFAULT_VIT, load_image_processor_dict, load_vit_config, vit_geometry
+from ..core.hf import DEFAULT_VIT, load_image_processor_dict, load_vit_config, vit_geometry
 from .base import Encoder, Preprocess, register_encoder
 from .patches import Patches
 

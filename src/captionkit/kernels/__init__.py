@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..cache import cache_dir
+from ..core.cache import cache_dir
 
 _SRC = Path(__file__).with_name("attention.c")
 _lib = None

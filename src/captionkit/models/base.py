@@ -2,7 +2,7 @@
 
 A family is one module under ``captionkit/models/`` holding a config dataclass and a
 :class:`CaptionModel` subclass registered by name (``@register_family("sat", SATConfig)``, see
-:mod:`captionkit.registry`). Shared code -- the trainer, self-critical training, decoding, the
+:mod:`captionkit.core.registry`). Shared code -- the trainer, self-critical training, decoding, the
 captioner, the exporters -- uses only what is declared here, never a family's name or its
 config fields beyond ``vocab_size`` and ``feat_dim`` (which every family has: the trainer sets
 them). The contract, with feats (B, L, D) the cached encoder rows of B images:
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..vocab import Vocab
+from ..data.vocab import Vocab
 
 
 class CaptionModel(nn.Module, metaclass=ABCMeta):
@@ -210,7 +210,7 @@ class TrainedTensorsMixin:
 # ---- what exporters return (registered per family with registry.register_exporter) ---------------
 @dataclass
 class DecoderExport:
-    """How a decoder is exported to ONNX (see :mod:`captionkit.export`).
+    """How a decoder is exported to ONNX (see :mod:`captionkit.export.exporters`).
 
     init: module ``feats -> (*memory, *state)`` (in the order of ``memory`` then ``state``).
     step: module ``(tokens, *state, feats, *memory) -> (logprobs, *state_next, attention)``.
@@ -226,7 +226,7 @@ class DecoderExport:
 
 @dataclass
 class TransformersExport:
-    """What ``captionkit.export.export_transformers`` writes for a model.
+    """What ``captionkit.export.exporters.export_transformers`` writes for a model.
 
     save: writes the plain transformers folder (weights, config, tokenizer, ...) into the
         folder it is given (a temporary one, renamed to the output when complete).

@@ -1,8 +1,8 @@
 """captionkit token ids <-> a pretrained language model's own, for the families whose decoder is
 a pretrained LM with its tokenizer (``prefix_lm``, ``vit_gpt2``).
 
-The ``lm`` tokenizer kind (:mod:`captionkit.tokenizers`) numbers the LM's tokens from 4, so
-that captionkit's special ids (:class:`~captionkit.vocab.Vocab`: <pad>, <start>, <end>, <unk>)
+The ``lm`` tokenizer kind (:mod:`captionkit.data.tokenizers`) numbers the LM's tokens from 4, so
+that captionkit's special ids (:class:`~captionkit.data.vocab.Vocab`: <pad>, <start>, <end>, <unk>)
 keep their meaning; <start> is embedded as the LM's BOS token (EOS if it has none) and <end>
 is the LM's EOS.
 """
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import UserError
-from ..vocab import SPECIALS, Vocab
+from ..core.errors import UserError
+from ..data.vocab import SPECIALS, Vocab
 from .base import token_cross_entropy
 
 N_SPECIAL = len(SPECIALS)  # captionkit's specials come before the LM's ids

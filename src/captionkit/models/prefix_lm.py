@@ -5,7 +5,7 @@ space of a pretrained causal language model, and the LM writes the caption after
     [prefix_1 .. prefix_k] <start> w_1 .. w_T   ->   w_1 .. w_T <end>
 
 The LM is any LLaMA-family checkpoint that ``transformers`` loads (a local folder or a hub
-name), or the built-in ``"smollm2-135m"`` (loading and the built-in names: :mod:`captionkit.hf`).
+name), or the built-in ``"smollm2-135m"`` (loading and the built-in names: :mod:`captionkit.core.hf`).
 transformers, peft and gguf are optional dependencies, imported only when such a model is built.
 
 What trains (``lm_training``): the projector always; the LM not at all ("frozen"), through
@@ -19,7 +19,7 @@ plain transformers folder (the exporter registered at the bottom).
 
 Token ids: the LM's own, numbered from 4 (:mod:`captionkit.models.lm_tokens`).
 
-Decoding follows the step contract of :mod:`captionkit.decoding`: ``prepare`` runs the LM over
+Decoding follows the step contract of :mod:`captionkit.inference.decoding`: ``prepare`` runs the LM over
 the prefix once and keeps its keys/values as the memory; the state is the whole KV cache (per
 layer keys and values (B, kv_heads, S, head_dim), growing by one position per step), so every
 step feeds one token. The attention returned per step is the LM's attention from the new
@@ -38,10 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import CheckpointError, UserError, WeightsUnavailable
-from ..fields import check_fields, field_error, spec
-from ..hf import DEFAULT_LM, load_lm, load_lm_tokenizer, with_cache
-from ..registry import register_exporter, register_family
+from ..core.errors import CheckpointError, UserError, WeightsUnavailable
+from ..core.fields import check_fields, field_error, spec
+from ..core.hf import DEFAULT_LM, load_lm, load_lm_tokenizer, with_cache
+from ..core.registry import register_exporter, register_family
 from .base import CaptionModel, KVMemory, TrainedTensorsMixin, TransformersExport
 from .lm_tokens import N_SPECIAL, LMTokens
 

@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import UserError
-from ..fields import check_fields, spec
+from ..core.errors import UserError
+from ..core.fields import check_fields, spec
+from ..core.registry import register_exporter, register_family
+from ..data.vocab import Vocab
 from ..kernels import EnergyContext
-from ..registry import register_exporter, register_family
-from ..vocab import Vocab
 from .base import CaptionModel, DecoderExport, token_cross_entropy
 
 
@@ -292,7 +292,7 @@ def attention_penalty(alphas: torch.Tensor, targets: torch.Tensor, pad: int = Vo
     return ((1.0 - attn_sum) ** 2).mean()
 
 
-# ---- ONNX export (see captionkit.export) ------------------------------------------------------------
+# ---- ONNX export (see captionkit.export.exporters) ------------------------------------------------------------
 class _ONNXInit(nn.Module):
     def __init__(self, decoder: SoftAttentionDecoder):
         super().__init__()

@@ -10,7 +10,7 @@ cache works as for the LSTM:
 - a pretrained CNN's or CLIP's grid: the same Linear projects it to the decoder width;
   ``encoder_layers`` may be 0 (the grid then goes straight to cross-attention).
 
-The decoder step contract is the LSTM's (see :mod:`captionkit.decoding`), so greedy decoding,
+The decoder step contract is the LSTM's (see :mod:`captionkit.inference.decoding`), so greedy decoding,
 beam search and self-critical training work unchanged:
 
     mem = model.prepare(feats)          # image encoder + every layer's cross-attention K/V, once
@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fields import check_fields, field_error, spec
-from ..registry import register_exporter, register_family
+from ..core.fields import check_fields, field_error, spec
+from ..core.registry import register_exporter, register_family
 from .base import CaptionModel, DecoderExport, KVMemory, token_cross_entropy
 
 
@@ -328,7 +328,7 @@ class TransformerCaptioner(CaptionModel):
         return token_cross_entropy(logits, targets, label_smoothing=label_smoothing)
 
 
-# ---- ONNX export (see captionkit.export) ------------------------------------------------------------
+# ---- ONNX export (see captionkit.export.exporters) ------------------------------------------------------------
 class _ONNXInit(nn.Module):
     """feats -> every decoder layer's cross-attention keys, then values, then the empty
     self-attention cache (position counter, per layer keys and values)."""

@@ -7,11 +7,11 @@ GPT-2 language model, each a Hugging Face hub name or a local folder:
 
 The ``VisionEncoderDecoderModel`` (``self.ved``) holds both sides, the new cross-attention
 layers (GPT-2's ``crossattention`` and ``ln_cross_attn``, randomly initialised) and the
-projection, so its exporter (registered at the bottom; :func:`captionkit.export.export_transformers`)
+projection, so its exporter (registered at the bottom; :func:`captionkit.export.exporters.export_transformers`)
 writes a plain transformers folder that ``VisionEncoderDecoderModel.from_pretrained`` loads.
-Loading the two sides is :mod:`captionkit.hf`'s. Real weights are never replaced by random
+Loading the two sides is :mod:`captionkit.core.hf`'s. Real weights are never replaced by random
 ones: a model that is neither a folder, nor in the local Hugging Face cache, nor downloadable
-is one line naming it (:class:`~captionkit.errors.WeightsUnavailable`), and a checkpoint short
+is one line naming it (:class:`~captionkit.core.errors.WeightsUnavailable`), and a checkpoint short
 of a tensor is refused (only GPT-2's cross-attention, which it cannot hold yet, and the ViT's
 pooler, which captioning does not use, may be missing).
 
@@ -39,11 +39,11 @@ exactly what ``from_pretrained`` would was preferred; a trainer hook that runs t
 trunk once over the cached pixels (as the trainer already does for blocks tuned before and
 frozen now) would be the way to get the saving back.
 
-Token ids: the ``lm`` tokenizer kind (:mod:`captionkit.tokenizers`) numbers GPT-2's tokens
+Token ids: the ``lm`` tokenizer kind (:mod:`captionkit.data.tokenizers`) numbers GPT-2's tokens
 from 4; <start> is embedded as GPT-2's BOS (``<|endoftext|>``) and <end> is its EOS (the same
 token), mapped exactly as the prefix-LM family maps them.
 
-Decoding follows :mod:`captionkit.decoding`'s step contract. ``prepare`` runs the ViT once and
+Decoding follows :mod:`captionkit.inference.decoding`'s step contract. ``prepare`` runs the ViT once and
 lets GPT-2 compute every layer's cross-attention keys and values from its tokens once: the
 memory (``CrossMemory``). The state is GPT-2's own self-attention KV cache (per layer keys and
 values (B, heads, t, head_dim), empty at first, one position longer per step). A step feeds
@@ -63,11 +63,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import UserError
-from ..fields import check_fields, spec
-from ..hf import (DEFAULT_VIT, gpt2_config, is_cross_attention, load_gpt2, load_image_processor_dict,
-                  load_lm_tokenizer, load_vit, require_transformers, vit_geometry, with_cache)
-from ..registry import register_exporter, register_family
+from ..core.errors import UserError
+from ..core.fields import check_fields, spec
+from ..core.hf import (
+    DEFAULT_VIT,
+    gpt2_config,
+    is_cross_attention,
+    load_gpt2,
+    load_image_processor_dict,
+    load_lm_tokenizer,
+    load_vit,
+    require_transformers,
+    vit_geometry,
+    with_cache,
+)
+from ..core.registry import register_exporter, register_family
 from .base import CaptionModel, KVMemory, TrainedTensorsMixin, TransformersExport
 from .lm_tokens import N_SPECIAL, LMTokens
 

@@ -46,10 +46,10 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..captioner import DEFAULT_MODEL, Captioner
+from ..core.errors import ImageError
+from ..data.images import MAX_PIXELS, decode_reduced, to_tensor
 from ..encoders.base import Preprocess
-from ..errors import ImageError
-from ..images import MAX_PIXELS, decode_reduced, to_tensor
+from ..inference.captioner import DEFAULT_MODEL, Captioner
 from .guards import ApiKey, BodyLimit, RateLimit, error_response
 
 ACCEPTED_TYPES = {"image/jpeg": "JPEG", "image/png": "PNG", "image/webp": "WEBP", "image/gif": "GIF",

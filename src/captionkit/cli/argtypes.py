@@ -1,0 +1,57 @@
+"""argparse ``type=`` functions for numeric options: a value out of range is refused by the
+parser, with the option's name, before anything loads. Light on imports (no torch)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable
+
+from ..core.devices import check_device_name
+
+
+def _at_least(low: float, convert: Callable[[str], float], what: str) -> Callable[[str], float]:
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value):  # float("nan") and float("inf") parse
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low:g}, got {value:g}")
+        return value
+    parse.__name__ = f"{convert.__name__}_at_least_{low:g}"
+    return parse
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """A whole number >= ``low``: "1.5" and "1e3" are refused."""
+    return _at_least(low, int, "a whole number")
+
+
+def float_at_least(low: float) -> Callable[[str], float]:
+    """A finite number >= ``low`` ("nan" and "inf" are refused)."""
+    return _at_least(low, float, "a number")
+
+
+positive_int = int_at_least(1)
+
+
+def positive_floats(text: str) -> list[float]:
+    """A comma-separated list of finite positive numbers ("0.6,0.4"), e.g. ensemble weights."""
+    parse = _at_least(0, float, "a number")
+    values = [parse(part) for part in text.split(",")]
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"must all be positive, got {text!r}")
+    return values
+
+
+def device_name(text: str) -> str:
+    """A ``--device`` spelling (captionkit.core.devices.DEVICE_HELP), checked without probing the
+    hardware: a typo is refused by the parser; a device that is not there is refused by
+    :func:`captionkit.core.devices.resolve_device` before any model loads."""
+    try:
+        return check_device_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -1,0 +1,321 @@
+"""A trained captioner: encoder + decoder + vocabulary, loaded from a checkpoint folder.
+
+It uses the decoder only through the model contract (:mod:`captionkit.models.base`), so it
+captions with any registered family."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from ..core.checkpoint import CheckpointError, load_into, read_config, read_weights, split_weights
+from ..core.devices import resolve_device
+from ..core.errors import UserError
+from ..core.precision import autocast, resolve_precision
+from ..data.images import ImageError
+from ..data.tokenizers import Tokenizer, load_tokenizer
+from ..encoders import Encoder, create_encoder, load_finetuned
+from ..encoders.image_batches import image_batches
+from ..models import CaptionModel, create_model
+from ..models.base import view_attention
+from .decoding import Caption, beam_nbest, decode
+from .ensemble import (
+    COMBINE,
+    ENSEMBLE_FILE,
+    TTA,
+    TTA_OFF,
+    EnsembleDecoder,
+    check_member_configs,
+    check_member_encoders,
+    is_ensemble_folder,
+    normalised_weights,
+    read_ensemble,
+    with_flip_views,
+)
+from .rerank import RERANKERS, mbr_choice
+from .shipped import DEFAULT_MODEL, SHIPPED, shipped_models_text
+
+
+def model_folder(path: str | Path | None) -> Path:
+    """A checkpoint folder from what a user typed: a path, the name of a shipped model, or
+    nothing (the default model). A folder of that name in the working directory wins."""
+    if path is None:
+        return DEFAULT_MODEL
+    path = Path(path)
+    if not path.exists() and len(path.parts) == 1 and (SHIPPED / path).is_dir():
+        return SHIPPED / path
+    return path
+
+
+def existing_model_folder(path: str | Path | None) -> Path:
+    """:func:`model_folder`, refused with one line (listing the shipped models) if missing."""
+    folder = model_folder(path)
+    if not folder.exists():
+        raise CheckpointError(f"{folder}: no such model folder (shipped models: {shipped_models_text()})")
+    return folder
+
+
+@dataclass
+class Member:
+    """A checkpoint's decoder, vocabulary and config, loaded without its encoder."""
+
+    path: Path
+    config: dict
+    decoder: torch.nn.Module
+    vocab: Tokenizer
+    encoder_tuned: dict[str, torch.Tensor]  # fine-tuned encoder tensors ({} for none)
+
+
+def load_member(path: Path) -> Member:
+    """Read a checkpoint folder's decoder and vocabulary; one CheckpointError naming the folder
+    for anything that does not fit."""
+    cfg = read_config(path)
+    try:
+        family, words, _ = cfg["family"], cfg["vocab"], cfg["encoder"]
+        decoder = create_model(family, cfg["model"])
+    except (KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}/config.json: incompatible config ({e})") from None
+    try:
+        vocab = load_tokenizer(words)
+    except (KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}/config.json: unusable vocabulary ({e})") from None
+    if len(vocab) != decoder.cfg.vocab_size:
+        raise CheckpointError(f"{path}: vocabulary has {len(vocab)} words, model expects {decoder.cfg.vocab_size}")
+    decoder_weights, encoder_tuned = split_weights(read_weights(path))
+    load_into(decoder, decoder_weights, path)
+    return Member(path, cfg, decoder, vocab, encoder_tuned)
+
+
+@dataclass
+class Result:
+    words: list[str]
+    attention: torch.Tensor  # (len(words), L)
+    grid: tuple[int, int]
+    candidates: list[str] | None = None  # the n-best list it was chosen from, best beam first
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.words)
+
+
+class Captioner:
+    def __init__(self, decoder: CaptionModel, vocab: Tokenizer, config: dict, encoder: Encoder | None = None,
+                 tta: str | None = None):
+        """``tta="flip"``: test-time flip averaging -- every image is encoded twice, as it is and
+        mirrored, and the decoder decodes both views as one ensemble (ensemble.with_flip_views);
+        features given to ``decode_features`` are then (B, 2, L, D). ``"none"``: none (what
+        ``--tta none`` asks for over an ensemble folder's own)."""
+        tta = None if tta == TTA_OFF else tta
+        if tta not in (None, *TTA):
+            raise ValueError(f"unknown test-time augmentation {tta!r} (known: {', '.join(TTA)})")
+        self.tta = tta
+        if tta == "flip":
+            decoder = with_flip_views(decoder)
+            config = {**config, "tta": tta}
+        self.decoder = decoder.eval()
+        self.vocab = vocab
+        self.config = config
+        self.encoder = encoder
+        self.grid = tuple(config["encoder"]["grid"])
+        decoding = config.get("decoding", {})
+        self.max_len = int(decoding.get("max_len", 20))
+        # the length normalisation the model was tuned with on its dev split (0: none)
+        self.length_penalty = float(decoding.get("length_penalty", 0.0))
+        # where the decoder and encoder are as given (the CPU: checkpoints are read there, and the
+        # ONNX runtime's stand-ins are not modules to move); see place()
+        self.device = torch.device("cpu")
+        self.precision = resolve_precision("auto", self.device)
+
+    def place(self, device: str | torch.device = "cpu", precision: str = "auto") -> "Captioner":
+        """Move the decoder and encoder to ``device`` (a name as ``--device`` takes it, or a
+        torch.device) and decode under ``precision`` resolved for it (captionkit.core.precision:
+        "auto" is bf16 autocast on a GPU that has it and on a CPU that multiplies bf16
+        natively, else float32). Checkpoints are read on the CPU and moved here."""
+        self.device = resolve_device(device) if isinstance(device, str) else torch.device(device)
+        self.precision = resolve_precision(precision, self.device)
+        self.decoder.to(self.device)
+        if self.encoder is not None:
+            self.encoder.to(self.device)
+        return self
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, with_encoder: bool = True,
+             encoder_weights: str | None = None, tta: str | None = None, device: str | torch.device = "cpu",
+             precision: str = "auto") -> "Captioner":
+        """Load a checkpoint folder, an ensemble folder (captionkit.inference.ensemble), or a shipped model
+        by name (the default one when ``path`` is None), onto ``device`` (see :meth:`place`).
+        ``tta``: see :class:`Captioner` (default: none, or what the ensemble folder says;
+        "none" switches the folder's off)."""
+        path = existing_model_folder(path)
+        if is_ensemble_folder(path):
+            spec = read_ensemble(path)
+            return cls.load_ensemble(spec.member_folders(SHIPPED), spec.weights, length_penalty=spec.length_penalty,
+                                     max_len=spec.max_len, combine=spec.combine, with_encoder=with_encoder,
+                                     encoder_weights=encoder_weights, source=path, tta=tta or spec.tta,
+                                     device=device, precision=precision)
+        member = load_member(path)
+        cap = cls._with_encoder(member.decoder, member, member.config, with_encoder, encoder_weights, tta)
+        return cap.place(device, precision)
+
+    @classmethod
+    def load_ensemble(cls, paths: Sequence[str | Path], weights: Sequence[float] | None = None, *,
+                      length_penalty: float | None = None, max_len: int | None = None,
+                      combine: str = "loglinear", with_encoder: bool = True,
+                      encoder_weights: str | None = None, source: Path | None = None,
+                      tta: str | None = None, device: str | torch.device = "cpu",
+                      precision: str = "auto") -> "Captioner":
+        """Several checkpoints (folders or shipped names) of one tokenizer and encoder, decoded
+        as one model (captionkit.inference.ensemble). ``weights``: one per member (default equal);
+        ``length_penalty`` and ``max_len``: the ensemble's (default the first member's).
+        ``source``: the ensemble folder they were named in, if any (for its errors).
+        ``device``, ``precision``: see :meth:`place`."""
+        normalised_weights(weights, len(paths))  # a wrong weight is refused before anything loads
+        if combine not in COMBINE:
+            raise UserError(f"unknown combine {combine!r} (known: {', '.join(COMBINE)})")
+        folders = []
+        for p in paths:
+            folder = existing_model_folder(p)
+            if is_ensemble_folder(folder):
+                raise CheckpointError(f"{folder}: is an ensemble; an ensemble's members are checkpoints"
+                                      + (f" (named in {source / ENSEMBLE_FILE})" if source else ""))
+            folders.append(folder)
+        check_member_configs([(f, read_config(f)) for f in folders])  # before any weights load
+        members = [load_member(f) for f in folders]
+        check_member_encoders([(m.path, m.encoder_tuned) for m in members])
+        decoder = EnsembleDecoder([m.decoder for m in members], weights, combine)
+        first = members[0]
+        decoding = dict(first.config.get("decoding", {}))
+        if length_penalty is not None:
+            decoding["length_penalty"] = length_penalty
+        if max_len is not None:
+            decoding["max_len"] = max_len
+        # "model" stays the first member's: the attention shown is the first member's
+        config = {**{k: first.config[k] for k in ("model", "encoder", "vocab")}, "family": "ensemble",
+                  "decoding": decoding,
+                  "ensemble": {"members": [str(m.path) for m in members], "weights": decoder.weights,
+                               "combine": combine, "families": [m.config["family"] for m in members],
+                               **({"folder": str(source)} if source else {})}}
+        cap = cls._with_encoder(decoder, first, config, with_encoder, encoder_weights, tta)
+        return cap.place(device, precision)
+
+    @classmethod
+    def _with_encoder(cls, decoder: torch.nn.Module, member: "Member", config: dict, with_encoder: bool,
+                      encoder_weights: str | None, tta: str | None = None) -> "Captioner":
+        """The captioner of ``decoder``, with the encoder ``member``'s checkpoint names (and its
+        fine-tuned blocks) unless ``with_encoder`` is False."""
+        encoder = None
+        if with_encoder:
+            path, enc_cfg = member.path, member.config["encoder"]
+            encoder = create_encoder(enc_cfg["name"], weights=encoder_weights or enc_cfg.get("weights"))
+            if member.encoder_tuned:  # the blocks fine-tuned with this decoder
+                load_finetuned(encoder, member.encoder_tuned, str(path))
+            grid = list(encoder.grid())
+            if encoder.dim != decoder.cfg.feat_dim or grid != list(enc_cfg["grid"]):
+                raise CheckpointError(
+                    f"{path}: trained on {enc_cfg['name']} features {enc_cfg['grid']} x {decoder.cfg.feat_dim}, "
+                    f"but the encoder gives {grid} x {encoder.dim}")
+        return cls(decoder, member.vocab, config, encoder, tta)
+
+    @torch.no_grad()
+    def decode_features(self, feats: torch.Tensor, beam: int = 3,
+                        length_penalty: float | None = None) -> list[Caption]:
+        """feats (B, L, D) on any device -> one Caption per image (length_penalty None: the
+        model's own), decoded on this captioner's device and precision; Captions are CPU-side."""
+        with autocast(self.device, self.precision):
+            return decode(self.decoder, self._on_device(feats), beam=beam, max_len=self.max_len,
+                          length_penalty=self.length_penalty_or(length_penalty))
+
+    def _on_device(self, feats: torch.Tensor) -> torch.Tensor:
+        return feats.to(self.device, non_blocking=True).float()
+
+    def mbr(self, lists: list[list[Caption]]) -> list[Caption]:
+        """Each n-best list's consensus caption (captionkit.inference.rerank; document frequencies from
+        these lists' images)."""
+        choice = mbr_choice({i: [self.text(c) for c in caps] for i, caps in enumerate(lists)})
+        return [caps[choice[i]] for i, caps in enumerate(lists)]
+
+    @torch.no_grad()
+    def nbest_features(self, feats: torch.Tensor, n: int, beam: int | None = None,
+                       length_penalty: float | None = None) -> list[list[Caption]]:
+        """feats (B, L, D) -> each image's ``n`` best beams, best first (beam width
+        max(beam, n))."""
+        with autocast(self.device, self.precision):
+            return beam_nbest(self.decoder, self._on_device(feats), n, max(beam or n, n), self.max_len,
+                              self.length_penalty_or(length_penalty))
+
+    def text(self, cap: Caption) -> str:
+        """A caption's words as one string (what scoring and reranking compare)."""
+        return " ".join(self.vocab.decode(cap.ids))
+
+    def length_penalty_or(self, length_penalty: float | None) -> float:
+        """The given length normalisation, or the model's own when None."""
+        return self.length_penalty if length_penalty is None else length_penalty
+
+    def result(self, cap: Caption) -> Result:
+        """A caption as words, with one attention row per word: a word spelt by several tokens
+        (characters, subwords) gets the mean of its tokens' attention."""
+        attention = view_attention(cap.attention, self.decoder.attention_view)
+        spans = self.vocab.spans(cap.ids)
+        if spans:
+            attention = torch.stack([attention[pos].mean(0) for _, pos in spans])  # (words, L)
+        else:
+            attention = attention[:0]
+        return Result([w for w, _ in spans], attention, self.grid)
+
+    def encode_batch(self, images: list[torch.Tensor]) -> torch.Tensor:
+        """Preprocessed images, each (3, S, S) -> the encoder's rows (B, L, D), without autograd
+        (with flip averaging (B, 2, L, D), see :meth:`encode`)."""
+        return self.encode(torch.stack(images))
+
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Preprocessed pixels (B, 3, S, S) on any device -> the encoder's rows (B, L, D) on this
+        captioner's device, computed under its precision, without autograd; with flip averaging
+        (B, 2, L, D): the images' rows and their mirror images' (a second encoder pass).
+        float32 whatever the precision (the decoders take float32 features; bf16 autocast
+        would otherwise hand back bf16 rows on some CPUs and float32 on others)."""
+        if self.encoder is None:
+            raise RuntimeError("this Captioner was loaded without its encoder")
+        with autocast(self.device, self.precision):
+            feats = self.encoder.encode(pixels)
+            if self.tta == "flip":
+                feats = torch.stack([feats, self.encoder.encode(pixels.flip(-1))], 1)
+        return feats.float()
+
+    def caption_files(self, paths: list[Path], beam: int = 3, batch_size: int = 16,
+                      length_penalty: float | None = None, workers: int = 1, nbest: int | None = None,
+                      rerank: str | None = None) -> Iterator[tuple[Path, Result | ImageError]]:
+        """Caption image files in order; a bad file yields its ImageError and the rest go on.
+        ``workers`` processes decode the next batches' images while this batch is captioned
+        (0: in this process; captionkit.encoders.image_batches), pinned and copied without blocking
+        when the device is a GPU.
+        ``nbest``: keep each image's ``nbest`` best beams as the Result's ``candidates``;
+        ``rerank="mbr"``: choose the caption among them by consensus (:meth:`mbr`), batch by
+        batch."""
+        if rerank not in (None, *RERANKERS):
+            raise UserError(f"unknown reranker {rerank!r} (known: {', '.join(RERANKERS)})")
+        if rerank and not nbest:
+            raise UserError("reranking chooses among the n best beams: give nbest")
+        if self.encoder is None:
+            raise RuntimeError("this Captioner was loaded without its encoder")
+        for batch in image_batches(paths, self.encoder.preprocess, batch_size, workers, self.device):
+            caps: dict[int, Caption] = {}
+            lists: dict[int, list[Caption]] = {}
+            if batch.good:
+                feats = self.encode(batch.pixels)  # (B, L, D)
+                if nbest:
+                    lists = dict(zip(batch.good, self.nbest_features(feats, nbest, beam, length_penalty)))
+                    chosen = self.mbr(list(lists.values())) if rerank else [c[0] for c in lists.values()]
+                    caps = dict(zip(batch.good, chosen))
+                else:
+                    caps = dict(zip(batch.good, self.decode_features(feats, beam, length_penalty)))
+            for i, p in enumerate(batch.paths):
+                if i not in caps:
+                    yield p, batch.errors[i]
+                    continue
+                res = self.result(caps[i])
+                if i in lists:
+                    res.candidates = [self.text(c) for c in lists[i]]
+                yield p, res

@@ -1,0 +1,309 @@
+"""Ensembles at decode time: several checkpoints of one tokenizer decoded as one model.
+
+:class:`EnsembleDecoder` keeps the decoder step contract (``prepare`` / ``init_state`` /
+``step``, see :mod:`captionkit.inference.decoding`), so greedy and beam search decode an ensemble as they
+decode one model: every member keeps its own memory and state, and each step combines the
+members' next-word log-probabilities.
+
+How they are combined (``combine``):
+
+- ``"loglinear"`` (the default): the weighted mean of the members' log-probabilities,
+  renormalised over the vocabulary -- a product of experts, p(w) ~ prod_i p_i(w) ** w_i.
+  Chosen as the default because a word must be plausible to every member to win: one member's
+  confident mistake (the wrong object or colour, the kind of error that differs between
+  families) is vetoed by the others instead of keeping half its probability, and beam search,
+  which sums log-probabilities, sees each member's score enter additively. Renormalising keeps
+  each step a distribution, so length normalisation and <end> mean what they mean for one model.
+- ``"linear"``: the weighted arithmetic mean of the probabilities (a mixture), which the
+  ensemble benchmark (``benchmarks/ensemble_dev.py``) compares on the Flickr8k dev split.
+
+Members must share the tokenizer (identical vocabularies) and the encoder (same name, weights
+and grid, and no fine-tuned encoder tensors or identical ones), so one encoder pass serves all;
+the attention shown with a caption is the first member's.
+
+An ensemble ships as a folder holding ``ensemble.json`` (see :func:`write_ensemble`) and the
+``.captionkit.json`` marker of kind ``"ensemble"``; ``Captioner.load`` accepts such a folder.
+This module does not import the captioner (which imports it): member folders are resolved by
+the caller, which knows where the shipped models live.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ..core.checkpoint import atomic_folder
+from ..core.errors import CheckpointError, UserError
+from ..core.outputs import atomic_write_text, owner_kind, write_marker
+from .shipped import ENSEMBLE_FILE
+
+FORMAT, VERSION = "captionkit-ensemble", 1
+KIND = "ensemble"  # the outputs.MARKER kind of an ensemble folder
+COMBINE = ("loglinear", "linear")
+
+
+# ---- the decoder ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EnsembleConfig:
+    """What shared code reads of a decoder's config: the members' common sizes."""
+
+    vocab_size: int
+    feat_dim: int
+
+
+class EnsembleMemory:
+    """The members' memories, and how many tensors of the flat decoding state belong to each
+    member (recorded by ``init_state``; carried through ``index_select``, so beam search's
+    selection of memory rows and of state rows stay independent of each other)."""
+
+    def __init__(self, members: list[Any], state_sizes: tuple[int, ...] | None = None):
+        self.members = members
+        self.state_sizes = state_sizes
+
+    def index_select(self, idx: torch.Tensor) -> "EnsembleMemory":
+        return EnsembleMemory([m.index_select(idx) for m in self.members], self.state_sizes)
+
+
+def normalised_weights(weights: Sequence[float] | None, n: int) -> list[float]:
+    """Member weights summing to 1 (equal weights when None). Each must be a finite positive
+    number, one per member; a ValueError says which is wrong."""
+    if weights is None:
+        return [1.0 / n] * n
+    weights = list(weights)
+    if len(weights) != n:
+        raise UserError(f"{len(weights)} weights for {n} members: give one weight per member")
+    for i, w in enumerate(weights):
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+            raise UserError(f"weight {i + 1} is {w!r}: weights must be finite positive numbers")
+    total = float(sum(weights))
+    return [float(w) / total for w in weights]
+
+
+def combine_logprobs(logprobs: Sequence[torch.Tensor], weights: Sequence[float], combine: str) -> torch.Tensor:
+    """Members' log-probabilities (each (B, V)) -> the ensemble's (B, V), normalised."""
+    stacked = torch.stack(list(logprobs))  # (M, B, V)
+    w = torch.tensor(weights, dtype=stacked.dtype, device=stacked.device).view(-1, 1, 1)
+    if combine == "loglinear":
+        mixed = (w * stacked).sum(0)
+        return mixed - torch.logsumexp(mixed, dim=-1, keepdim=True)
+    if combine == "linear":
+        return torch.logsumexp(stacked + w.log(), dim=0)
+    raise UserError(f"unknown combine {combine!r} (known: {', '.join(COMBINE)})")
+
+
+class EnsembleDecoder(nn.Module):
+    """Several decoders of one vocabulary and one encoder, decoded as one (module docstring)."""
+
+    def __init__(self, members: Sequence[nn.Module], weights: Sequence[float] | None = None,
+                 combine: str = "loglinear", views: Sequence[int] | None = None):
+        """``views``: which view of the image each member reads, when ``prepare`` is given
+        several (feats (B, V, L, D), e.g. the photo and its mirror image, see
+        :func:`with_flip_views`); None: every member reads the one view (B, L, D)."""
+        super().__init__()
+        if not members:
+            raise UserError("an ensemble needs at least one member")
+        if combine not in COMBINE:
+            raise UserError(f"unknown combine {combine!r} (known: {', '.join(COMBINE)})")
+        sizes = {(m.cfg.vocab_size, m.cfg.feat_dim) for m in members}
+        if len(sizes) != 1:
+            raise UserError(f"ensemble members differ in (vocab_size, feat_dim): {sorted(sizes)}")
+        self.members = nn.ModuleList(members)
+        self.weights = normalised_weights(weights, len(members))
+        self.combine = combine
+        self.views = None if views is None else [int(v) for v in views]
+        if self.views is not None and len(self.views) != len(members):
+            raise ValueError(f"{len(self.views)} views for {len(members)} members: give one view per member")
+        self.cfg = EnsembleConfig(*sizes.pop())
+
+    @property
+    def attention_view(self) -> str:
+        """How figures show the attention: the first member's (the model contract's name)."""
+        return self.members[0].attention_view
+
+    def prepare(self, feats: torch.Tensor) -> EnsembleMemory:
+        """feats (B, L, D), or (B, V, L, D) when the members read views of the image."""
+        if self.views is None:
+            return EnsembleMemory([m.prepare(feats) for m in self.members])
+        if feats.dim() != 4 or feats.shape[1] <= max(self.views):
+            raise ValueError(f"this ensemble reads {max(self.views) + 1} views of each image: feats must be "
+                             f"(B, {max(self.views) + 1}, L, D), got {tuple(feats.shape)}")
+        return EnsembleMemory([m.prepare(feats[:, v]) for m, v in zip(self.members, self.views)])
+
+    def init_state(self, mem: EnsembleMemory) -> tuple[torch.Tensor, ...]:
+        """The members' states, concatenated into one flat tuple of batch-first tensors (what
+        decoding selects rows of); ``mem`` records where each member's part begins."""
+        states = [m.init_state(x) for m, x in zip(self.members, mem.members)]
+        mem.state_sizes = tuple(len(s) for s in states)
+        return tuple(t for s in states for t in s)
+
+    def step(self, tokens: torch.Tensor, state: tuple[torch.Tensor, ...], mem: EnsembleMemory):
+        if mem.state_sizes is None:
+            raise RuntimeError("EnsembleDecoder.step needs a memory that init_state has seen")
+        logprobs, new_state, attention, start = [], [], None, 0
+        for member, member_mem, size in zip(self.members, mem.members, mem.state_sizes):
+            logp, st, att = member.step(tokens, tuple(state[start:start + size]), member_mem)
+            start += size
+            logprobs.append(logp.float())
+            new_state += st
+            attention = att if attention is None else attention  # the first member's
+        return combine_logprobs(logprobs, self.weights, self.combine), tuple(new_state), attention
+
+
+# ---- test-time augmentation: the photo and its mirror image --------------------------------
+TTA = ("flip",)
+TTA_OFF = "none"  # --tta none: no augmentation, not even an ensemble folder's own
+
+
+def with_flip_views(decoder: nn.Module) -> EnsembleDecoder:
+    """Test-time flip averaging: ``decoder`` (one model or an ensemble) decoding the photo
+    (view 0) and its horizontal mirror image (view 1) as an ensemble of both, each of its members
+    once per view at half its weight, combined as the ensemble combines (log-linear for one
+    model). Captions describe the scene, which a mirror image keeps (only "left" and "right"
+    swap, and captions rarely use them), so the two views' errors partly cancel, as different
+    members' do. The decoder then takes feats (B, 2, L, D); the attention shown is view 0's."""
+    if isinstance(decoder, EnsembleDecoder):
+        if decoder.views is not None:
+            raise ValueError("this decoder already reads several views")
+        members, weights, combine = list(decoder.members), decoder.weights, decoder.combine
+    else:
+        members, weights, combine = [decoder], [1.0], "loglinear"
+    return EnsembleDecoder(members * 2, [w / 2 for w in weights] * 2, combine,
+                           views=[0] * len(members) + [1] * len(members))
+
+
+# ---- members: which checkpoints can be decoded together ------------------------------------
+def _encoder_identity(cfg: dict) -> tuple:
+    enc = cfg.get("encoder", {})
+    return enc.get("name"), enc.get("weights"), list(enc.get("grid", []))
+
+
+def check_member_configs(members: Sequence[tuple[Path, dict]]) -> None:
+    """Refuse, with one line naming the member folder, a member whose tokenizer or encoder
+    differs from the first member's. Reads only the configs (before any weights load)."""
+    (first_path, first), rest = members[0], members[1:]
+    for path, cfg in rest:
+        if cfg.get("vocab") != first.get("vocab"):
+            raise CheckpointError(f"{path}: its vocabulary differs from {first_path}'s; "
+                                  f"ensemble members must share one tokenizer")
+        if _encoder_identity(cfg) != _encoder_identity(first):
+            name, weights, grid = _encoder_identity(cfg)
+            name0, weights0, grid0 = _encoder_identity(first)
+            raise CheckpointError(f"{path}: uses encoder {name} (weights {weights}, grid {grid}), "
+                                  f"{first_path} uses {name0} (weights {weights0}, grid {grid0}); "
+                                  f"ensemble members must share one encoder")
+
+
+def check_member_encoders(members: Sequence[tuple[Path, dict[str, torch.Tensor]]]) -> None:
+    """Refuse a member whose fine-tuned encoder tensors (checkpoint tensors under ``encoder.``)
+    differ from the first member's: one encoder pass must serve every member."""
+    (first_path, first), rest = members[0], members[1:]
+    for path, tuned in rest:
+        same = tuned.keys() == first.keys() and all(torch.equal(tuned[k], first[k]) for k in tuned)
+        if not same:
+            raise CheckpointError(f"{path}: its fine-tuned encoder tensors differ from {first_path}'s; "
+                                  f"ensemble members must share one encoder")
+
+
+# ---- the ensemble folder --------------------------------------------------------------------
+@dataclass
+class EnsembleSpec:
+    """An ensemble folder's ``ensemble.json``: members (each ``{"shipped": NAME}`` or
+    ``{"path": PATH relative to the folder}``), their weights, and its decoding settings."""
+
+    folder: Path
+    members: list[dict]
+    weights: list[float]
+    combine: str = "loglinear"
+    length_penalty: float = 0.0
+    max_len: int | None = None
+    tta: str | None = None  # test-time augmentation ("flip": see with_flip_views)
+
+    def member_folders(self, shipped_root: Path) -> list[Path]:
+        return [shipped_root / m["shipped"] if "shipped" in m else self.folder / m["path"] for m in self.members]
+
+
+def is_ensemble_folder(folder: Path) -> bool:
+    return (folder / ENSEMBLE_FILE).is_file()
+
+
+def member_entry(folder: Path, out: Path, shipped_root: Path) -> dict:
+    """How ``ensemble.json`` in ``out`` names the checkpoint ``folder``: a shipped model by
+    name, any other folder by its path relative to ``out``."""
+    if folder.parent.resolve() == shipped_root.resolve():
+        return {"shipped": folder.name}
+    return {"path": os.path.relpath(folder.resolve(), out.resolve())}
+
+
+def read_ensemble(folder: Path) -> EnsembleSpec:
+    """Read and check ``folder/ensemble.json``; a mistake is one CheckpointError naming the file
+    and the field."""
+    path = folder / ENSEMBLE_FILE
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else None
+        raise CheckpointError(f"{path}: not a captionkit ensemble (format {found!r})")
+    if doc.get("version", 0) > VERSION:
+        raise CheckpointError(f"{path}: written by a newer captionkit (version {doc['version']})")
+    members = doc.get("members")
+    if not isinstance(members, list) or not members:
+        raise CheckpointError(f"{path}: 'members' must be a non-empty list")
+    for i, m in enumerate(members):
+        ok = isinstance(m, dict) and len({"shipped", "path"} & set(m)) == 1 and \
+            isinstance(m.get("shipped", m.get("path")), str) and "weight" in m
+        if not ok:
+            raise CheckpointError(f"{path}: members[{i}] must hold either 'shipped' (a shipped model's name) "
+                                  f"or 'path' (relative to the folder), and 'weight'")
+        if "shipped" in m and len(Path(m["shipped"]).parts) != 1:
+            raise CheckpointError(f"{path}: members[{i}].shipped must be a shipped model's name, not a path")
+    try:
+        weights = normalised_weights([m["weight"] for m in members], len(members))
+    except ValueError as e:
+        raise CheckpointError(f"{path}: members' weights: {e}") from None
+    combine = doc.get("combine", "loglinear")
+    if combine not in COMBINE:
+        raise CheckpointError(f"{path}: 'combine' must be one of {', '.join(COMBINE)}, not {combine!r}")
+    decoding = doc.get("decoding", {})
+    lp, max_len = decoding.get("length_penalty", 0.0), decoding.get("max_len")
+    if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp) or lp < 0:
+        raise CheckpointError(f"{path}: decoding.length_penalty must be a number >= 0, not {lp!r}")
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
+        raise CheckpointError(f"{path}: decoding.max_len must be a whole number >= 1, not {max_len!r}")
+    tta = decoding.get("tta")
+    if tta is not None and tta not in TTA:
+        raise CheckpointError(f"{path}: decoding.tta must be one of {', '.join(TTA)} or absent, not {tta!r}")
+    return EnsembleSpec(folder, members, weights, combine, float(lp), max_len, tta)
+
+
+def write_ensemble(out: Path, members: list[dict], weights: Sequence[float], length_penalty: float,
+                   max_len: int | None = None, combine: str = "loglinear", tta: str | None = None) -> Path:
+    """Write ``out/ensemble.json`` (members as :func:`member_entry` names them) and mark ``out``
+    as a captionkit ensemble. The caller has checked ``out`` (outputs.check_folder_target: it is
+    missing, empty, or an ensemble to overwrite) and the members; an existing ensemble keeps its
+    other files (member checkpoints kept there)."""
+    weights = normalised_weights(weights, len(members))
+    decoding: dict = {"length_penalty": float(length_penalty)}
+    if max_len is not None:
+        decoding["max_len"] = int(max_len)
+    if tta is not None:
+        decoding["tta"] = tta
+    doc = {"format": FORMAT, "version": VERSION,
+           "members": [{**m, "weight": round(w, 6)} for m, w in zip(members, weights)],
+           "combine": combine, "decoding": decoding}
+    text = json.dumps(doc, indent=1) + "\n"
+    if owner_kind(out) == KIND:  # --overwrite of an ensemble: its ensemble.json is replaced, atomically
+        atomic_write_text(out / ENSEMBLE_FILE, text)
+    else:  # a new folder appears whole, or not at all
+        with atomic_folder(out) as tmp:
+            (tmp / ENSEMBLE_FILE).write_text(text)
+            write_marker(tmp, KIND)
+    return out / ENSEMBLE_FILE

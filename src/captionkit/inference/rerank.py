@@ -1,0 +1,126 @@
+"""Consensus (minimum-Bayes-risk) reranking: of each image's candidate captions, choose the one
+with the highest expected CIDEr-D against the image's other candidates.
+
+The candidates are plain text, so they can come from any models -- n-best lists of beam search,
+several families, several tokenizers, a vision-language model -- and the candidates of one image
+act as pseudo-references for each other: a caption that agrees with the rest of the list wins
+over an outlier, however probable the outlier was under its own model.
+
+The utility is captionkit's CIDEr-D (:func:`captionkit.scoring.metrics.cider_d_pairs`), on the
+candidates tokenised the coco-caption way (Python PTB tokenisation). CIDEr-D weighs n-grams by
+their rarity across images (document frequencies), which here come from the candidate lists of
+all images reranked together: rerank a set of images at once (the ``rerank`` command, or
+``evaluate``), not one photo at a time -- with a single image every n-gram is in every "document"
+and every candidate scores 0, so the first (the model's best) is kept.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from ..core.errors import UserError
+from ..scoring import metrics as M
+from ..scoring.ptb_tokenize import tokenize_python
+
+RERANKERS = ("mbr",)
+
+
+def consensus_utilities(candidates: dict[Hashable, Sequence[str]],
+                        weights: dict[Hashable, Sequence[float]] | None = None) -> dict[Hashable, np.ndarray]:
+    """Each candidate's expected CIDEr-D (x10) against its image's other candidates, weighted
+    by their ``weights`` (e.g. probabilities; default equal): {image: (n,) utilities}.
+
+    Document frequencies count images: every image's keys are padded to the same count so the
+    per-key counting of :func:`captionkit.scoring.metrics.cider_d_pairs` equals per-image counting."""
+    tokens = tokenize_python({k: list(v) for k, v in candidates.items()})
+    images = [k for k, v in tokens.items() if v]
+    n_max = max((len(tokens[k]) for k in images), default=0)
+    if n_max < 2:  # nobody has another candidate to agree with
+        return {k: np.zeros(len(v)) for k, v in tokens.items()}
+    cands, refs = {}, {}
+    for k in images:
+        for i in range(n_max):  # key (image, i): candidate i against all of the image's candidates
+            cands[(k, i)] = tokens[k][min(i, len(tokens[k]) - 1)]  # padding keys repeat the last one
+            refs[(k, i)] = tokens[k]
+    pairs = M.cider_d_pairs(cands, refs)  # (sum over keys of n_k,), key by key, in refs' order
+    out: dict[Hashable, np.ndarray] = {k: np.zeros(len(v)) for k, v in tokens.items()}
+    pos = 0
+    for k in images:
+        n = len(tokens[k])
+        sim = pairs[pos:pos + n_max * n].reshape(n_max, n)[:n]  # (n, n): candidate i vs candidate j
+        pos += n_max * n
+        w = np.ones(n) if weights is None else np.asarray(weights[k], dtype=np.float64)
+        if w.shape != (n,) or not np.all(np.isfinite(w)) or np.any(w < 0):
+            raise ValueError(f"{k}: {len(w)} weights for {n} candidates, or not finite and >= 0")
+        others = np.where(np.eye(n, dtype=bool), 0.0, w[None, :])  # (n, n): j != i
+        mass = others.sum(1)
+        out[k] = np.where(mass > 0, (sim * others).sum(1) / np.where(mass > 0, mass, 1.0), 0.0)
+    return out
+
+
+def mbr_choice(candidates: dict[Hashable, Sequence[str]],
+               weights: dict[Hashable, Sequence[float]] | None = None) -> dict[Hashable, int]:
+    """{image: index of the candidate with the highest expected CIDEr-D}; ties go to the
+    earlier candidate (list the candidates best first, and a tie keeps the model's choice)."""
+    return {k: int(np.argmax(u)) if len(u) else -1 for k, u in consensus_utilities(candidates, weights).items()}
+
+
+def sequence_weights(logprobs: Sequence[float]) -> list[float]:
+    """One n-best list's candidates weighted by their sequence probabilities, renormalised over
+    the list (a softmax of the summed log-probabilities)."""
+    lp = np.asarray(logprobs, dtype=np.float64)
+    p = np.exp(lp - lp.max())
+    return (p / p.sum()).tolist()
+
+
+def read_candidates(path: str | Path) -> dict[str, list[str]]:
+    """A candidates file: JSON {image: [caption, ...]} (an n-best list) or {image: caption}
+    (one caption, as ``captionkit caption --json`` writes); one ValueError line naming the file."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such candidates file") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    if not isinstance(doc, dict):
+        raise UserError(f"{path}: expected a JSON object {{image: [caption, ...]}}")
+    out = {}
+    for k, v in doc.items():
+        v = [v] if isinstance(v, str) else v
+        if not isinstance(v, list) or not all(isinstance(c, str) for c in v):
+            raise UserError(f"{path}: {k!r} must map to a caption or a list of captions")
+        out[k] = v
+    return out
+
+
+def union_candidates(lists: Sequence[dict[str, list[str]]], names: Sequence[str]) -> dict[str, list[str]]:
+    """Every image's candidates from several sources, source by source in the order given (so a
+    tie goes to the first source's best). Each source must cover the same images."""
+    keys = set(lists[0])
+    for src, name in zip(lists[1:], names[1:]):
+        if set(src) != keys:
+            only = sorted(set(src) ^ keys)
+            raise UserError(f"{name}: covers other images than {names[0]} (e.g. {only[:3]})")
+    return {k: [c for src in lists for c in src[k]] for k in lists[0]}
+
+
+def rerank_files(paths: Sequence[str], out: str | None, overwrite: bool) -> dict[str, str]:
+    """The ``captionkit rerank`` command's work: the union of the files' candidates, one caption
+    chosen per image by MBR, written to ``out`` as {image: caption} (the write rule of
+    captionkit.core.outputs: an existing file needs ``overwrite``)."""
+    from ..core.outputs import atomic_write_text, check_file_target
+
+    target = check_file_target(out, overwrite=overwrite) if out else None
+    union = union_candidates([read_candidates(p) for p in paths], list(paths))
+    choice = mbr_choice(union)
+    chosen = {k: union[k][i] for k, i in choice.items() if i >= 0}
+    if len(chosen) != len(union):
+        empty = sorted(set(union) - set(chosen))
+        raise UserError(f"{paths[0]}: {len(empty)} images have no candidate (e.g. {empty[:3]})")
+    if target:
+        atomic_write_text(target, json.dumps(chosen, indent=1, ensure_ascii=False))
+    return chosen

@@ -1,0 +1,461 @@
+"""The one caption writer behind ``captionkit caption`` and ``captionkit zero-shot``
+(docs/captioning.md is the user's guide).
+
+Outputs: a ``filename<TAB>caption`` line per image on stdout; ``--json OUT`` ({key: caption},
+written once at the end); ``--jsonl OUT`` / ``--csv OUT`` (a line per image, appended as it is
+captioned, resumable); ``--attention DIR`` (one figure per image, ``caption`` only).
+
+- Every target is checked before the model loads (captionkit.core.outputs): an existing ``--json``
+  file needs ``--overwrite``; an existing ``--jsonl``/``--csv`` file is resumed when captionkit
+  wrote it with the same settings, recorded in ``OUT.meta.json``; ``--overwrite`` starts it
+  again; an ``--attention`` folder must be new, empty or captionkit's own.
+- JSONL/CSV files are appended one complete line at a time (one ``write`` per line), so a
+  killed run leaves every finished image and at most one torn last line, dropped on resume.
+  JSONL lines: ``{"image": KEY, "caption": TEXT}`` or ``{"image": KEY, "error": MESSAGE}``;
+  CSV columns ``image,caption,error``. Images recorded with an error are kept as they are on
+  resume (the run says so and exits 1); ``--retry-failed`` removes those lines and tries again.
+- An image's KEY is its file name, or its path as given where two images share a file name.
+  File-name bytes that are not UTF-8 are written as ``\\xNN`` (:func:`display_name`).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import os
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from ..core.errors import ImageError, OutputError
+from ..core.outputs import (
+    MARKER,
+    atomic_write_bytes,
+    atomic_write_text,
+    check_file_target,
+    check_folder_target,
+    write_marker,
+)
+
+META_SUFFIX = ".meta.json"  # OUT.meta.json beside a --jsonl/--csv OUT: the settings it was written with
+META_KIND = "caption-settings"
+FIGURES_KIND = "attention"  # the outputs.MARKER kind of an --attention folder
+EXIT_STDOUT_CLOSED = 128 + signal.SIGPIPE  # what a shell shows for a command ended by a closed pipe
+SKIPPED_SHOWN = 5  # skipped files named without --verbose
+
+
+def display_name(text: str) -> str:
+    """``text`` as it is written to outputs: the bytes of a file name that are not valid UTF-8
+    (held by Python as lone surrogates, PEP 383) become the four characters ``\\xNN``."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def image_keys(paths: list[Path]) -> tuple[dict[Path, str], list[tuple[Path, str]]]:
+    """The key each image is written under -- its file name, or its path as given where two
+    images share a name -- and the images left out because their key would repeat another's
+    (only possible when one name holds non-UTF-8 bytes and another the text ``\\xNN``)."""
+    counts = Counter(display_name(p.name) for p in paths)
+    keys: dict[Path, str] = {}
+    owner: dict[str, Path] = {}
+    clashes = []
+    for p in paths:
+        key = display_name(p.name) if counts[display_name(p.name)] == 1 else display_name(str(p))
+        if key in owner:
+            clashes.append((p, f"its name is written as {key!r}, as {display_name(str(owner[key]))}'s is"))
+            continue
+        keys[p], owner[key] = key, p
+    return keys, clashes
+
+
+def figure_names(keys: Iterable[str]) -> dict[str, str]:
+    """A distinct figure file name per key, even on a case-insensitive file system: the key with
+    ``%`` and ``/`` percent-escaped, plus ``.png`` (``x.jpg`` -> ``x.jpg.png``, so ``x.png``'s
+    figure is another file); a long name or a case clash gets a hash of the key instead."""
+    names: dict[str, str] = {}
+    taken: set[str] = set()
+    for key in keys:
+        stem = key.replace("%", "%25").replace("/", "%2F")
+        if len(stem.encode()) > 200 or stem.casefold() in taken:  # file names end at 255 bytes
+            stem = f"{stem[:60]}~{hashlib.sha1(key.encode()).hexdigest()[:16]}"
+        taken.add(stem.casefold())
+        names[key] = stem + ".png"
+    return names
+
+
+def _label(setting: str) -> str:
+    return "the prompt (--prompts/--template)" if setting == "prompt" else "--" + setting.replace("_", "-")
+
+
+def _read_meta(path: Path) -> dict | None:
+    """The settings recorded in ``path`` (None if there is no such file); a file there that
+    captionkit did not write is refused."""
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        doc = None
+    if not (isinstance(doc, dict) and doc.get("written_by") == "captionkit" and doc.get("kind") == META_KIND
+            and isinstance(doc.get("settings"), dict)):
+        raise OutputError(f"{path}: exists and is not captionkit's record of a run's settings; "
+                          f"move it away or write to another file")
+    return doc["settings"]
+
+
+@dataclass
+class _Record:
+    key: str
+    failed: bool
+    line: str  # the line as it is written back when failed lines are removed
+
+
+class _Output:
+    """A resumable line-per-image file. Constructed: checked and read, nothing written (so a
+    refused run changes nothing); :meth:`open`: repaired, prepared, opened for appending."""
+
+    def __init__(self, path: str | Path, settings: dict, overwrite: bool):
+        # a folder, a FIFO or a dangling link is refused; an existing file is resumed or replaced
+        self.path = check_file_target(path, overwrite=True)
+        self.meta_path = self.path.with_name(self.path.name + META_SUFFIX)
+        self.settings, self.fresh = settings, overwrite or not self.path.exists()
+        data = b"" if self.fresh else self.path.read_bytes()
+        self.torn = len(data) - (data.rfind(b"\n") + 1)  # a last line without its newline
+        self.records = self._read(data[:len(data) - self.torn])
+        if self.torn and not self._could_be_torn(data[:len(data) - self.torn], data[len(data) - self.torn:]):
+            raise OutputError(f"{self.path}: not a captionkit {self.kind} file (its last line is not one "
+                              f"of its lines); move it away or write to another file")
+        self.unrecorded = False  # resumed from a file whose settings were never recorded
+        if overwrite:  # its settings file is replaced too (but never a folder or a FIFO)
+            check_file_target(self.meta_path, overwrite=True)
+        else:
+            self._check_settings(_read_meta(self.meta_path))
+        self.done = {r.key for r in self.records}
+        self.failed = {r.key for r in self.records if r.failed} - {r.key for r in self.records if not r.failed}
+        self.fd: int | None = None
+
+    def _check_settings(self, recorded: dict | None) -> None:
+        self.unrecorded = bool(self.records) and recorded is None
+        if self.unrecorded or not self.records:
+            return
+        for k in sorted(set(recorded) | set(self.settings)):
+            if recorded.get(k) != self.settings.get(k):
+                raise OutputError(
+                    f"{self.path}: was written with {_label(k)} {json.dumps(recorded.get(k))}, this run has "
+                    f"{_label(k)} {json.dumps(self.settings.get(k))} (see {self.meta_path.name}); use the same "
+                    f"options to resume it, --overwrite to start it again, or write to another file")
+
+    def open(self, retry: set[str]) -> None:
+        """Start the file (fresh), or resume it: drop a torn last line, remove the failed lines
+        of the images in ``retry``, record the settings."""
+        if self.fresh:
+            atomic_write_text(self.meta_path, self._meta_text())
+            atomic_write_bytes(self.path, self.header().encode())
+        else:
+            if self.torn:
+                with open(self.path, "r+b") as f:
+                    f.truncate(f.seek(0, os.SEEK_END) - self.torn)
+                print(f"{self.path}: dropped a torn last line ({self.torn} bytes) from an interrupted run",
+                      file=sys.stderr)
+            again = self.failed & retry
+            if again:
+                kept = [r.line for r in self.records if not (r.failed and r.key in again)]
+                atomic_write_bytes(self.path, (self.header() + "".join(kept)).encode())
+                self.done -= again
+                self.failed -= again
+            elif self.path.stat().st_size == 0:
+                atomic_write_bytes(self.path, self.header().encode())
+            if self.unrecorded:
+                print(f"{self.path}: no record of the settings it was written with (an older captionkit); "
+                      f"recording this run's in {self.meta_path.name}", file=sys.stderr)
+            if self.unrecorded or not self.records:
+                atomic_write_text(self.meta_path, self._meta_text())
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+
+    def _meta_text(self) -> str:
+        from ..core.version import __version__
+        return json.dumps({"written_by": "captionkit", "kind": META_KIND, "version": __version__,
+                           "output": self.path.name, "settings": self.settings}, indent=1, ensure_ascii=False) + "\n"
+
+    def header(self) -> str:
+        return ""
+
+    def _write(self, text: str) -> None:
+        data = text.encode()
+        while data:
+            n = os.write(self.fd, data)
+            data = data[n:]
+
+    def write(self, key: str, caption: str | None, error: str | None) -> None:
+        if key in self.done:
+            return
+        self._write(self.line(key, caption, error))
+        self.done.add(key)
+        if error is not None:
+            self.failed.add(key)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class JsonlOutput(_Output):
+    kind = "JSONL"
+
+    @staticmethod
+    def _could_be_torn(complete: bytes, torn: bytes) -> bool:
+        return b'{"image": '.startswith(torn[:10])  # how every line begins
+    def _read(self, data: bytes) -> list[_Record]:
+        records = []
+        for n, line in enumerate(data.decode("utf-8", errors="replace").splitlines(keepends=True), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                key = rec["image"]
+                if not isinstance(key, str):
+                    raise TypeError
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise OutputError(f"{self.path}:{n}: not a captionkit JSONL line; "
+                                  f"fix or remove it, or write to another file") from None
+            records.append(_Record(key, "error" in rec, line))
+        return records
+
+    def line(self, key: str, caption: str | None, error: str | None) -> str:
+        rec = {"image": key, "caption": caption} if error is None else {"image": key, "error": error}
+        return json.dumps(rec, ensure_ascii=False) + "\n"
+
+
+class CsvOutput(_Output):
+    COLUMNS = ["image", "caption", "error"]
+    kind = "CSV"
+
+    @staticmethod
+    def _could_be_torn(complete: bytes, torn: bytes) -> bool:
+        return bool(complete)  # the header line is written whole when the file is made
+
+    def header(self) -> str:
+        return self._row(self.COLUMNS)
+
+    @staticmethod
+    def _row(values) -> str:
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\n").writerow(values)
+        return buf.getvalue()
+
+    def _read(self, data: bytes) -> list[_Record]:
+        rows = list(csv.reader(io.StringIO(data.decode("utf-8", errors="replace"))))
+        if not rows:
+            return []
+        if rows[0] != self.COLUMNS:
+            raise OutputError(f"{self.path}: not a captionkit CSV (its header is not {','.join(self.COLUMNS)})")
+        return [_Record(r[0], len(r) > 2 and r[2] != "", self._row(r)) for r in rows[1:] if r]
+
+    def line(self, key: str, caption: str | None, error: str | None) -> str:
+        return self._row([key, caption or "", error or ""])
+
+
+class Progress:
+    """One status line on stderr: done/total, images/s, ETA. Redrawn in place on a terminal,
+    a new line every ``every`` seconds otherwise (logs)."""
+
+    def __init__(self, total: int, skipped: int = 0, every: float = 10.0, stream=None):
+        self.total, self.skipped, self.done, self.failed = total, skipped, 0, 0
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.every = 0.2 if self.tty else every
+        self.t0 = self.last = time.perf_counter()
+
+    def update(self, n: int = 1, failed: int = 0) -> None:
+        self.done += n
+        self.failed += failed
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            self.last = now
+            self._show(now)
+
+    def _line(self, now: float) -> str:
+        rate = self.done / max(now - self.t0, 1e-9)
+        left = self.total - self.done
+        eta = left / rate if rate > 0 else float("inf")
+        eta_s = "?" if eta == float("inf") else time.strftime("%H:%M:%S", time.gmtime(eta))
+        pct = 100 * self.done / self.total if self.total else 100.0
+        extra = f", {self.skipped} already done" if self.skipped else ""
+        return (f"{self.done}/{self.total} images ({pct:.1f}%), {rate:.1f} images/s, ETA {eta_s}"
+                f", {self.failed} unreadable{extra}")
+
+    def _show(self, now: float) -> None:
+        if self.tty:
+            self.stream.write("\r" + self._line(now) + "\x1b[K")
+        else:
+            self.stream.write(self._line(now) + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        now = time.perf_counter()
+        if self.tty:
+            self.stream.write("\r" + self._line(now) + "\x1b[K\n")
+        else:
+            self.stream.write(self._line(now) + f", {now - self.t0:.1f} s\n")
+        self.stream.flush()
+
+
+class _StdoutClosed(Exception):
+    """stdout was closed (``| head``) and nothing else is being written: stop."""
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so neither later prints nor the flush at exit meet the
+    closed pipe again (a BrokenPipeError traceback at shutdown otherwise)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+@dataclass
+class CaptionWriter:
+    """Checks every target and finds the images (constructor: nothing loaded, nothing written),
+    then writes what :meth:`run` is given. ``settings`` are what decides the captions (model,
+    beam, prompt, ...): recorded beside a --jsonl/--csv file and compared on resume."""
+
+    command: str
+    paths: list[str]
+    settings: dict
+    json_out: str | None = None
+    jsonl: str | None = None
+    csv_out: str | None = None
+    attention: str | None = None
+    overwrite: bool = False
+    retry_failed: bool = False
+    verbose: bool = False
+    outputs: list[_Output] = field(init=False)
+
+    def __post_init__(self) -> None:
+        from ..data.images import Skipped, scan_images
+
+        files = [p for p in (self.json_out, self.jsonl, self.csv_out) if p]
+        where = Counter(Path(p).resolve() for p in files)
+        if any(n > 1 for n in where.values()):
+            raise OutputError(f"{max(where, key=where.get)}: given as more than one output; give each its own file")
+        if self.json_out:
+            check_file_target(self.json_out, overwrite=self.overwrite)
+        settings = {"command": self.command, **self.settings}
+        self.outputs = ([JsonlOutput(self.jsonl, settings, self.overwrite)] if self.jsonl else []) + \
+                       ([CsvOutput(self.csv_out, settings, self.overwrite)] if self.csv_out else [])
+        resuming = any(o.records for o in self.outputs)  # its figures so far are this run's too
+        if self.attention:
+            check_folder_target(self.attention, overwrite=self.overwrite or resuming, kinds=(FIGURES_KIND,))
+        scan = scan_images(self.paths, exclude=[self.attention] if self.attention else [])
+        self.refused = {s.path: s.reason for s in scan.refused}
+        self.keys, clashes = image_keys(scan.images + list(self.refused))
+        self._report_skipped(scan.skipped + [Skipped(p, why) for p, why in clashes])
+        self.figures = figure_names(self.keys.values()) if self.attention else {}
+
+    def _report_skipped(self, skipped) -> None:
+        if not skipped:
+            return
+        skipped = sorted(skipped, key=lambda s: s.path)
+        n = len(skipped)
+        head = f"skipped {n} " + ("file that is not an image" if n == 1 else "files that are not images") + " to caption"
+        if self.verbose:
+            print(head + ":", file=sys.stderr)
+            for s in skipped:
+                print(f"  {display_name(str(s.path))}: {s.reason}", file=sys.stderr)
+            return
+        shown = ", ".join(f"{display_name(str(s.path))} ({s.reason})" for s in skipped[:SKIPPED_SHOWN])
+        more = f", and {n - SKIPPED_SHOWN} more (--verbose lists them all)" if n > SKIPPED_SHOWN else ""
+        print(f"{head}: {shown}{more}", file=sys.stderr)
+
+    @property
+    def total(self) -> int:
+        return len(self.keys)
+
+    def run(self, caption: Callable[[list[Path]], Iterator[tuple[Path, object]]]) -> int:
+        """Caption the images not yet in the outputs with ``caption(paths)`` -> (path, result
+        or ImageError) and write each as it comes; the exit status (0, 1 if any image is
+        recorded as failed, EXIT_STDOUT_CLOSED if stdout closed with nothing else to write)."""
+        retry = set(self.keys.values()) if self.retry_failed else set()
+        for o in self.outputs:
+            o.open(retry)
+        todo = [p for p, k in self.keys.items() if any(k not in o.done for o in self.outputs)] \
+            if self.outputs else list(self.keys)
+        self.progress = Progress(len(todo), skipped=self.total - len(todo)) if self.outputs else None
+        self.captions: dict[str, str] = {}
+        self.failed, self.stdout_closed = 0, False
+        try:
+            for path in todo:
+                if path in self.refused:
+                    self._record(path, ImageError(f"{path}: {self.refused[path]}; refused"))
+            for path, res in caption([p for p in todo if p not in self.refused]):
+                self._record(path, res)
+        except _StdoutClosed:
+            return EXIT_STDOUT_CLOSED
+        finally:
+            for o in self.outputs:
+                o.close()
+            if self.progress:
+                self.progress.close()
+        if self.json_out:
+            atomic_write_text(self.json_out, json.dumps(self.captions, indent=1, ensure_ascii=False))
+        return self._summary(len(todo))
+
+    def _record(self, path: Path, res) -> None:
+        key = self.keys[path]
+        error = display_name(str(res)) if isinstance(res, ImageError) else None
+        for o in self.outputs:
+            o.write(key, None if error else res.text, error)
+        if self.progress:
+            self.progress.update(1, failed=int(error is not None))
+        if error:
+            self.failed += 1
+            if not self.progress:
+                print(f"error: {error}", file=sys.stderr)
+            return
+        if self.json_out:
+            self.captions[key] = res.text
+        if not self.progress:
+            self._print(f"{key}\t{res.text}")
+        if self.attention:
+            self._figure(path, key, res)
+
+    def _print(self, line: str) -> None:
+        if self.stdout_closed:
+            return
+        try:
+            print(line, flush=True)
+        except BrokenPipeError:
+            _silence_stdout()
+            self.stdout_closed = True
+            if not (self.json_out or self.attention):  # nothing else to write: end quietly
+                raise _StdoutClosed from None
+
+    def _figure(self, path: Path, key: str, res) -> None:
+        from ..data.images import load_rgb
+        from .figures import save_attention_figure
+
+        folder = Path(self.attention)
+        if not (folder / MARKER).exists():
+            write_marker(folder, FIGURES_KIND)
+        save_attention_figure(load_rgb(path), res.words, res.attention, res.grid, folder / self.figures[key])
+
+    def _summary(self, ran: int) -> int:
+        if not self.outputs:
+            if self.failed:
+                print(f"{self.failed} of {ran} images could not be captioned", file=sys.stderr)
+            return 1 if self.failed else 0
+        ours = set(self.keys.values())
+        failed = set().union(*(o.failed for o in self.outputs)) & ours
+        if not failed:
+            return 0
+        where = " and ".join(str(o.path) for o in self.outputs)
+        earlier = len(failed) - self.failed
+        note = f" ({earlier} in an earlier run)" if earlier > 0 else ""
+        print(f"{len(failed)} of {self.total} images could not be captioned{note}; {where} lists them with "
+              f"an error; --retry-failed tries them again", file=sys.stderr)
+        return 1

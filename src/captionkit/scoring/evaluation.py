@@ -1,0 +1,312 @@
+"""Scoring captions the coco-caption way, with confidence intervals and paired comparisons.
+
+One entry point, :func:`score_captions`, used by ``captionkit evaluate``, ``captionkit score``
+and the trainer's validation, so training-time and reported scores can never disagree.
+
+- Tokenisation: coco-caption's PTB tokenisation, through the Java jar when Java is present or
+  the Python re-implementation otherwise (:mod:`captionkit.scoring.ptb_tokenize`).
+- BLEU-1..4, ROUGE-L, CIDEr-D: :mod:`captionkit.scoring.metrics`, equal to pycocoevalcap's to 1e-6.
+- METEOR: the METEOR 1.5 jar shipped by pycocoevalcap (Java), or nltk's METEOR with WordNet,
+  labelled as the approximation it is.
+- SPICE: run when its jars and models are present; otherwise one line says what is missing.
+Scores are unscaled (0..1, CIDEr 0..10); :func:`format_scores` prints them x100.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from ..core.errors import UserError
+from . import metrics as M
+from .ptb_tokenize import java_available, tokenize_sets
+from .score_inputs import check_captions, check_references
+
+METRICS = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr", "SPICE")
+DEFAULT_METRICS = ("bleu", "meteor", "rouge", "cider")
+# The METEOR 1.5 jar fails on very long segments (here a 50,000-word caption: "could not convert
+# string to float"; 20,000 words still worked): it sees at most this many words of each caption
+# and reference, and a note says when any was cut. The other metrics use every word.
+METEOR_MAX_WORDS = 1000
+
+
+@dataclass
+class Report:
+    """Corpus scores with what computed them, and what bootstrap needs."""
+
+    scores: dict[str, float]
+    implementation: dict[str, str]
+    tokenizer: str
+    images: list[str]
+    per_image: dict[str, np.ndarray] = field(default_factory=dict)  # ROUGE_L, CIDEr, METEOR, BLEU sentence
+    bleu: M.BleuStats | None = None
+    bleu_brevity_penalty: bool = True
+    meteor_stats: list[str] | None = None  # the METEOR jar's per-image statistics
+    empty: list[str] = field(default_factory=list)  # images whose caption has no words after tokenisation
+    notes: list[str] = field(default_factory=list)  # what the user should know about these scores
+
+    def resampled(self, weights: np.ndarray) -> dict[str, np.ndarray]:
+        """Corpus scores under image weights (R, N) -> {metric: (R,)}."""
+        out: dict[str, np.ndarray] = {}
+        if self.bleu is not None:
+            b = np.asarray(self.bleu.corpus(weights, self.bleu_brevity_penalty))  # (R, 4)
+            for k in range(b.shape[1]):
+                out[f"Bleu_{k + 1}"] = b[:, k]
+        for name, vals in self.per_image.items():
+            if name == "METEOR" and self.meteor_stats is not None:
+                out[name] = meteor_jar_resampled(self.meteor_stats, weights)
+            elif name in self.scores:  # corpus score = mean of image scores
+                out[name] = weights @ vals / weights.sum(1)
+        return out
+
+
+def _wordnet():
+    """nltk's WordNet: the user's nltk data if present, else Debian's wordnet-base files (in a
+    folder of links under the captionkit cache, with the lexnames table Debian leaves out)."""
+    import nltk
+    from nltk.corpus.reader.wordnet import WordNetCorpusReader
+
+    from ..core.cache import cache_dir
+    try:
+        from nltk.corpus import wordnet
+        wordnet.ensure_loaded()
+        return wordnet
+    except LookupError:
+        pass
+    debian = Path("/usr/share/wordnet")
+    if not (debian / "data.noun").is_file():
+        raise UserError("nltk METEOR needs WordNet: install nltk's wordnet data or Debian's "
+                         "wordnet-base and wordnet-sense-index")
+    root = cache_dir("wordnet")
+    if not (root / "lexnames").is_file():  # copied once: nltk refuses links out of its root
+        import shutil
+        root.mkdir(parents=True, exist_ok=True)
+        for f in debian.iterdir():
+            if f.is_file():
+                shutil.copyfile(f, root / f.name)
+        (root / "lexnames").write_text("".join(f"{i:02d}\t{n}\t{p}\n" for i, (n, p) in enumerate(_LEXNAMES)))
+    if str(root) not in nltk.data.path:  # nltk only opens files under its data paths
+        nltk.data.path.append(str(root))
+    class LocalWordNet(WordNetCorpusReader):
+        def map_wn(self, version="wordnet"):
+            return None  # no mapping to nltk's own WordNet copy, which is not there
+
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "multilingual functions are not available": not needed
+        return LocalWordNet(str(root), None)
+
+
+_LEXNAMES = [("adj.all", 3), ("adj.pert", 3), ("adv.all", 4)] + \
+    [(f"noun.{n}", 1) for n in ("Tops act animal artifact attribute body cognition communication event "
+                               "feeling food group location motive object person phenomenon plant "
+                               "possession process quantity relation shape state substance time").split()] + \
+    [(f"verb.{n}", 2) for n in ("body change cognition communication competition consumption contact "
+                               "creation emotion motion perception possession social stative weather").split()] + \
+    [("adj.ppl", 3)]
+
+
+def meteor_nltk(res: dict[str, str], gts: dict[str, list[str]]) -> tuple[float, np.ndarray]:
+    from nltk.translate.meteor_score import meteor_score
+    wn = _wordnet()
+    per = np.array([meteor_score([r.split() for r in gts[k]], res[k].split(), wordnet=wn) for k in gts])
+    return float(per.mean()), per
+
+
+def _meteor_eval(meteor, stats: list[str]) -> tuple[float, list[float]]:
+    """The jar's corpus METEOR and segment scores from per-image statistics lines (what
+    pycocoevalcap's Meteor.compute_score sends, in the same protocol)."""
+    with meteor.lock:
+        meteor.meteor_p.stdin.write(("EVAL ||| " + " ||| ".join(stats) + "\n").encode())
+        meteor.meteor_p.stdin.flush()
+        per = [_meteor_number(meteor) for _ in stats]
+        return _meteor_number(meteor), per
+
+
+def _meteor_number(meteor) -> float:
+    line = meteor.meteor_p.stdout.readline().strip()
+    try:
+        return float(line)
+    except ValueError:
+        raise RuntimeError(f"the METEOR jar answered {line[:200]!r} instead of a score") from None
+
+
+def meteor_jar(res: dict[str, str], gts: dict[str, list[str]]) -> tuple[float, np.ndarray, list[str]]:
+    """METEOR 1.5 as pycocoevalcap computes it, plus each image's statistics line, from which
+    the jar recomputes the corpus score of any resample (its corpus score is not a mean of
+    image scores, so bootstrap must go back to the jar)."""
+    from pycocoevalcap.meteor.meteor import Meteor
+    meteor = Meteor()  # a Java subprocess, stopped when the object is collected
+    with meteor.lock:
+        stats = [meteor._stat(res[k], gts[k]) for k in gts]
+    if any(not st for st in stats):
+        raise RuntimeError("the METEOR jar stopped answering (it gave no statistics for a caption)")
+    score, per = _meteor_eval(meteor, stats)
+    del meteor
+    return score, np.asarray(per, dtype=np.float64), stats
+
+
+def meteor_jar_resampled(stats: list[str], weights: np.ndarray) -> np.ndarray:
+    """Corpus METEOR of every bootstrap resample: weights (R, N) image counts -> (R,)."""
+    from pycocoevalcap.meteor.meteor import Meteor
+    meteor = Meteor()
+    out = np.array([_meteor_eval(meteor, [st for st, c in zip(stats, row) for _ in range(int(c))])[0]
+                    for row in weights])
+    del meteor
+    return out
+
+
+def _spice(res, gts, quiet: bool) -> tuple[float, np.ndarray] | None:
+    from pycocoevalcap.spice import spice as spice_mod
+    lib = Path(spice_mod.__file__).parent / "lib"
+    needed = ["stanford-corenlp-3.6.0.jar", "stanford-corenlp-3.6.0-models.jar"]
+    missing = [n for n in needed if not (lib / n).is_file()]
+    if not java_available() or missing:
+        if not quiet:
+            why = "Java is not installed" if not java_available() else f"{', '.join(missing)} not in {lib}"
+            print(f"SPICE skipped: {why} (its set-up downloads Stanford CoreNLP)", file=sys.stderr)
+        return None
+    score, per = spice_mod.Spice().compute_score(gts, {k: [v] for k, v in res.items()})
+    return float(score), np.array([p["All"]["f"] for p in per], dtype=np.float64)
+
+
+def score_captions(captions: dict[str, str], refs: dict[str, list[str]],
+                   metrics: Iterable[str] = DEFAULT_METRICS, tokenizer: str = "auto", meteor: str = "auto",
+                   brevity_penalty: bool = True, quiet: bool = False, source: str = "the captions",
+                   refs_source: str = "the references") -> Report:
+    """Corpus scores of ``captions`` ({image: caption}) against ``refs`` ({image: [refs]}).
+
+    metrics: any of bleu, meteor, rouge, cider, spice. tokenizer: java, python or auto.
+    meteor: jar (METEOR 1.5, Java), nltk (approximation), or auto (the jar when Java is there).
+    brevity_penalty: False gives BLEU without it, as the Show, Attend and Tell paper reports.
+    source, refs_source: what to call the captions and the references in errors (e.g. their files).
+    Captions and references of a wrong shape are refused (see :mod:`captionkit.scoring.score_inputs`).
+    """
+    captions = check_captions(captions, source)
+    refs = check_references(refs, refs_source)
+    only_c, only_r = sorted(set(captions) - set(refs)), sorted(set(refs) - set(captions))
+    if only_c or only_r:
+        raise UserError(f"captions and references cover different images: {len(only_c)} only in "
+                         f"{source} (e.g. {only_c[:3]}), {len(only_r)} only in {refs_source} (e.g. {only_r[:3]})")
+    wanted = set(metrics)
+    unknown = wanted - {"bleu", "meteor", "rouge", "cider", "spice"}
+    if unknown:
+        raise UserError(f"unknown metric(s): {', '.join(sorted(unknown))}")
+    keys = list(refs)
+    # as coco-caption: the references and the captions are tokenised as two texts, in image order
+    (gts, res_lists), tok_name = tokenize_sets([{k: refs[k] for k in keys}, {k: [captions[k]] for k in keys}],
+                                               tokenizer)
+    res = {k: res_lists[k][0] for k in keys}
+    tok_label = "PTB tokenizer (Java jar)" if tok_name == "java" else "PTB tokenizer (Python re-implementation)"
+    rep = Report({}, {}, tok_label, keys, bleu_brevity_penalty=brevity_penalty)
+    rep.empty = [k for k in keys if not res[k].strip()]
+    if rep.empty:
+        rep.notes.append(f"{len(rep.empty)} of {len(keys)} captions have no words after tokenisation and "
+                         f"score 0 (e.g. {', '.join(rep.empty[:3])})")
+    corpus = M.Corpus.build(res, gts) if wanted & {"bleu", "cider"} else None
+    if "bleu" in wanted:
+        rep.bleu = M.bleu_stats(corpus)
+        for i, s in enumerate(rep.bleu.corpus(brevity_penalty=brevity_penalty)):
+            rep.scores[f"Bleu_{i + 1}"] = float(s)
+            rep.implementation[f"Bleu_{i + 1}"] = "captionkit (= coco-caption BLEU, closest ref length" + \
+                ("" if brevity_penalty else ", no brevity penalty") + ")"
+    if "meteor" in wanted:
+        kind = meteor if meteor != "auto" else ("jar" if java_available() else "nltk")
+        if kind == "jar" and not java_available():
+            raise UserError("METEOR 1.5 needs Java (apt-get install default-jre), or use --meteor nltk")
+        if kind not in ("jar", "nltk", "none"):
+            raise UserError(f"unknown METEOR implementation {meteor!r} (jar, nltk, none or auto)")
+        got = None
+        if kind == "jar":
+            res_m, gts_m, cut = _cut_for_meteor(res, gts)
+            if cut:
+                rep.notes.append(f"METEOR: {cut} captions or references longer than {METEOR_MAX_WORDS} words "
+                                 f"were cut to their first {METEOR_MAX_WORDS} words for the METEOR jar")
+            score, per, rep.meteor_stats = meteor_jar(res_m, gts_m)
+            got = score, per
+        elif kind == "nltk":
+            try:
+                got = meteor_nltk(res, gts)
+            except (ValueError, LookupError) as e:
+                if meteor != "auto":
+                    raise
+                if not quiet:  # neither Java nor WordNet: say so, score the rest
+                    print(f"METEOR skipped: no Java for the METEOR 1.5 jar, and {e}", file=sys.stderr)
+        if got is not None:
+            rep.scores["METEOR"], rep.per_image["METEOR"] = got
+            rep.implementation["METEOR"] = ("METEOR 1.5 jar (coco-caption)" if kind == "jar" else
+                                            "nltk METEOR with WordNet: an approximation, not coco-caption's")
+    if "rouge" in wanted:
+        per = M.rouge_l_scores(res, gts)
+        rep.scores["ROUGE_L"], rep.per_image["ROUGE_L"] = float(per.mean()), per
+        rep.implementation["ROUGE_L"] = "captionkit (= coco-caption ROUGE-L, beta 1.2)"
+    if "cider" in wanted:
+        per = M.cider_d_scores(corpus)
+        rep.scores["CIDEr"], rep.per_image["CIDEr"] = float(per.mean()), per
+        rep.implementation["CIDEr"] = "captionkit (= coco-caption CIDEr-D, sigma 6, x10)"
+    if "spice" in wanted:
+        got = _spice(res, gts, quiet)
+        if got is not None:
+            rep.scores["SPICE"], rep.per_image["SPICE"] = got
+            rep.implementation["SPICE"] = "SPICE 1.0 jar (coco-caption)"
+    rep.scores = {k: rep.scores[k] for k in METRICS if k in rep.scores}
+    return rep
+
+
+def _cut_for_meteor(res: dict[str, str], gts: dict[str, list[str]]) -> tuple[dict, dict, int]:
+    """Captions and references with at most METEOR_MAX_WORDS words, and how many were cut."""
+    cut = 0
+
+    def first_words(text: str) -> str:
+        nonlocal cut
+        words = text.split(" ")
+        if len(words) <= METEOR_MAX_WORDS:
+            return text
+        cut += 1
+        return " ".join(words[:METEOR_MAX_WORDS])
+
+    res_m = {k: first_words(v) for k, v in res.items()}
+    gts_m = {k: [first_words(r) for r in v] for k, v in gts.items()}
+    return res_m, gts_m, cut
+
+
+def coco_scores(captions: dict[str, str], refs: dict[str, list[str]],
+                metrics: Iterable[str] = DEFAULT_METRICS, quiet: bool = False) -> dict[str, float]:
+    """Just the corpus scores (see :func:`score_captions`)."""
+    return score_captions(captions, refs, metrics=metrics, quiet=quiet).scores
+
+
+def _weights(n: int, rounds: int, seed: int) -> np.ndarray:
+    """(rounds, n) bootstrap counts: each row draws n images with replacement."""
+    return np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=rounds).astype(np.float64)
+
+
+def bootstrap(report: Report, rounds: int = 1000, seed: int = 0, level: float = 0.95) -> dict[str, tuple[float, float]]:
+    """Percentile confidence intervals over images for every metric of ``report``."""
+    samples = report.resampled(_weights(len(report.images), rounds, seed))
+    lo, hi = (1 - level) / 2, 1 - (1 - level) / 2
+    return {k: (float(np.quantile(v, lo)), float(np.quantile(v, hi))) for k, v in samples.items()}
+
+
+def paired_bootstrap(a: Report, b: Report, rounds: int = 1000, seed: int = 0) -> dict[str, dict]:
+    """Does system A beat system B? For each metric: both systems are rescored on the same
+    resampled image sets; p is the share of resamples where A does not beat B."""
+    if a.images != b.images:
+        raise ValueError("the two systems were scored on different images")
+    w = _weights(len(a.images), rounds, seed)
+    sa, sb = a.resampled(w), b.resampled(w)
+    out = {}
+    for k in sa:
+        if k in sb:
+            delta = sa[k] - sb[k]
+            out[k] = {"A": a.scores[k], "B": b.scores[k], "delta": a.scores[k] - b.scores[k],
+                      "p_A_not_better": float(np.mean(delta <= 0)), "p_B_not_better": float(np.mean(delta >= 0))}
+    return out
+
+
+def format_scores(scores: dict[str, float]) -> str:
+    return "  ".join(f"{k} {100 * v:.2f}" for k, v in scores.items())

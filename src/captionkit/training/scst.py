@@ -1,0 +1,132 @@
+"""Self-critical sequence training (Rennie et al. 2017), written against the decoder contract.
+
+For each image, captions are *sampled* from the model and scored with CIDEr-D against the
+image's references; the model's own greedy caption, scored the same way, is the baseline. The
+loss is REINFORCE: -(r(sample) - r(greedy)) * log p(sample), so captions that beat what the
+model would say anyway become more likely and worse ones less likely.
+
+``baseline="mean"`` uses instead the mean reward of the image's *other* samples (Luo 2020, "A
+better variant of self-critical sequence training"): each image's advantages then sum to zero,
+and no greedy caption is decoded. It helps where the greedy caption's reward is inflated, e.g.
+by a model that has learnt its training captions by heart (its greedy caption then beats almost
+every sample, and nearly every advantage is negative).
+
+What it uses of a model: the contract of :class:`captionkit.models.base.CaptionModel`, the
+steps (``prepare``, ``init_state``, ``step``; to sample and to decode greedily) and the
+teacher-forced ``forward(feats, inputs, image_index) -> (scores, attention)`` (to take the
+log-probability of the samples in one pass, which is much cheaper than keeping the graph of
+the sampling loop). The model runs without dropout
+throughout, so the distribution the samples come from is the one whose gradient is taken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..core.errors import UserError
+from ..data.vocab import Vocab
+from ..inference.decoding import allowed_words, greedy, select_rows
+from ..scoring.metrics import CiderD
+
+
+@torch.no_grad()
+def sample(model, feats: torch.Tensor, n: int, max_len: int = 20,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """``n`` captions per image drawn from the model -> (B * n, T) word ids, each row ending
+    in <end> and then <pad>; rows b*n .. b*n+n-1 belong to image b. Words that decoding never
+    produces (<pad>, <start>, <unk>) are never drawn."""
+    B, device = feats.shape[0], feats.device
+    mem = model.prepare(feats)
+    rows = torch.arange(B, device=device).repeat_interleave(n)  # (B*n,)
+    mem, state = mem.index_select(rows), select_rows(model.init_state(mem), rows)
+    tokens = torch.full((B * n,), Vocab.start, dtype=torch.long, device=device)
+    alive = torch.ones(B * n, dtype=torch.bool, device=device)
+    out = []
+    for t in range(max_len + 1):
+        logp, state, _ = model.step(tokens, state, mem)
+        probs = allowed_words(logp.float(), t == max_len).exp()  # (B*n, V)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        tokens = torch.where(alive, tokens, torch.full_like(tokens, Vocab.pad))
+        out.append(tokens)
+        alive &= tokens != Vocab.end
+        if not alive.any():
+            break
+    return torch.stack(out, 1)  # (B*n, T)
+
+
+def sequence_logprobs(model, feats: torch.Tensor, seqs: torch.Tensor, n: int = 1) -> torch.Tensor:
+    """log p of every word of ``seqs`` (B*n, T) given ``feats`` (B, L, D), n consecutive rows
+    per image, teacher-forced, under the same renormalisation as sampling (<pad>, <start>,
+    <unk> excluded) -> (B*n, T), 0 at pads. With n > 1 the model prepares each image once
+    (``image_index``: the image side of a step is a large share of the cost)."""
+    start = torch.full((seqs.shape[0], 1), Vocab.start, dtype=torch.long, device=seqs.device)
+    inputs = torch.cat([start, seqs[:, :-1]], 1)  # (B*n, T): <start> w_1 .. w_{T-1}
+    if n == 1:
+        logits, _ = model(feats, inputs)  # (B, T, V)
+    else:
+        rows = torch.arange(feats.shape[0], device=feats.device).repeat_interleave(n)  # (B*n,)
+        logits, _ = model(feats, inputs, image_index=rows)  # (B*n, T, V)
+    logits = logits.float().clone()
+    logits[..., [Vocab.pad, Vocab.start, Vocab.unk]] = float("-inf")
+    logp = F.log_softmax(logits, dim=-1).gather(2, seqs.unsqueeze(2)).squeeze(2)  # (R, T)
+    return logp.masked_fill(seqs == Vocab.pad, 0.0)
+
+
+BASELINES = ("greedy", "mean")
+
+
+@dataclass
+class SelfCriticalStats:
+    sample_reward: float  # mean CIDEr-D of the sampled captions
+    greedy_reward: float | None  # mean CIDEr-D of the greedy captions (the greedy baseline)
+
+
+def leave_one_out_mean(rewards: torch.Tensor, n: int) -> torch.Tensor:
+    """rewards (B*n,), n consecutive samples per image -> each sample's baseline: the mean
+    reward of its image's other n - 1 samples (B*n,)."""
+    per_image = rewards.view(-1, n)  # (B, n)
+    return ((per_image.sum(1, keepdim=True) - per_image) / (n - 1)).reshape(-1)
+
+
+class SelfCritical:
+    """The self-critical objective for one set of training images.
+
+    refs: for each image key, its reference captions as lists of words (document frequencies
+    for CIDEr-D come from these). vocab turns word ids back into words. baseline: "greedy"
+    (the greedy caption's reward) or "mean" (the other samples' mean reward; samples >= 2)."""
+
+    def __init__(self, refs: dict, vocab: Vocab, samples: int = 5, max_len: int = 20,
+                 baseline: str = "greedy"):
+        if baseline not in BASELINES:
+            raise UserError(f"self-critical baseline must be one of {', '.join(BASELINES)}, not {baseline!r}")
+        if baseline == "mean" and samples < 2:
+            raise UserError("the mean baseline needs at least 2 samples per image")
+        self.cider = CiderD(refs)
+        self.vocab, self.samples, self.max_len, self.baseline = vocab, samples, max_len, baseline
+
+    def rewards(self, keys: list, seqs: list[list[int]], device: torch.device | str = "cpu") -> torch.Tensor:
+        """CIDEr-D of each word-id sequence (without <start>/<end>) for its image key (scored
+        on the CPU, returned on ``device``)."""
+        return torch.tensor([self.cider.score(k, self.vocab.decode(s)) for k, s in zip(keys, seqs)], device=device)
+
+    def loss(self, model, feats: torch.Tensor, keys: list) -> tuple[torch.Tensor, SelfCriticalStats]:
+        """feats (B, L, D) of the images ``keys`` -> (REINFORCE loss, rewards)."""
+        n = self.samples
+        seqs = sample(model, feats, n, self.max_len)  # (B*n, T)
+        ids = [[w for w in row if w not in (Vocab.end, Vocab.pad)] for row in seqs.tolist()]
+        r_sample = self.rewards([k for k in keys for _ in range(n)], ids, feats.device)  # (B*n,)
+        r_greedy = None
+        if self.baseline == "greedy":
+            base = greedy(model, feats, self.max_len)
+            r_greedy = self.rewards(keys, [c.ids for c in base], feats.device)  # (B,)
+            advantage = r_sample - r_greedy.repeat_interleave(n)  # (B*n,)
+        else:
+            advantage = r_sample - leave_one_out_mean(r_sample, n)  # (B*n,)
+        logp = sequence_logprobs(model, feats, seqs, n)  # (B*n, T)
+        words = (seqs != Vocab.pad).sum()
+        loss = -(advantage.to(logp.device).unsqueeze(1) * logp).sum() / words  # rewards are CPU-side
+        return loss, SelfCriticalStats(float(r_sample.mean()),
+                                       None if r_greedy is None else float(r_greedy.mean()))
