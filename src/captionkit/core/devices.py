@@ -61,15 +61,3 @@ def resolve_device(spec: str = "auto") -> torch.device:
     if device.type == "mps" and not _mps_available():
         raise UserError(f"device {spec!r}: MPS is not available here")
     return device
-
-
-def module_device(module: torch.nn.Module) -> torch.device:
-    """Where a module computes: its first parameter's (or buffer's) device; the CPU for a module
-    that holds no tensors (e.g. the ``patches`` encoder, which runs wherever its input is)."""
-    import torch
-
-    for t in module.parameters():
-        return t.device
-    for t in module.buffers():
-        return t.device
-    return torch.device("cpu")

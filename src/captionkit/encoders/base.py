@@ -18,12 +18,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..core.devices import module_device
 from ..core.errors import CheckpointError, UserError, WeightsUnavailable  # noqa: F401  (re-exported for the encoder modules)
 from ..core.registry import ENCODERS, list_encoders, register_encoder  # noqa: F401  (re-exported for the encoder modules)
 from ..data.images import Preprocess
 
 IMAGENET = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """Where a module computes: its first parameter's (or buffer's) device; the CPU for a module
+    that holds no tensors (e.g. the ``patches`` encoder, which runs wherever its input is)."""
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
 
 
 class Encoder(nn.Module):

@@ -33,10 +33,9 @@ import numpy as np
 import torch
 
 from ..core.cache import cache_root
-from ..core.devices import module_device
 from ..core.errors import OutputError
 from ..core.outputs import atomic_write_bytes, atomic_write_text, check_writable_folder, owner_kind, write_marker
-from .base import Encoder
+from .base import Encoder, module_device
 from .image_batches import image_batches
 
 # the feature folders sit directly under the cache root (the layout existing caches use)
