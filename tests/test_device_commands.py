@@ -92,14 +92,16 @@ def test_feature_cache_of_a_cnn_is_the_same_in_worker_processes(flickr_dir, tmp_
     ["zero-shot", "x.jpg", "--device", "cuda"],
 ])
 def test_an_absent_gpu_is_one_line_before_any_model_loads(argv, no_expensive_work, monkeypatch, capsys):
-    import captionkit.cli.main
+    import captionkit.cli.caption
+    import captionkit.cli.training
     import captionkit.inference.zero_shot
 
     def expensive(*a, **k):
         raise AssertionError("a model or dataset loaded before the device was checked")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(captionkit.cli.main, "_load_dataset", expensive)
+    monkeypatch.setattr(captionkit.cli.caption, "_load_dataset", expensive)  # evaluate's
+    monkeypatch.setattr(captionkit.cli.training, "_load_dataset", expensive)  # features'
     monkeypatch.setattr(captionkit.inference.zero_shot.ZeroShotCaptioner, "load", expensive)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()

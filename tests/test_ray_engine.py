@@ -11,6 +11,7 @@ import pytest
 from helpers import shape_image
 
 from captionkit.cli import main as cli
+from captionkit.cli.caption import _listed_paths
 from captionkit.encoders.features import ShardedFeatureStore, build_features, shard_file, shards_for_rank
 from captionkit.inference.ray_engine import RayOptions, caption_shards_folder, ray_missing
 
@@ -141,7 +142,7 @@ def test_paths_from_lists_images_for_either_engine(photos, tmp_path, capsys, no_
     """--paths-from: the images are found (and a missing list is one line) before any model loads."""
     listing = tmp_path / "list.txt"
     listing.write_text(f"# photos\n{photos / 'p0.jpg'}\n\n{photos / 'p1.jpg'}\n")
-    assert cli._listed_paths(str(listing)) == [str(photos / "p0.jpg"), str(photos / "p1.jpg")]
+    assert _listed_paths(str(listing)) == [str(photos / "p0.jpg"), str(photos / "p1.jpg")]
     assert cli.main(["caption", "--paths-from", str(tmp_path / "nope.txt")]) == 2
     assert "nope.txt: cannot read the list of images" in capsys.readouterr().err
     assert cli.main(["caption"]) == 2

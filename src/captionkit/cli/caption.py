@@ -1,0 +1,435 @@
+"""The captioning commands: caption (local or --engine ray), evaluate (caption a dataset split and
+score it), zero-shot, models, ensemble and rerank; each one's options beside its code, and the
+helpers they share (loading a model or an ensemble, the caption writer, --rerank mbr's n-best)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..core.errors import ImageError
+from ..inference.shipped import list_shipped_models, shipped_models_text
+from ..inference.zero_shot import DEFAULT_VLM, DTYPES
+from .argtypes import float_at_least, int_at_least, positive_floats, positive_int
+from .common import (UsageError, _add_csv_opts, _add_device_opts, _add_engine_opts, _add_overwrite, _add_score_opts,
+                     _check_targets, _device, _load_dataset, _print_report, _ray_options, _score_opts, _write_json)
+
+
+DEFAULT_NBEST = 5  # beams --rerank mbr chooses among when --nbest is not given
+
+
+def _caption_writer(command: str, paths: list[str], settings: dict, **outputs):
+    """The writer both captioning commands share (captionkit.inference.writer.CaptionWriter): every output
+    target checked and the images found before the model loads."""
+    from ..inference.writer import CaptionWriter
+
+    if outputs.get("retry_failed") and not (outputs.get("jsonl") or outputs.get("csv_out")):
+        raise UsageError("--retry-failed retries the images a --jsonl or --csv file lists as failed: give one")
+    writer = CaptionWriter(command, paths, settings, **outputs)
+    if not writer.total:
+        raise UsageError(f"no image files found in {' '.join(paths)}")
+    return writer
+
+
+def _model_setting(model: str | None) -> str:
+    """A checkpoint as recorded beside resumable outputs: a shipped model by its name, any
+    other folder by its absolute path (so `runs/x` and `./runs/x/` compare equal)."""
+    from ..inference.captioner import SHIPPED, model_folder
+
+    folder = model_folder(model)
+    return folder.name if folder.parent == SHIPPED else str(folder.resolve())
+
+
+def _models_setting(models: list[str] | None, weights: list[float] | None):
+    """One model as before (a name or path); an ensemble as the list of its members and weights."""
+    if not models or len(models) == 1:
+        return _model_setting(models[0] if models else None)
+    return {"members": [_model_setting(m) for m in models], "weights": weights}
+
+
+def _check_models(models: list[str] | None, weights: list[float] | None, rerank: str | None = None,
+                  nbest: int | None = None, candidates: str | None = None) -> None:
+    """--model/--weights/--rerank/--nbest that do not fit together, refused before anything loads."""
+    if weights and len(weights) != len(models or []):
+        raise UsageError(f"--weights gives {len(weights)} weights for {len(models or [])} --model: "
+                         f"give one per model (ensembles: several --model)")
+    if nbest and not (rerank or candidates):
+        raise UsageError("--nbest is the number of beams --rerank mbr chooses among, or --candidates "
+                         "writes: give one of them")
+    if candidates and not (rerank or nbest):
+        raise UsageError("--candidates writes the n best beams: give --nbest N (or --rerank mbr)")
+
+
+def _load_captioner(models: list[str] | None, weights: list[float] | None, tta: str | None = None,
+                    device=None, precision: str = "auto"):
+    """One --model (or the default), or an ensemble of several (captionkit.inference.ensemble), on
+    ``device`` (None: the CPU); ``tta``: --tta (None: none, or what an ensemble folder says)."""
+    from ..inference.captioner import Captioner
+
+    place = {"tta": tta, "device": device or "cpu", "precision": precision}
+    if models and len(models) > 1:
+        return Captioner.load_ensemble(models, weights, **place)
+    return Captioner.load(models[0] if models else None, **place)
+
+
+def _nbest(rerank: str | None, nbest: int | None) -> int | None:
+    """The n-best size to decode: --nbest, or the default one for --rerank."""
+    return nbest or (DEFAULT_NBEST if rerank else None)
+
+
+def _check_caption_sources(model: list[str] | None, onnx: str | None, weights: list[float] | None,
+                           rerank: str | None, nbest: int | None, candidates: str | None,
+                           tta: str | None = None) -> None:
+    """caption's model options that do not fit together, refused before anything loads."""
+    if onnx and model:
+        raise UsageError("give either --model or --onnx")
+    if onnx and tta:
+        raise UsageError("--tta needs a PyTorch model (--model), not --onnx")
+    _check_models(model, weights, rerank, nbest, candidates)
+    if onnx and (rerank or nbest):
+        raise UsageError("--rerank, --nbest and --candidates need a PyTorch model (--model), not --onnx")
+
+
+def _caption_settings(model: list[str] | None, weights: list[float] | None, onnx: str | None, beam: int,
+                      length_penalty: float | None, rerank: str | None, nbest: int | None,
+                      tta: str | None = None) -> dict:
+    """What decides caption's captions, recorded beside resumable outputs (captionkit.inference.writer)."""
+    settings = {"model": None if onnx else _models_setting(model, weights),
+                "onnx": str(Path(onnx).resolve()) if onnx else None,
+                "beam": beam, "length_penalty": length_penalty}
+    if rerank or nbest:  # recorded only when used: other runs' settings stay as they were
+        settings.update(rerank=rerank, nbest=_nbest(rerank, nbest))
+    if tta:  # likewise
+        settings.update(tta=tta)
+    return settings
+
+
+def _caption_with_candidates(writer, cap, candidates: Path | None, **options) -> int:
+    """Run the writer on a PyTorch captioner; with ``candidates``, also write each image's
+    n best beams there ({key: [caption, ...]}) at the end."""
+    lists: dict[str, list[str]] = {}
+
+    def results(files: list[Path]):
+        for path, res in cap.caption_files(files, **options):
+            if not isinstance(res, ImageError) and res.candidates is not None:
+                lists[writer.keys[path]] = res.candidates
+            yield path, res
+
+    code = writer.run(results)
+    if candidates:
+        _write_json(candidates, lists)
+    return code
+
+
+def _listed_paths(listing: str | None) -> list[str]:
+    """The image paths of a --paths-from file: one a line; blank lines and # comments skipped."""
+    if not listing:
+        return []
+    try:
+        text = Path(listing).read_text(encoding="utf-8", errors="surrogateescape")
+    except OSError as e:
+        raise UsageError(f"{listing}: cannot read the list of images ({e.strerror})") from None
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _check_ray_caption(out: str | None, **unsupported) -> None:
+    """--engine ray's one-line refusals, before anything is read or loaded."""
+    from ..inference.ray_engine import ray_missing
+
+    if not out:
+        raise UsageError("--engine ray writes its shards beside a --jsonl or --csv file: give one")
+    given = [name for name, value in unsupported.items() if value]
+    if given:
+        raise UsageError(f"--engine ray does not support --{given[0]}; use the local engine for it")
+    if ray_missing():
+        raise UsageError(ray_missing())
+
+
+def _caption_ray(writer, model: list[str] | None, weights: list[float] | None, beam: int,
+                 length_penalty: float | None, overwrite: bool, retry_failed: bool, out: str, opts) -> int:
+    """caption --engine ray: the images not yet in OUT captioned by Ray (captionkit.inference.ray_engine),
+    in shards kept in OUT.shards, and written by the same writer as the local engine's."""
+    from functools import partial
+
+    from ..inference import ray_engine
+
+    folder = ray_engine.caption_shards_folder(out)
+    shard_settings = {**writer.settings, "shard_size": opts.shard_size}
+    ray_engine.check_caption_shards(folder, shard_settings, overwrite)
+    preprocess = _load_captioner(model, weights).encoder.preprocess  # decode tasks need it; ~1 s
+    readable = [p for p in writer.keys if p not in writer.refused]
+    load = partial(_load_captioner, model, weights)
+    return writer.run(lambda todo: ray_engine.caption_with_ray(
+        readable, todo, folder, shard_settings, overwrite, retry_failed, load, preprocess, beam, length_penalty,
+        opts))
+
+
+def _add_caption_outputs(p: argparse.ArgumentParser) -> None:
+    """The outputs of caption and zero-shot (one writer, captionkit.inference.writer; docs/captioning.md)."""
+    p.add_argument("--json", dest="json_out", metavar="OUT", help="write {filename: caption} here")
+    p.add_argument("--jsonl", metavar="OUT", help="append one JSON line per image here; resumes: images "
+                   "already in OUT are skipped (unreadable ones are listed with an \"error\")")
+    p.add_argument("--csv", dest="csv_out", metavar="OUT", help="the same as CSV (image,caption,error)")
+    _add_overwrite(p, "replace existing outputs (a --jsonl/--csv file is started again instead of resumed)")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="caption again the images a --jsonl/--csv file lists with an error")
+    p.add_argument("--verbose", action="store_true", help="name every file skipped in the given folders")
+
+
+def _add_ensemble_opts(p: argparse.ArgumentParser) -> None:
+    """Ensembles and consensus reranking (docs/ensembles.md), for caption and evaluate."""
+    p.add_argument("--weights", type=positive_floats, metavar="W1,W2,..",
+                   help="the ensemble members' weights, one per --model (default: equal)")
+    p.add_argument("--rerank", choices=("mbr",),
+                   help="mbr: choose each caption among the best beams by consensus (expected CIDEr-D)")
+    p.add_argument("--nbest", type=int_at_least(2), metavar="N",
+                   help=f"beams --rerank mbr chooses among (default {DEFAULT_NBEST}; the beam widens to N)")
+    _add_tta_opt(p)
+
+
+def _add_tta_opt(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tta", choices=("flip", "none"),  # captionkit.inference.ensemble.TTA and TTA_OFF, without torch
+                   help="test-time augmentation: flip decodes each photo and its mirror image as one ensemble "
+                        "(a second encoder pass); none: no augmentation, even where an ensemble folder asks "
+                        "for one (default: none, or what an ensemble folder says)")
+
+
+def _add_candidates_opt(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--candidates", metavar="OUT",
+                   help="also write each image's --nbest best beams here as {image: [caption, ...]}, "
+                        "input for captionkit rerank (the images captioned in this run; written at the end)")
+
+
+def add_caption(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("caption", help="caption image files or folders (docs/captioning.md)")
+    c.set_defaults(func=cmd_caption)
+    c.add_argument("paths", nargs="*", metavar="PATH",
+                   help="image files, or folders to caption every image in (or none, with --paths-from)")
+    c.add_argument("--paths-from", metavar="FILE", help="also caption the images this file lists, one path a line")
+    c.add_argument("--model", action="append",
+                   help=f"checkpoint or ensemble folder, or a shipped model by name: {shipped_models_text()}; "
+                        "repeat for an ensemble (docs/ensembles.md)")
+    _add_ensemble_opts(c)
+    _add_candidates_opt(c)
+    c.add_argument("--beam", type=positive_int, default=3, help="beam width (1: greedy; default 3)")
+    c.add_argument("--attention", metavar="DIR", help="write one attention figure per image here (x.jpg -> DIR/x.jpg.png)")
+    c.add_argument("--batch-size", type=positive_int, default=16, help="images captioned together (default 16)")
+    c.add_argument("--length-penalty", type=float_at_least(0), default=None,
+                   help="rank beams by logprob / (words + 1) ** this (0: plain sum; default: the model's)")
+    c.add_argument("--onnx", metavar="DIR", help="caption with an ONNX export (captionkit export onnx) instead")
+    _add_device_opts(c, workers=True)
+    _add_caption_outputs(c)
+    _add_engine_opts(c)
+
+
+def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: str | None,
+                attention: str | None, batch_size: int, length_penalty: float | None,
+                jsonl: str | None = None, csv_out: str | None = None, workers: int = 2,
+                onnx: str | None = None, overwrite: bool = False, retry_failed: bool = False,
+                verbose: bool = False, weights: list[float] | None = None, rerank: str | None = None,
+                nbest: int | None = None, candidates: str | None = None, engine: str = "local",
+                address: str | None = None, replicas: int = 1, shard_size: int | None = None,
+                gpus_per_replica: float = 0, paths_from: str | None = None, tta: str | None = None,
+                device: str = "auto", precision: str = "auto") -> int:
+    from ..core.outputs import check_file_target
+
+    paths = [*paths, *_listed_paths(paths_from)]
+    if not paths:
+        raise UsageError("give image files or folders to caption, or --paths-from FILE")
+    if engine == "ray":
+        _check_ray_caption(jsonl or csv_out, onnx=onnx, attention=attention, rerank=rerank, nbest=nbest,
+                           candidates=candidates, tta=tta)
+    _check_caption_sources(model, onnx, weights, rerank, nbest, candidates, tta)
+    if onnx and (device not in ("auto", "cpu") or precision != "auto"):
+        raise UsageError("--device and --precision apply to PyTorch models; --onnx runs on onnxruntime's CPU")
+    where, precision = _device("cpu" if onnx else device, precision)
+    settings = _caption_settings(model, weights, onnx, beam, length_penalty, rerank, nbest, tta)
+    candidates_path = check_file_target(candidates, overwrite=overwrite) if candidates else None
+    writer = _caption_writer("caption", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
+                             attention=attention, overwrite=overwrite, retry_failed=retry_failed, verbose=verbose)
+    if engine == "ray":
+        return _caption_ray(writer, model, weights, beam, length_penalty, overwrite, retry_failed, jsonl or csv_out,
+                            _ray_options(address, replicas, gpus_per_replica, batch_size, shard_size))
+    options = {"beam": beam, "batch_size": batch_size, "length_penalty": length_penalty, "workers": workers}
+    if onnx:
+        from ..export.onnx_runtime import load_onnx_captioner
+        cap = load_onnx_captioner(onnx)
+        return writer.run(lambda files: cap.caption_files(files, **options))
+    return _caption_with_candidates(writer, _load_captioner(model, weights, tta, where, precision), candidates_path,
+                                    nbest=_nbest(rerank, nbest), rerank=rerank, **options)
+
+
+def _caption_split(cap, items: list, split: str, **options) -> dict[str, str]:
+    """{image name: caption} of a dataset split; one line if any of its images cannot be read."""
+    captions, failed = {}, []
+    for path, res in cap.caption_files([it.path for it in items], **options):
+        if isinstance(res, ImageError):
+            failed.append(str(res))
+        else:
+            captions[path.name] = res.text
+    if failed:
+        raise UsageError(f"{len(failed)} {split} images could not be read, e.g. {failed[0]}")
+    return captions
+
+
+def add_evaluate(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser("evaluate", help="caption a dataset split and score it (coco-caption scorers)")
+    e.set_defaults(func=cmd_evaluate)
+    e.add_argument("--model", action="append", help="as caption's --model; repeat for an ensemble")
+    _add_ensemble_opts(e)
+    e.add_argument("--dataset", required=True, help="a Flickr8k or Kaggle folder, a Karpathy or COCO JSON file, or a title CSV")
+    e.add_argument("--images", help="image folder of a JSON or CSV dataset")
+    e.add_argument("--split", default="test", help="the split to caption and score (default test)")
+    e.add_argument("--beam", type=positive_int, default=3, help="beam width (1: greedy; default 3)")
+    e.add_argument("--out", help="write scores and every caption to this JSON")
+    e.add_argument("--batch-size", type=int, default=16, help="images captioned together (default 16)")
+    e.add_argument("--length-penalty", type=float, default=None,
+                   help="rank beams by logprob / (words + 1) ** this (0: plain sum; default: the model's)")
+    _add_overwrite(e, "replace the --out file if it exists")
+    _add_device_opts(e, workers=True)
+    _add_score_opts(e)
+    _add_csv_opts(e)
+
+
+def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, split: str, beam: int,
+                 out: str | None, batch_size: int, length_penalty: float | None,
+                 tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str,
+                 image_column: str, title_column: str, image_suffix: str, overwrite: bool = False,
+                 weights: list[float] | None = None, rerank: str | None = None, nbest: int | None = None,
+                 tta: str | None = None, device: str = "auto", precision: str = "auto", workers: int = 2) -> int:
+    _check_targets(out, overwrite=overwrite)  # before torch, the dataset and the model load
+    from ..scoring.evaluation import score_captions
+
+    _check_models(model, weights, rerank, nbest)
+    where, precision = _device(device, precision)
+    items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
+    cap = _load_captioner(model, weights, tta, where, precision)
+    captions = _caption_split(cap, items, split, beam=beam, batch_size=batch_size, length_penalty=length_penalty,
+                              nbest=_nbest(rerank, nbest), rerank=rerank, workers=workers)
+    rep = score_captions(captions, {it.name: it.raw for it in items}, source="the model's captions",
+                         refs_source=f"{dataset} ({split} split)",
+                         **_score_opts(tokenizer, meteor, no_brevity_penalty, metrics))
+    lp = cap.length_penalty_or(length_penalty)
+    mbr = _nbest(rerank, nbest)
+    print(f"{split} split, {len(items)} images, beam {beam}, length penalty {lp:g}"
+          + (f", MBR over the {mbr} best beams" if mbr else "") + (f", test-time {cap.tta}" if cap.tta else ""))
+    _print_report(rep)
+    if out:
+        _write_json(out, {"model": _models_setting(model, weights), "dataset": dataset, "split": split,
+                          "beam": beam, "length_penalty": lp, "mbr_nbest": mbr, "tta": cap.tta, "scale": "x100",
+                          "scores": {k: round(100 * v, 4) for k, v in rep.scores.items()},
+                          "implementation": rep.implementation, "tokenizer": rep.tokenizer,
+                          "empty_captions": len(rep.empty), "notes": rep.notes, "captions": captions})
+    return 0
+
+
+def add_zero_shot(sub: argparse._SubParsersAction) -> None:
+    z = sub.add_parser("zero-shot", help="caption photos with an instruction-tuned vision-language model")
+    z.set_defaults(func=cmd_zero_shot)
+    z.add_argument("paths", nargs="+", metavar="PATH", help="image files, or folders to caption every image in")
+    z.add_argument("--model", default=DEFAULT_VLM,
+                   help=f"a transformers model: Hub name or folder (default {DEFAULT_VLM})")
+    z.add_argument("--prompts",
+                   help="TOML file of prompt templates (default: the shipped captionkit/inference/vlm_prompts.toml)")
+    z.add_argument("--template", help="the template to use (default: the file's default)")
+    z.add_argument("--batch-size", type=positive_int, default=4, help="images answered together (default 4)")
+    z.add_argument("--max-new-tokens", type=positive_int, default=32, help="the longest answer, in the model's tokens")
+    z.add_argument("--download", action="store_true",
+                   help="fetch the weights from the Hugging Face Hub when they are not in its cache")
+    z.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="auto: the checkpoint's own (bfloat16 for Qwen2.5-VL)")
+    _add_device_opts(z, precision=False)
+    _add_caption_outputs(z)
+
+
+def cmd_zero_shot(paths: list[str], model: str, prompts: str | None, template: str | None,
+                  json_out: str | None, batch_size: int, max_new_tokens: int, download: bool, dtype: str,
+                  jsonl: str | None = None, csv_out: str | None = None, overwrite: bool = False,
+                  retry_failed: bool = False, verbose: bool = False, device: str = "auto") -> int:
+    from ..inference.zero_shot import ZeroShotCaptioner, load_prompts
+
+    where, _ = _device(device)
+    prompt = load_prompts(prompts).get(template)
+    settings = {"model": str(Path(model).resolve()) if Path(model).is_dir() else model, "prompt": prompt,
+                "max_new_tokens": max_new_tokens, "dtype": dtype}
+    writer = _caption_writer("zero-shot", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
+                             overwrite=overwrite, retry_failed=retry_failed, verbose=verbose)
+    cap = ZeroShotCaptioner.load(model, download=download, dtype=dtype, device=where)
+
+    def answers(files: list[Path]):
+        for path, res in cap.caption_files(files, prompt, batch_size=batch_size, max_new_tokens=max_new_tokens):
+            if not isinstance(res, ImageError) and not res.text:
+                print(f"warning: {writer.keys[path]}: nothing left of the answer {res.raw!r} after cleaning",
+                      file=sys.stderr)
+            yield path, res
+
+    return writer.run(answers)
+
+
+def add_models(sub: argparse._SubParsersAction) -> None:
+    o = sub.add_parser("models", help="list the shipped models (any of them is a --model NAME)")
+    o.set_defaults(func=cmd_models)
+
+
+def cmd_models() -> int:
+    """The shipped models, one line each: name, family, encoder (read from their config.json)."""
+    from ..inference.shipped import describe_shipped_model
+
+    for name in list_shipped_models():
+        print(describe_shipped_model(name))
+    return 0
+
+
+def add_ensemble(sub: argparse._SubParsersAction) -> None:
+    n = sub.add_parser("ensemble", help="write an ensemble folder: several models decoded as one (docs/ensembles.md)")
+    n.set_defaults(func=cmd_ensemble)
+    n.add_argument("--model", action="append", required=True,
+                   help="a member: checkpoint folder or shipped model name; repeat for each member")
+    n.add_argument("--weights", type=positive_floats, metavar="W1,W2,..", help="one per --model (default: equal)")
+    n.add_argument("--length-penalty", type=float_at_least(0), default=None,
+                   help="the ensemble's length normalisation (default: the first member's)")
+    n.add_argument("--combine", choices=("loglinear", "linear"), default="loglinear",
+                   help="loglinear: weighted mean of log-probabilities, renormalised (default); "
+                        "linear: weighted mean of probabilities")
+    _add_tta_opt(n)
+    n.add_argument("--out", required=True, help="the ensemble folder to write")
+    _add_overwrite(n, "replace the ensemble.json of an existing ensemble folder")
+
+
+def cmd_ensemble(model: list[str], weights: list[float] | None, length_penalty: float | None, combine: str,
+                 out: str, overwrite: bool, tta: str | None = None) -> int:
+    """Write an ensemble folder (captionkit.inference.ensemble) naming the members, after loading them
+    together once, so a folder that is written is one that loads."""
+    from ..core.outputs import check_folder_target
+    from ..inference.captioner import SHIPPED, Captioner
+    from ..inference.ensemble import KIND, member_entry, write_ensemble
+
+    _check_models(model, weights)
+    target = check_folder_target(out, overwrite=overwrite, kinds=(KIND,))
+    cap = Captioner.load_ensemble(model, weights, length_penalty=length_penalty, combine=combine, with_encoder=False)
+    members = [member_entry(Path(p), target, SHIPPED) for p in cap.config["ensemble"]["members"]]
+    path = write_ensemble(target, members, cap.decoder.weights, cap.length_penalty, cap.max_len, combine, tta)
+    print(f"wrote {path}: {len(members)} members, weights "
+          + ", ".join(f"{w:.3g}" for w in cap.decoder.weights) + f", length penalty {cap.length_penalty:g}"
+          + (f", test-time {tta}" if tta else ""))
+    return 0
+
+
+def add_rerank(sub: argparse._SubParsersAction) -> None:
+    r = sub.add_parser("rerank", help="choose each image's caption among several files' candidates by consensus (MBR)")
+    r.set_defaults(func=cmd_rerank)
+    r.add_argument("candidates", nargs="+", metavar="FILE",
+                   help="JSON {image: [caption, ...]} or {image: caption}, one per model; all cover the same images")
+    r.add_argument("--json", dest="json_out", metavar="OUT", help="write {image: caption} here")
+    _add_overwrite(r, "replace an existing OUT")
+
+
+def cmd_rerank(candidates: list[str], json_out: str | None, overwrite: bool) -> int:
+    from ..inference.rerank import rerank_files
+
+    chosen = rerank_files(candidates, json_out, overwrite)
+    if not json_out:
+        for k, c in chosen.items():
+            print(f"{k}\t{c}")
+    return 0

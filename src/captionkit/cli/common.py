@@ -1,0 +1,123 @@
+"""What several command groups share: the usage error, the checks and helpers they call
+(devices, datasets, outputs, Ray options, score options and the printed scores report), and the
+functions adding the options they have in common (--overwrite, --device, a CSV dataset's
+columns, the scorers, --engine ray)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from ..core.errors import UserError
+from .argtypes import device_name, float_at_least, int_at_least, positive_int
+
+
+class UsageError(UserError):
+    """Options that do not fit together, or a value the parser cannot check alone."""
+
+
+def _write_json(path: str | Path, obj) -> None:
+    from ..core.outputs import atomic_write_text
+
+    atomic_write_text(path, json.dumps(obj, indent=1, ensure_ascii=False))
+
+
+def _device(device: str, precision: str = "auto"):
+    """--device and --precision -> (torch.device, resolved precision), or one line naming the
+    device that is not here: called before anything loads (captionkit.core.devices)."""
+    from ..core.devices import resolve_device
+    from ..core.precision import resolve_precision
+
+    where = resolve_device(device)
+    return where, resolve_precision(precision, where)
+
+
+def _load_dataset(dataset: str, images: str | None, image_column: str, title_column: str, image_suffix: str):
+    from ..data.datasets import load_dataset
+    return load_dataset(dataset, images, image_column, title_column, image_suffix)
+
+
+def _ray_options(address: str | None, replicas: int, gpus_per_replica: float, batch_size: int,
+                 shard_size: int | None):
+    from ..inference.ray_engine import DEFAULT_SHARD_SIZE, RayOptions
+
+    return RayOptions(address=address, cpus=None if address else os.cpu_count(), replicas=replicas,
+                      gpus_per_replica=gpus_per_replica, batch_size=batch_size,
+                      shard_size=shard_size or DEFAULT_SHARD_SIZE)
+
+
+def _check_targets(*paths: str | None, overwrite: bool) -> None:
+    """The files a scoring command will write: refused now, before any work, if they exist
+    (without --overwrite) or cannot be written (see captionkit.core.outputs)."""
+    from ..core.outputs import check_file_target
+
+    given = [p for p in paths if p]
+    for p in given:
+        check_file_target(p, overwrite=overwrite)
+    if len({Path(p).resolve() for p in given}) < len(given):
+        raise UsageError(f"{given[0]}: given for two outputs; choose a file for each")
+
+
+def _score_opts(tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str) -> dict:
+    return {"tokenizer": tokenizer, "meteor": meteor, "brevity_penalty": not no_brevity_penalty,
+            "metrics": [m.strip() for m in metrics.split(",") if m.strip()]}
+
+
+def _print_report(rep, ci: dict | None = None) -> None:
+    print(f"tokenisation: {rep.tokenizer}; scores x100")
+    for k, v in rep.scores.items():
+        interval = f"  [{100 * ci[k][0]:.2f}, {100 * ci[k][1]:.2f}] 95% CI" if ci and k in ci else ""
+        print(f"  {k:8s} {100 * v:6.2f}{interval}   {rep.implementation[k]}")
+    for note in rep.notes:
+        print(f"note: {note}")
+
+
+def _add_overwrite(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help=f"{what} (a folder captionkit did not write is never replaced; see docs/outputs.md)")
+
+
+def _add_device_opts(p: argparse.ArgumentParser, workers: bool = False, precision: bool = True) -> None:
+    """Where a command computes (docs/devices.md): spelling checked here, presence before any model loads."""
+    from ..core.devices import DEVICE_HELP
+    from ..core.precision import PRECISIONS
+
+    p.add_argument("--device", type=device_name, default="auto", help=f"where the model runs: {DEVICE_HELP}")
+    if precision:
+        p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                       help="float format of the model's matmuls (auto: bf16 on a GPU that has it and on a CPU "
+                            "that multiplies it natively, else fp32; fp16: CUDA only)")
+    if workers:
+        p.add_argument("--workers", type=int_at_least(0), default=2,
+                       help="processes decoding images ahead of a GPU (0: in this process); "
+                            "threads on the CPU")
+
+
+def _add_csv_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--image-column", default="Image_Name", help="a CSV dataset's column of image names")
+    p.add_argument("--title-column", default="Title", help="a CSV dataset's column of titles")
+    p.add_argument("--image-suffix", default=".jpg", help="appended to a CSV's image names to name the files")
+
+
+def _add_score_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", choices=("auto", "java", "python"), default="auto",
+                   help="PTB tokenisation by the Java jar or the Python re-implementation (auto: Java if present)")
+    p.add_argument("--meteor", choices=("auto", "jar", "nltk", "none"), default="auto",
+                   help="METEOR 1.5 jar (Java) or nltk's approximation (auto: the jar if Java is present)")
+    p.add_argument("--no-brevity-penalty", action="store_true",
+                   help="BLEU without the brevity penalty, as the Show, Attend and Tell paper reports")
+    p.add_argument("--metrics", default="bleu,meteor,rouge,cider",
+                   help="comma-separated: bleu, meteor, rouge, cider, spice")
+
+
+def _add_engine_opts(p: argparse.ArgumentParser) -> None:
+    """--engine ray and its options (captionkit.inference.ray_engine; docs/scale.md)."""
+    p.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="local: this process; ray: Ray Data tasks and model replicas, shards resumable")
+    p.add_argument("--address", help="ray: a running Ray cluster (default: a local Ray on this machine's CPUs)")
+    p.add_argument("--replicas", type=positive_int, default=1, help="ray: model replicas (actors), one CPU each")
+    p.add_argument("--gpus-per-replica", type=float_at_least(0), default=0,
+                   help="ray: GPUs each replica holds (e.g. 1, or 0.5 for two replicas a GPU; default 0: CPU)")
+    p.add_argument("--shard-size", type=positive_int, help="ray: images per output shard (default 1000)")

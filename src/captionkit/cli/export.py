@@ -1,0 +1,127 @@
+"""The export commands: export onnx (graphs, a manifest and the parity check), export hf (a Hugging
+Face transformers folder) and merge-lora, export hf's old name; each one's options beside its code."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..inference.shipped import FAST_MODEL, shipped_models_text
+from .argtypes import positive_int
+from .common import UsageError, _add_overwrite
+
+
+def add_export(sub: argparse._SubParsersAction) -> None:
+    xs = sub.add_parser("export", help="export a model for other runtimes: onnx, hf (Hugging Face transformers)")
+    xf = xs.add_subparsers(dest="subcommand", required=True, metavar="FORMAT")
+    _add_export_onnx(xf)
+    _add_export_hf(xf)
+
+
+def _check_onnx_export(model: str | None, out: str, web: bool, check: list[str] | None,
+                       overwrite: bool) -> tuple[str, list[Path]]:
+    """export onnx's inputs and target, refused before the model loads; -> the model to export
+    (--model, or the fast single model: the default captioner is an ensemble) and the --check
+    photos."""
+    from ..core.outputs import check_folder_target
+    from ..data.images import find_images
+    from ..export.exporters import web_demo_source
+    from ..inference.captioner import model_folder
+    from ..inference.ensemble import is_ensemble_folder
+
+    model = model or FAST_MODEL.name
+    if is_ensemble_folder(model_folder(model)):
+        raise UsageError(f"{model}: is an ensemble; ONNX export takes one model: export a member")
+    check_folder_target(out, overwrite=overwrite, kinds=("onnx",))
+    if web:
+        try:
+            web_demo_source()
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from None
+    files = find_images(check) if check else []
+    if check and not files:
+        raise UsageError(f"no image files found in {' '.join(check)}")
+    return model, files
+
+
+def _print_parity(rep: dict, variant: str, check_beam: int) -> None:
+    num = rep["numeric"]
+    print(f"{variant}: largest difference from PyTorch on a test input: features {num['features']:.2e}, "
+          f"log-probabilities {num['logprobs']:.2e}, attention {num['attention']:.2e}")
+    if rep["images"]:
+        print(f"{variant}: {rep['identical']} of {rep['images']} captions identical to PyTorch's "
+              f"(beam {check_beam})")
+        for d in rep["differ"][:5]:
+            print(f"  {d['image']}: pytorch {d['pytorch']!r} / onnx {d['onnx']!r}")
+
+
+def _add_export_onnx(xf: argparse._SubParsersAction) -> None:
+    x = xf.add_parser("onnx", help="ONNX graphs and a manifest, for onnxruntime and the in-browser demo")
+    x.set_defaults(func=cmd_export_onnx)
+    x.add_argument("--model", help=f"checkpoint folder, or a shipped model by name (default {FAST_MODEL.name}: "
+                                   f"export takes one model, not the default ensemble): {shipped_models_text()}")
+    x.add_argument("--out", required=True, help="folder for manifest.json and the graphs")
+    x.add_argument("--int8", action="store_true", help="also write dynamically int8-quantised decoder graphs")
+    x.add_argument("--int8-encoder", action="store_true", help="quantise the encoder's convolutions too")
+    x.add_argument("--check", nargs="+", metavar="PATH",
+                   help="photos or folders to caption with PyTorch and onnxruntime and compare")
+    x.add_argument("--check-beam", type=positive_int, default=3, help="beam width of the --check captions")
+    x.add_argument("--web", action="store_true", help="copy the in-browser demo page into OUT")
+    _add_overwrite(x, "replace OUT if it is an ONNX export captionkit wrote")
+
+
+def cmd_export_onnx(model: str | None, out: str, int8: bool, int8_encoder: bool,
+                    check: list[str] | None, check_beam: int, web: bool, overwrite: bool) -> int:
+    try:
+        from ..export.exporters import export_onnx
+        from ..export.onnx_runtime import parity_check
+    except ImportError as e:
+        raise UsageError(f"ONNX export needs the onnx extra: pip install 'captionkit[onnx]' ({e})") from None
+    from ..inference.captioner import Captioner
+
+    model, files = _check_onnx_export(model, out, web, check, overwrite)
+    cap = Captioner.load(model)
+    manifest = export_onnx(cap, out, int8=int8 or int8_encoder, int8_encoder=int8_encoder,
+                           model_name=Path(model).name, overwrite=overwrite, web=web)
+    print(f"wrote {manifest.parent}: " + ", ".join(
+        f"{p.name} {p.stat().st_size / 1e6:.1f} MB" for p in sorted(manifest.parent.glob("*.onnx"))))
+    if web:
+        print(f"in-browser demo: serve {out} with any static file server and open index.html")
+    for variant in ["float32"] + (["int8"] if int8 or int8_encoder else []):
+        _print_parity(parity_check(cap, out, files, beam=check_beam, variant=variant), variant, check_beam)
+    return 0
+
+
+def _add_export_hf_opts(p: argparse.ArgumentParser) -> None:
+    """The options of export hf and of merge-lora, its old name."""
+    p.add_argument("--model", required=True, help="a prefix_lm or vit_gpt2 checkpoint folder")
+    p.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
+    _add_overwrite(p, "replace OUT if it is a transformers export captionkit wrote")
+
+
+def _add_export_hf(xf: argparse._SubParsersAction) -> None:
+    h = xf.add_parser("hf", help="a plain Hugging Face transformers folder (prefix_lm: its LM with LoRA merged; "
+                      "vit_gpt2: a VisionEncoderDecoderModel)")
+    h.set_defaults(func=cmd_export_hf)
+    _add_export_hf_opts(h)
+
+
+def add_merge_lora(sub: argparse._SubParsersAction) -> None:
+    m = sub.add_parser("merge-lora", help="the old name of export hf: a prefix_lm model's LM with LoRA merged")
+    m.set_defaults(func=cmd_export_hf)
+    _add_export_hf_opts(m)
+
+
+def cmd_export_hf(model: str, out: str, overwrite: bool) -> int:
+    """A checkpoint as a plain Hugging Face transformers folder (captionkit.export.exporters.export_transformers);
+    ``captionkit merge-lora`` is its old name."""
+    from ..core.outputs import check_folder_target
+
+    check_folder_target(out, overwrite=overwrite, kinds=("transformers",))  # before torch is imported
+    from ..export.exporters import export_transformers
+
+    folder = export_transformers(model, out, overwrite=overwrite)
+    print(f"wrote {folder} (a transformers folder)"
+          + (f" and {folder / 'captioner'} (a captionkit checkpoint captioning with it)"
+             if (folder / "captioner").is_dir() else ""))
+    return 0

@@ -1,0 +1,109 @@
+"""The training commands: train (one process, or DDP under torchrun), features (the encoder
+feature cache, local or --engine ray) and pack (a checkpoint for shipping); each one's options
+beside its code."""
+
+from __future__ import annotations
+
+import argparse
+
+from .argtypes import device_name, positive_int
+from .common import (UsageError, _add_csv_opts, _add_device_opts, _add_engine_opts, _add_overwrite, _device,
+                     _load_dataset, _ray_options)
+
+
+def add_train(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser("train", help="train a decoder from a TOML config")
+    t.set_defaults(func=cmd_train)
+    t.add_argument("--config", required=True, help="the run's TOML config (configs/ has examples)")
+    t.add_argument("--out", help="run folder (default runs/<config name>); a new run needs a new or empty one")
+    t.add_argument("--max-steps", type=positive_int, help="stop after this many optimizer steps (a quick check)")
+    t.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/last")
+    t.add_argument("--init", metavar="DIR", help="start from this checkpoint (replaces the config's train.init)")
+    _add_overwrite(t, "start the run in OUT again, replacing the run captionkit wrote there")
+    t.add_argument("--tensorboard", metavar="DIR",
+                   help="write TensorBoard event files here (replaces the config's train.tensorboard)")
+    t.add_argument("--device", type=device_name,
+                   help="auto (a GPU when there is one), cpu, cuda, cuda:N or mps (replaces the config's train.device)")
+    t.add_argument("--nproc", type=positive_int, default=1,
+                   help="train with DDP in this many processes on this machine (torchrun's launcher; "
+                        "see docs/distributed-training.md)")
+
+
+def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool, init: str | None,
+              overwrite: bool, tensorboard: str | None = None, device: str | None = None, nproc: int = 1) -> int:
+    if nproc > 1:  # the same command in nproc processes under torchrun (DDP); see docs/distributed-training.md
+        from ..training.distributed import launch
+        from ..training.run import check_run
+        check_run(config, out, max_steps, resume, init, overwrite, device)  # one line here, not one per process
+        flags = {"--out": out, "--max-steps": max_steps, "--init": init, "--tensorboard": tensorboard, "--device": device}
+        args = ["train", "--config", config, *[x for k, v in flags.items() if v is not None for x in (k, str(v))]]
+        return launch(nproc, args + ["--resume"] * resume + ["--overwrite"] * overwrite)
+    from ..training.run import train
+    train(config, out=out, max_steps=max_steps, resume=resume, init=init, overwrite=overwrite,
+          tensorboard=tensorboard, device=device)
+    return 0
+
+
+def add_features(sub: argparse._SubParsersAction) -> None:
+    f = sub.add_parser("features", help="compute and cache a dataset's encoder features")
+    f.set_defaults(func=cmd_features)
+    f.add_argument("--dataset", required=True, help="a Flickr8k or Kaggle folder, a Karpathy or COCO JSON file, or a title CSV")
+    f.add_argument("--images", help="image folder of a JSON or CSV dataset")
+    f.add_argument("--encoder", default="efficientnet_lite2", help="the image encoder (default efficientnet_lite2)")
+    f.add_argument("--flip", action="store_true",
+                   help="cache the mirror images' features instead (for --tta flip experiments; docs/ensembles.md)")
+    _add_device_opts(f, workers=True, precision=False)
+    _add_csv_opts(f)
+    _add_engine_opts(f)
+    f.add_argument("--batch-size", type=positive_int, default=16, help="ray: images per model call")
+
+
+def cmd_features(dataset: str, images: str | None, encoder: str,
+                 image_column: str, title_column: str, image_suffix: str, engine: str = "local",
+                 address: str | None = None, replicas: int = 1, shard_size: int | None = None,
+                 gpus_per_replica: float = 0, batch_size: int = 16, flip: bool = False, device: str = "auto",
+                 workers: int = 2) -> int:
+    from ..core.outputs import check_writable_folder
+    from ..encoders import create_encoder, list_encoders
+    from ..encoders.features import build_features, default_cache_root
+
+    if encoder not in list_encoders():
+        raise UsageError(f"--encoder: unknown encoder {encoder!r}; known: {', '.join(list_encoders())}")
+    where, _ = _device(device)
+    check_writable_folder(default_cache_root())
+    if engine == "ray":
+        from ..inference.ray_engine import build_features_ray, ray_missing
+        if flip:
+            raise UsageError("--engine ray does not support --flip; use the local engine for it")
+        if ray_missing():
+            raise UsageError(ray_missing())
+    ds = _load_dataset(dataset, images, image_column, title_column, image_suffix)
+    paths = [it.path for it in ds.all_items()]
+    if engine == "ray":
+        opts = _ray_options(address, replicas, gpus_per_replica, batch_size, shard_size)
+        store = build_features_ray(encoder, None, paths, None, opts)
+    else:
+        store = build_features(create_encoder(encoder).to(where), paths, workers=workers, flip=flip)
+    print(f"{len(store.index)} images, grid {store.grid}: {store.folder}")
+    return 0
+
+
+def add_pack(sub: argparse._SubParsersAction) -> None:
+    k = sub.add_parser("pack", help="copy a checkpoint without optimizer state, for shipping")
+    k.set_defaults(func=cmd_pack)
+    k.add_argument("checkpoint", help="the checkpoint folder to copy (e.g. runs/NAME/best)")
+    k.add_argument("out", help="the folder to write")
+    k.add_argument("--fp16", action="store_true", help="store the decoder's weights in float16 (half the size)")
+    k.add_argument("--int8", action="store_true",
+                   help="the decoder's matrices as int8 with one scale per row (a quarter of float32's size)")
+    _add_overwrite(k, "replace OUT if it is a checkpoint captionkit wrote")
+
+
+def cmd_pack(checkpoint: str, out: str, fp16: bool, overwrite: bool, int8: bool = False) -> int:
+    from ..core.checkpoint import pack_checkpoint
+
+    if fp16 and int8:
+        raise UsageError("give --fp16 or --int8, not both")
+    size = pack_checkpoint(checkpoint, out, fp16=fp16, int8=int8, overwrite=overwrite)
+    print(f"wrote {out} ({size / 1e6:.1f} MB)")
+    return 0
