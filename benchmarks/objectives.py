@@ -31,8 +31,9 @@ from captionkit.encoders import create_encoder
 from captionkit.inference.captioner import Captioner
 from captionkit.inference.shipped import FAST_MODEL
 from captionkit.models import create_model
-from captionkit.training.run import TrainConfig, make_optimizer
+from captionkit.training.config import TrainConfig
 from captionkit.training.scst import SelfCritical
+from captionkit.training.stages import make_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 B, T, V, GRID, D = 32, 13, 2541, (9, 9), 1280

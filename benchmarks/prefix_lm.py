@@ -27,7 +27,8 @@ import torch
 
 from captionkit.cli.main import tune_allocator
 from captionkit.inference.captioner import Captioner
-from captionkit.training.run import RunConfig, build_trainer
+from captionkit.training.config import RunConfig
+from captionkit.training.run import build_trainer
 
 
 def main() -> None:

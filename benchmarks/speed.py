@@ -32,7 +32,8 @@ from tutorial_decoder import TutorialDecoder  # noqa: E402
 
 from captionkit.cli.main import tune_allocator  # noqa: E402
 from captionkit.models.sat import SATConfig, SoftAttentionDecoder, caption_loss  # noqa: E402
-from captionkit.training.run import TrainConfig, make_optimizer  # noqa: E402
+from captionkit.training.config import TrainConfig  # noqa: E402
+from captionkit.training.stages import make_optimizer  # noqa: E402
 
 B, L, D, DIM, V, T = 32, 196, 1280, 512, 2633, 13
 

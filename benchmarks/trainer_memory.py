@@ -41,7 +41,8 @@ def memory(field: str) -> int:
 
 def one_run(config: str, steps: int, eager: bool) -> dict:
     from captionkit.training.config import RunConfig
-    from captionkit.training.run import build_trainer, prepare_data
+    from captionkit.training.run import build_trainer
+    from captionkit.training.stages import prepare_data
 
     cfg = RunConfig.load(config)
     t0 = time.time()

@@ -21,13 +21,13 @@ def no_expensive_work(monkeypatch):
     """Fail the test if a command gets as far as loading a dataset, features or a model: user
     mistakes (a bad config, a refused output folder) are reported before any of these."""
     import captionkit.inference.captioner
-    import captionkit.training.run
+    import captionkit.training.stages
 
     def expensive(*a, **k):
         raise AssertionError("expensive work started before the user's input was checked")
 
-    monkeypatch.setattr(captionkit.training.run, "load_dataset", expensive)
-    monkeypatch.setattr(captionkit.training.run, "build_features", expensive)
+    monkeypatch.setattr(captionkit.training.stages, "load_dataset", expensive)
+    monkeypatch.setattr(captionkit.training.stages, "build_features", expensive)
     monkeypatch.setattr(captionkit.inference.captioner.Captioner, "load", expensive)
 
 

@@ -175,7 +175,8 @@ def word_trainer(cfg, out):
     """A Trainer for ``cfg`` (a loaded RunConfig) built through the training stages, with a word
     vocabulary of every training token (min count 1)."""
     from captionkit.data.tokenizers import build_tokenizer
-    from captionkit.training.run import build_trainer, prepare_data
+    from captionkit.training.run import build_trainer
+    from captionkit.training.stages import prepare_data
 
     data = prepare_data(cfg)
     return build_trainer(cfg, out, data, build_tokenizer("word", [t for it in data.train_items for t in it.tokens], 1))

@@ -5,7 +5,9 @@ import pytest
 from helpers import TINY_CONFIG, word_trainer
 
 from captionkit.core.checkpoint import read_config, resolve
-from captionkit.training.run import RunConfig, TrainConfig, Trainer, build_trainer
+from captionkit.training.config import RunConfig, TrainConfig
+from captionkit.training.run import build_trainer
+from captionkit.training.trainer import Trainer
 
 # dev CIDEr-D per epoch, on the scorers' own scale (0..10): with min_delta 0.001 epoch 2 gains
 # too little, epoch 3 enough, epochs 4 and 5 too little again -> patience 2 stops after epoch 5

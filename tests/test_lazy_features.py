@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from captionkit.encoders.features import FeatureRows
-from captionkit.training import run as train_module
+from captionkit.training import stages as stages_module
 from captionkit.training.config import RunConfig
-from captionkit.training.run import build_trainer, prepare_data
+from captionkit.training.run import build_trainer, train
+from captionkit.training.stages import prepare_data
 
 
 class CountingStore:
@@ -49,13 +50,13 @@ class EagerRows:
 def stores(monkeypatch) -> list[CountingStore]:
     """Every store the trainer opens from now on, counting its reads."""
     opened: list[CountingStore] = []
-    real = train_module.build_features
+    real = stages_module.build_features
 
     def counting(*args, **kwargs):
         opened.append(CountingStore(real(*args, **kwargs)))
         return opened[-1]
 
-    monkeypatch.setattr(train_module, "build_features", counting)
+    monkeypatch.setattr(stages_module, "build_features", counting)
     return opened
 
 
@@ -84,7 +85,7 @@ def _short(tiny_config, tmp_path, epochs: int) -> RunConfig:
 def test_a_training_run_never_reads_the_whole_store(tiny_config, tmp_path, stores):
     config = _short(tiny_config, tmp_path, epochs=2)
     cfg = RunConfig.load(config)
-    state = train_module.train(config, out=tmp_path / "run", progress=False)
+    state = train(config, out=tmp_path / "run", progress=False)
     assert state.epoch == cfg.train.epochs  # validated, decoding tuned: every reader ran
     (store,) = stores
     images = len(store.store.index)  # 9 training, 3 dev and 3 test images
@@ -132,8 +133,8 @@ def test_frozen_tuned_blocks_give_the_rows_the_eager_tensor_gave(tiny_run, tiny_
     its output is computed once from the store's rows (read 256 at a time), bit for bit what it
     was from the eager tensor of every row."""
     tuned = tmp_path / "tuned"
-    train_module.train(_from(tiny_config, tmp_path, "tune", f'init = "{tiny_run / "best"}"\n'
-                             'finetune_blocks = 1\nencoder_lr = 1e-2'), out=tuned, max_steps=1, progress=False)
+    train(_from(tiny_config, tmp_path, "tune", f'init = "{tiny_run / "best"}"\n'
+          'finetune_blocks = 1\nencoder_lr = 1e-2'), out=tuned, max_steps=1, progress=False)
     stores.clear()
     data = prepare_data(RunConfig.load(_from(tiny_config, tmp_path, "frozen", f'init = "{tuned / "last"}"')))
     assert data.tuned_blocks == 1 and data.source_grid == data.grid and data.tail is not None

@@ -14,7 +14,8 @@ from captionkit.inference.decoding import greedy
 from captionkit.models import create_model
 from captionkit.models.sat import caption_loss
 from captionkit.scoring.metrics import CiderD
-from captionkit.training.run import RunConfig, train
+from captionkit.training.config import RunConfig
+from captionkit.training.run import train
 from captionkit.training.scst import SelfCritical, leave_one_out_mean, sample, sequence_logprobs
 
 

@@ -23,7 +23,8 @@ from captionkit.data.tokenizers import LMTokenizer, load_tokenizer  # noqa: E402
 from captionkit.inference.captioner import Captioner  # noqa: E402
 from captionkit.models import create_model  # noqa: E402
 from captionkit.models.prefix_lm import param_group  # noqa: E402
-from captionkit.training.run import RunConfig, build_trainer, train  # noqa: E402
+from captionkit.training.config import RunConfig  # noqa: E402
+from captionkit.training.run import build_trainer, train  # noqa: E402
 
 GRID = [7, 7]  # efficientnet_lite0's grid, the encoder of the trainer tests
 

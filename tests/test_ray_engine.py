@@ -174,11 +174,11 @@ def test_sharded_store_reads_lazily_and_splits_by_rank(tmp_path):
 @pytest.mark.slow
 def test_trainer_reads_the_sharded_store(local_ray, tiny_config, tmp_path, monkeypatch):
     """After features --engine ray, training takes its features from the sharded store."""
-    import captionkit.training.run
+    import captionkit.training.stages
     from captionkit.inference.ray_engine import build_features_ray
     from captionkit.training.run import train
 
-    real = captionkit.training.run.build_features
+    real = captionkit.training.stages.build_features
     used = []
 
     def ray_first(encoder, paths):
@@ -186,6 +186,6 @@ def test_trainer_reads_the_sharded_store(local_ray, tiny_config, tmp_path, monke
         used.append(real(encoder, paths))
         return used[-1]
 
-    monkeypatch.setattr(captionkit.training.run, "build_features", ray_first)
+    monkeypatch.setattr(captionkit.training.stages, "build_features", ray_first)
     train(tiny_config, out=tmp_path / "run", max_steps=2, progress=False)
     assert isinstance(used[0], ShardedFeatureStore) and (tmp_path / "run" / "last" / "config.json").exists()

@@ -12,7 +12,7 @@ from captionkit.cli.main import main
 from captionkit.core.cache import cache_dir
 from captionkit.data import datasets as data
 from captionkit.data.datasets import DatasetError, cased_words, load_dataset, read_title_csv
-from captionkit.training.run import DataConfig, RunConfig
+from captionkit.training.config import DataConfig, RunConfig
 
 HEADER = ",Title,Ingredients,Instructions,Image_Name,Cleaned_Ingredients"
 TITLES = ["Miso-Butter Roast Chicken With Acorn Squash Panzanella", "Crispy Salt and Pepper Potatoes",

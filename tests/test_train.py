@@ -8,7 +8,9 @@ import torch
 
 from captionkit.core.checkpoint import CheckpointError, atomic_folder, read_config, read_weights, save_checkpoint
 from captionkit.inference.captioner import Captioner
-from captionkit.training.run import RunConfig, length_batches, train
+from captionkit.training.config import RunConfig
+from captionkit.training.run import train
+from captionkit.training.trainer import length_batches
 
 
 def test_length_batches_hold_one_length_each_and_cover_everything():

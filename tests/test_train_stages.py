@@ -13,15 +13,9 @@ from helpers import TINY_CONFIG
 from captionkit.cli.main import main
 from captionkit.core.checkpoint import CheckpointError, read_config
 from captionkit.training.config import ConfigError, RunConfig
-from captionkit.training.run import (
-    EpochProgress,
-    TrainState,
-    build_model,
-    build_optimizer,
-    build_tokenizer,
-    prepare_data,
-    train,
-)
+from captionkit.training.run import train
+from captionkit.training.stages import build_model, build_optimizer, build_tokenizer, prepare_data
+from captionkit.training.trainer import EpochProgress, TrainState
 
 # the "state" of a checkpoint written before TrainState (a run in /work/runs, mid-epoch)
 OLD_STATE = {"epoch": 2, "step": 1234, "batch_in_epoch": 17, "best_score": 0.61, "best_epoch": 2, "bad_epochs": 0,

@@ -15,7 +15,9 @@ from PIL import Image
 from captionkit.cli.main import main
 from captionkit.core.checkpoint import read_config, read_weights
 from captionkit.inference.captioner import Captioner
-from captionkit.training.run import RunConfig, TrainConfig, lr_factor, train
+from captionkit.training.config import RunConfig, TrainConfig
+from captionkit.training.run import train
+from captionkit.training.trainer import lr_factor
 
 GLOVE = Path(__file__).parent / "data" / "glove_tiny.6d.txt"
 

@@ -31,7 +31,8 @@ from captionkit.encoders import create_encoder  # noqa: E402
 from captionkit.encoders.vit_pixels import DEFAULT_VIT  # noqa: E402
 from captionkit.inference.captioner import Captioner  # noqa: E402
 from captionkit.models import create_model  # noqa: E402
-from captionkit.training.run import RunConfig, build_trainer  # noqa: E402
+from captionkit.training.config import RunConfig  # noqa: E402
+from captionkit.training.run import build_trainer  # noqa: E402
 
 GRID, ROW = [4, 4], 3 * 8 * 8  # the tiny ViT's patch grid and pixels per patch
 

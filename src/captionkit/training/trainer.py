@@ -1,0 +1,597 @@
+"""The training loop: :class:`Trainer` trains a model built by the stages
+(:mod:`captionkit.training.stages`) into the run folder. Per epoch: length-bucketed batches
+(every batch holds captions of one length, as in the paper; or whole images with their
+captions), Adam, AdamW or RMSProp with gradient clipping and a plateau, cosine or inverse-sqrt
+schedule, then validation by free-running beam search on the dev split scored with the
+coco-caption scorers; the best checkpoint is kept and training stops early when the score stops
+improving.
+
+Two objectives: ``xe`` (cross-entropy under teacher forcing, or the model family's own
+training loss, e.g. hard attention's lower bound) and ``scst`` (self-critical training, see
+:mod:`captionkit.training.scst`; batches of images instead of captions). With encoder blocks
+fine-tuned, they run in every step. What a run has done is a :class:`TrainState`, saved as JSON
+in every checkpoint.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ..core.checkpoint import (
+    ENCODER_PREFIX,
+    CheckpointError,
+    kill_point,
+    load_into,
+    optimizer_tensors,
+    read_config,
+    read_weights,
+    remove_leftovers,
+    restore_optimizer,
+    save_checkpoint,
+)
+from ..core.outputs import atomic_write_text
+from ..core.precision import autocast, grad_scaler, resolve_precision
+from ..data.tokenizers import Tokenizer
+from ..data.vocab import Vocab
+from ..encoders import load_finetuned
+from ..inference.captioner import Captioner
+from ..scoring.evaluation import coco_scores, format_scores
+from .config import ConfigError, RunConfig, TrainConfig
+from .distributed import SINGLE, World, barrier, broadcast_json, mean_figures, shard
+from .scst import SelfCritical
+from .stages import CPU, BuiltModel, BuiltOptimizer, TrainData, decoder_weights, encode_captions
+
+_SCORER = {"METEOR": "meteor", "ROUGE_L": "rouge"}  # validation scores BLEU and CIDEr, and these when chosen
+PRECISION_NAMES = {"bf16": "bf16 mixed precision matmuls", "fp32": "float32 matmuls",
+                   "fp16": "fp16 mixed precision matmuls with a gradient scaler"}
+
+
+def lr_factor(tc: TrainConfig, step: int, progress: float) -> float:
+    """The schedule's multiplier of the learning rate at optimizer step ``step`` (0-based) and
+    ``progress`` = the fraction of the planned epochs done. A function of the saved training
+    state only, so a resumed run continues on the same curve."""
+    s = step + 1
+    warm = min(1.0, s / tc.warmup_steps) if tc.warmup_steps else 1.0
+    if tc.schedule == "cosine":
+        return warm * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    if tc.schedule == "inverse_sqrt":
+        return min(warm, math.sqrt(tc.warmup_steps / s))
+    return warm
+
+
+def image_batches(groups: list[list[int]], lengths: list[int], batch_size: int, seed: int) -> list[list[int]]:
+    """Caption indices grouped by image (groups: each image's captions), whole images per
+    batch, up to batch_size captions (at least one image). Images are ordered by their longest
+    caption within seeded-random buckets, so a batch pads little; the batches are shuffled."""
+    rng = random.Random(seed)
+    order = [g for g in groups if g]
+    rng.shuffle(order)
+    order.sort(key=lambda g: max(lengths[i] for i in g))  # stable: random within a length
+    batches, cur = [], []
+    for g in order:
+        if cur and len(cur) + len(g) > batch_size:
+            batches.append(cur)
+            cur = []
+        cur = cur + g
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def length_batches(lengths: list[int], batch_size: int, seed: int) -> list[list[int]]:
+    """Indices grouped so that every batch holds captions of one length, in a seeded order."""
+    rng = random.Random(seed)
+    by_len: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        by_len.setdefault(n, []).append(i)
+    batches = []
+    for n in sorted(by_len):
+        idx = by_len[n]
+        rng.shuffle(idx)
+        batches += [idx[i:i + batch_size] for i in range(0, len(idx), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+# ---- the state a checkpoint carries -------------------------------------------------------------
+
+@dataclass
+class EpochProgress:
+    """The current epoch's figures so far, saved with the state so that an epoch resumed from
+    a checkpoint reports its whole time, count and mean figures."""
+
+    seconds: float = 0.0
+    seen: int = 0
+    batches: int = 0
+    sums: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TrainState:
+    """Where a run stands; saved as JSON under "state" in every checkpoint's config.json.
+
+    lr: the base learning rate after the plateau schedule's decays (the warm-up and cosine
+    factors are functions of ``step`` and ``epoch``, see :func:`lr_factor`); every group's rate
+    is this times its own scale. best_score is on the scorers' scale (CIDEr 0..10)."""
+
+    lr: float
+    epoch: int = 0
+    step: int = 0
+    batch_in_epoch: int = 0
+    best_score: float | None = None
+    best_epoch: int = 0
+    bad_epochs: int = 0
+    lr_bad_epochs: int = 0
+    history: list[dict] = field(default_factory=list)
+    epoch_progress: EpochProgress | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict, where: str | Path) -> TrainState:
+        """A checkpoint's "state" (runs written before this class hold the same keys; a key
+        they lack takes its default)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown or "lr" not in d:
+            raise CheckpointError(f"{where}: not a training state ({'unknown key ' + unknown[0] if unknown else 'no lr'})")
+        progress = d.get("epoch_progress")
+        return cls(**{**d, "epoch_progress": EpochProgress(**progress) if progress else None})
+
+
+# ---- the trainer ---------------------------------------------------------------------------------
+
+class Trainer:
+    """Trains a built model on prepared data into the run folder ``out``: :meth:`fit` runs the
+    epochs (:meth:`train_step` per batch, :meth:`end_epoch` after each: validation, early
+    stopping, checkpoints), then picks the decoding settings."""
+
+    def __init__(self, cfg: RunConfig, out: Path, data: TrainData, vocab: Tokenizer, built: BuiltModel,
+                 optim: BuiltOptimizer, state: TrainState | None = None, device: torch.device = CPU,
+                 world: World = SINGLE):
+        tc = cfg.train
+        self.cfg, self.out, self.data, self.vocab = cfg, out, data, vocab
+        self.family, self.model_cfg, self.model = built.family, built.config, built.model
+        self.length_penalty, self.glove_coverage = built.length_penalty, built.glove_coverage
+        self.opt, self.lr_scales = optim.opt, optim.lr_scales
+        self.trained_parameters, self.params = optim.trained_parameters, optim.params
+        self.state = state or TrainState(lr=tc.lr)
+        self.device, self.world = device, world
+        self.precision = resolve_precision(tc.precision, device)  # "bf16", "fp16" or "fp32"
+        self.scaler = grad_scaler(device, self.precision)  # enabled for fp16 only
+        if world.main:
+            where = "" if device == CPU else f" on {device}"
+            where += f", {world.size} processes (DDP)" if world.distributed else ""
+            print(f"precision {tc.precision}: {PRECISION_NAMES[self.precision]}{where}", file=sys.stderr)
+        # the module whose forward is a batch's loss: DistributedDataParallel wraps it (and
+        # averages the gradients of its parameters across processes in backward)
+        self.loss_module: torch.nn.Module = _BatchLoss(self)
+        if world.distributed:
+            self.loss_module = DistributedDataParallel(self.loss_module,
+                                                       device_ids=[device] if device.type == "cuda" else None)
+            torch.manual_seed(tc.seed + 1000003 * world.rank)  # each rank its own draws (rank 0 keeps the seed's)
+        self.examples, self.image_examples = encode_captions(data.train_items, vocab, cfg.data)
+        longest = max((len(ids) - 1 for _, ids in self.examples), default=0)
+        limit = self.model.max_positions
+        if limit is not None and max(longest, tc.max_len + 1) > limit:  # (a new model's max_len: at load too)
+            raise ConfigError(f"model.max_positions is {limit}, but training captions need {longest} positions "
+                              f"and decoding (train.max_len + 1) {tc.max_len + 1}")
+        self.scst: SelfCritical | None = None
+        if tc.objective == "scst":  # CIDEr-D document frequencies from the training references
+            refs = {row: [t for t in it.words(cfg.data.words) if t] for row, it in enumerate(data.train_items)}
+            self.scst = SelfCritical(refs, vocab, tc.samples, tc.max_len, tc.scst_baseline)
+
+    # ---- features and batches ----
+    def features(self, feats: torch.Tensor) -> torch.Tensor:
+        """Cached rows (B, L, C) -> annotation vectors (B, L, D), through the tuned blocks if
+        they are being trained. Call under the training autocast."""
+        if self.cfg.train.finetune_blocks:
+            return self.data.tail(feats.float(), self.data.source_grid)
+        return feats.to(torch.bfloat16) if self.precision == "bf16" else feats.float()
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A batch's tensor built on the CPU -> the training device (through pinned memory,
+        without waiting for the copy, on CUDA)."""
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """xe: caption indices, one length per batch; scst: image rows."""
+        tc = self.cfg.train
+        seed = tc.seed * 1000 + epoch
+        if tc.objective == "scst":
+            rows = list(range(len(self.data.train_items)))
+            random.Random(seed).shuffle(rows)
+            return [rows[i:i + tc.batch_size] for i in range(0, len(rows), tc.batch_size)]
+        groups = self.image_examples
+        if tc.caption_sampling == "random_one":  # this epoch's caption of each image
+            rng = random.Random(seed)
+            groups = [[rng.choice(idx)] for idx in self.image_examples if idx]
+        if tc.batching == "image":
+            return image_batches(groups, [len(ids) for _, ids in self.examples], tc.batch_size, seed)
+        pick = [i for g in groups for i in g]
+        batches = length_batches([len(self.examples[i][1]) for i in pick], tc.batch_size, seed)
+        return [[pick[j] for j in b] for b in batches]
+
+    def batch_loss(self, idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+        """-> (loss to minimise, figures to report: the cross-entropy, or scst's rewards)."""
+        tc = self.cfg.train
+        with autocast(self.device, self.precision):
+            if self.scst is not None:
+                rows = self.data.train_feats.select(torch.tensor(idx))
+                feats = self.features(self.to_device(rows))  # (B, L, D)
+                loss, stats = self.scst.loss(self.model, feats, idx)
+                figures = {"reward": stats.sample_reward}
+                if stats.greedy_reward is not None:
+                    figures["greedy_reward"] = stats.greedy_reward
+                return loss, figures
+            rows = torch.tensor([self.examples[i][0] for i in idx])
+            longest = max(len(self.examples[i][1]) for i in idx)  # "length" batches: all this long
+            ids = torch.tensor([self.examples[i][1] + [Vocab.pad] * (longest - len(self.examples[i][1]))
+                                for i in idx])  # (B, T+1), <pad> after <end> (ignored by the loss)
+            image_index = None
+            if tc.batching == "image":  # each image once, indexed per caption
+                rows, image_index = torch.unique(rows, return_inverse=True)  # (U,), (B,)
+                image_index = self.to_device(image_index)
+            feats = self.features(self.to_device(self.data.train_feats.select(rows)))  # (B or U, L, D)
+            ids = self.to_device(ids)
+            loss, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], alpha_c=tc.alpha_c,
+                                                label_smoothing=tc.label_smoothing, image_index=image_index)
+            return loss, {"loss": float(ce.detach())}
+
+    # ---- the loop ----
+    def fit(self, max_steps: int | None = None, progress: bool = True,
+            on_epoch: Callable[[dict], None] | None = None) -> TrainState:
+        """Train to the end (or ``max_steps``). ``on_epoch`` is called with each epoch's history
+        entry (dev scores and ``val_loss`` when validated) once it is logged and saved."""
+        tc = self.cfg.train
+        progress = progress and self.world.main
+        on_epoch = on_epoch if self.world.main else None
+        self.set_lr(self.state.lr)
+        if self.data.init and self.state.best_score is None:  # the starting point is the score to beat
+            self.score_start(on_epoch)
+        while self.state.epoch < tc.epochs and self.state.bad_epochs < tc.patience:  # (a resumed early stop stays stopped)
+            st = self.state
+            batches = self.epoch_batches(st.epoch)
+            self.model.train(tc.objective == "xe")  # self-critical training samples without dropout (see scst)
+            if not st.batch_in_epoch or st.epoch_progress is None:
+                st.epoch_progress = EpochProgress()
+            clock = _Clock(st.epoch_progress)
+            for bi in range(st.batch_in_epoch, len(batches)):
+                if max_steps is not None and st.step >= max_steps:
+                    self.save("last", with_optimizer=True)
+                    return st
+                self.train_step(batches[bi], bi, len(batches))
+                clock.tick()
+                if progress and (bi % 20 == 0 or bi == len(batches) - 1):
+                    self.log(bi, len(batches), clock)
+                if tc.checkpoint_every and st.step % tc.checkpoint_every == 0:
+                    self.save("last", with_optimizer=True)
+            if progress:
+                print(file=sys.stderr)
+            self.end_epoch(clock, on_epoch)
+            if self.state.bad_epochs >= tc.patience and self.world.main:
+                gain = f" above {100 * tc.min_delta:g} (x100)" if tc.min_delta else ""
+                span = "epochs" if tc.val_every == 1 else f"validations (every {tc.val_every} epochs)"
+                print(f"early stop: no {tc.val_metric} gain{gain} for {tc.patience} {span}", file=sys.stderr)
+        if self.world.main:
+            self.tune_decoding()
+        barrier(self.world)
+        return self.state
+
+    def train_step(self, batch: list[int], bi: int, n_batches: int) -> None:
+        """One optimizer step on one global batch, at the schedule's learning rate for this step.
+        Under DDP each process takes its shard of the batch; its loss is weighted by its share
+        so that the gradients DDP averages are those of the whole batch."""
+        tc, st = self.cfg.train, self.state
+        self.set_lr(st.lr * lr_factor(tc, st.step, (st.epoch + bi / n_batches) / tc.epochs))
+        part, weight = self.shard(batch)
+        loss, figures = self.loss_module(part)
+        if not math.isfinite(float(loss.detach())):
+            raise FloatingPointError(f"loss became {float(loss.detach())} at step {st.step}")
+        if self.world.distributed:  # DDP averages over the processes: weight * world size each
+            loss = loss * (weight * self.world.size)
+        self.opt.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        if tc.grad_clip:
+            self.scaler.unscale_(self.opt)  # (fp16: clip the true gradients)
+            torch.nn.utils.clip_grad_norm_(self.params, tc.grad_clip)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        figures = mean_figures(self.world, figures, weight, self.device)
+        st.step += 1
+        st.batch_in_epoch = bi + 1
+        prog = st.epoch_progress
+        prog.seen += len(batch)
+        prog.batches += 1
+        for k, v in figures.items():  # means over this epoch so far
+            prog.sums[k] = prog.sums.get(k, 0.0) + v
+
+    def shard(self, batch: list[int]) -> tuple[list[int], float]:
+        """This process's part of a global batch and its share of it (1 for one process): by
+        target tokens for cross-entropy (the loss is a mean over them), by images for SCST.
+        Image batching keeps each image's captions on one process."""
+        if not self.world.distributed:
+            return batch, 1.0
+        if self.scst is not None:
+            part, real = shard(batch, self.world)
+            return part, (len(part) / len(batch) if real else 0.0)
+        key = [row for row, _ in self.examples] if self.cfg.train.batching == "image" else None
+        part, real = shard(batch, self.world, key)
+        tokens = [len(self.examples[i][1]) - 1 for i in batch]  # targets: the words and <end>
+        return part, (sum(len(self.examples[i][1]) - 1 for i in part) / sum(tokens) if real else 0.0)
+
+    def log(self, bi: int, n_batches: int, clock: _Clock) -> None:
+        """The progress line: epoch, batch, the epoch's mean figures, this process's rate."""
+        prog = self.state.epoch_progress
+        shown = " ".join(f"{k} {v / prog.batches:.3f}" for k, v in prog.sums.items())
+        print(f"\repoch {self.state.epoch + 1}/{self.cfg.train.epochs} {bi + 1}/{n_batches} "
+              f"{shown} {clock.rate():.0f} {self.unit}/s", end="", file=sys.stderr, flush=True)  # a log file sees it too
+
+    @property
+    def unit(self) -> str:
+        return "images" if self.scst is not None else "captions"
+
+    def end_epoch(self, clock: _Clock, on_epoch: Callable[[dict], None] | None) -> None:
+        """Close an epoch: its history entry (with dev scores when it is validated), the
+        early-stopping and plateau bookkeeping, history.jsonl and the ``last`` checkpoint.
+        Under DDP, rank 0 does it and the others take its state."""
+        tc, st = self.cfg.train, self.state
+        prog = st.epoch_progress
+        st.epoch += 1
+        st.batch_in_epoch = 0
+        st.epoch_progress = None
+        if not self.world.main:
+            self.receive_state()
+            return
+        entry = {"epoch": st.epoch, "step": st.step, **{k: v / max(prog.batches, 1) for k, v in prog.sums.items()},
+                 "lr": self.opt.param_groups[0]["lr"], "seconds": clock.seconds(), self.unit: prog.seen}
+        if st.epoch % tc.val_every and st.epoch < tc.epochs:  # no dev scoring after this epoch
+            st.history.append(entry)
+            print(f"epoch {st.epoch}: not validated (train.val_every = {tc.val_every})", file=sys.stderr)
+        else:
+            scores = self.validate()
+            val_loss = self.validation_loss()
+            st.history.append({**entry, **scores, "val_loss": val_loss})
+            self.judge(scores[tc.val_metric])
+            print(f"epoch {st.epoch}: dev {format_scores(scores)} loss {val_loss:.3f} ({tc.val_metric} "
+                  f"{'best' if st.best_epoch == st.epoch else 'no gain'}; "
+                  f"lr {self.opt.param_groups[0]['lr']:.2e})", file=sys.stderr)
+        self.log_history()
+        self.save("last", with_optimizer=True)
+        self.receive_state()
+        if on_epoch:
+            on_epoch(st.history[-1])
+
+    def receive_state(self) -> None:
+        """Under DDP: every process takes rank 0's state (its dev scores decide early stopping
+        and the plateau schedule for all); nothing for one process."""
+        if self.world.distributed:
+            self.state = TrainState.from_json(broadcast_json(self.world, self.state.to_json(), self.device), "rank 0")
+            self.set_lr(self.state.lr)
+
+    def score_start(self, on_epoch: Callable[[dict], None] | None) -> None:
+        """A run from train.init: the starting checkpoint's dev score is the one to beat."""
+        tc, st = self.cfg.train, self.state
+        if self.world.main:
+            scores, val_loss = self.validate(), self.validation_loss()
+            st.best_score, st.best_epoch = scores[tc.val_metric], 0
+            st.history.append({"epoch": 0, "step": 0, **scores, "val_loss": val_loss})
+            print(f"epoch 0 ({tc.init}): dev {format_scores(scores)} loss {val_loss:.3f}", file=sys.stderr)
+            self.log_history()
+            self.save("best", with_optimizer=False)
+        self.receive_state()
+        if on_epoch:
+            on_epoch(self.state.history[-1])
+
+    def set_lr(self, lr: float) -> None:
+        for pg, scale in zip(self.opt.param_groups, self.lr_scales):
+            pg["lr"] = lr * scale
+
+    def judge(self, score: float) -> None:
+        """A validated epoch's dev score: a new best (by more than min_delta) is saved as
+        ``best``; otherwise the counters of early stopping and of the plateau schedule grow."""
+        tc, st = self.cfg.train, self.state
+        if st.best_score is None or score > st.best_score + tc.min_delta:
+            st.best_score, st.best_epoch, st.bad_epochs, st.lr_bad_epochs = score, st.epoch, 0, 0
+            self.save("best", with_optimizer=False)
+            return
+        st.bad_epochs += 1
+        st.lr_bad_epochs += 1
+        if tc.schedule == "plateau" and st.lr_bad_epochs >= tc.lr_patience:
+            st.lr *= tc.lr_decay
+            st.lr_bad_epochs = 0
+            self.set_lr(st.lr)
+
+    # ---- validation ----
+    @torch.no_grad()
+    def validate(self, length_penalty: float | None = None) -> dict[str, float]:
+        tc, data = self.cfg.train, self.data
+        length_penalty = self.length_penalty if length_penalty is None else length_penalty
+        self.model.eval()
+        # decoded where the model trains (place() moves nothing that is already there)
+        cap = Captioner(self.model, self.vocab, self.checkpoint_config()).place(self.device)
+        captions = {}
+        for i in range(0, len(data.val_items), 100):
+            feats = self.to_device(data.val_feats[i:i + 100]).float()
+            feats = data.tail(feats, data.source_grid) if tc.finetune_blocks else feats
+            for it, c in zip(data.val_items[i:i + 100],
+                             cap.decode_features(feats, beam=tc.val_beam, length_penalty=length_penalty)):
+                captions[it.name] = " ".join(self.vocab.decode(c.ids))
+        kill_point("validate")  # test-only: the kill-anywhere test stops a run here
+        refs = {it.name: it.raw for it in data.val_items}
+        return coco_scores(captions, refs, metrics=("bleu", "cider", _SCORER.get(tc.val_metric, "cider")), quiet=True)
+
+    @torch.no_grad()
+    def validation_loss(self) -> float:
+        """The teacher-forced cross-entropy of the dev captions (the model's training_loss, without
+        dropout), per token: the dev counterpart of the training ``loss``, to see over-fitting.
+        Under a forked RNG, so that a family whose loss samples leaves training's draws unchanged."""
+        tc = self.cfg.train
+        examples, _ = encode_captions(self.data.val_items, self.vocab, self.cfg.data)
+        self.model.eval()
+        total, tokens = 0.0, 0
+        with torch.random.fork_rng(devices=[]):
+            for idx in length_batches([len(ids) for _, ids in examples], tc.batch_size, seed=0):
+                rows = torch.tensor([examples[i][0] for i in idx])
+                ids = self.to_device(torch.tensor([examples[i][1] for i in idx]))  # (B, T+1), one length per batch
+                with autocast(self.device, self.precision):
+                    feats = self.features(self.to_device(self.data.val_feats.select(rows)))
+                    _, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], alpha_c=tc.alpha_c)
+                total += float(ce) * ids[:, 1:].numel()
+                tokens += ids[:, 1:].numel()
+        return total / max(tokens, 1)
+
+    def tune_decoding(self) -> None:
+        """Pick the best checkpoint's length normalisation on the dev split, together with the
+        model's declared decode options (hard attention: whether to decode with the expected
+        context or the most probable location), and save the choice in its config."""
+        tc = self.cfg.train
+        best = self.out / "best"
+        cfg = read_config(best)
+        weights = self.load_weights(best)
+        declared = self.model.decode_options()  # option -> values to try; saved in [model]
+        variants = [tuple(zip(declared, values)) for values in itertools.product(*declared.values())]
+        tried: dict[tuple, float] = {}
+        for options in variants:
+            self.model.set_decode_options(**dict(options))
+            for lp in tc.length_penalties:
+                tried[(options, lp)] = self.validate(lp)[tc.val_metric]
+        options, lp = max(tried, key=lambda k: (tried[k], -abs(k[1])))
+        self.model.set_decode_options(**dict(options))
+        cfg["model"] = dict(cfg["model"], **dict(options))
+        cfg["decoding"] = dict(cfg["decoding"], length_penalty=lp)
+
+        def label(opts: tuple, k: float, sep: str, fmt: str) -> str:
+            return "".join(f"{v}{sep}" for _, v in opts) + format(k, fmt)
+
+        cfg["length_penalty_search"] = {"metric": tc.val_metric, "split": self.cfg.data.val_split, "beam": tc.val_beam,
+                                        "scores": {label(o, k, ", ", ""): v for (o, k), v in tried.items()}}
+        save_checkpoint(best, weights, cfg)
+        shown = ", ".join(f"{label(o, k, ' ', 'g')}: {100 * v:.2f}" for (o, k), v in tried.items())
+        chosen = "".join(f"{name} {value}, " for name, value in options)
+        print(f"{chosen}length penalty {lp:g} chosen on {self.cfg.data.val_split} ({shown} {tc.val_metric})",
+              file=sys.stderr)
+
+    # ---- checkpoints ----
+    def log_history(self) -> None:
+        """Append the newest epoch's figures and dev scores to history.jsonl."""
+        self.out.mkdir(parents=True, exist_ok=True)  # an unscored first epoch comes before any save
+        with open(self.out / "history.jsonl", "a") as fh:
+            fh.write(json.dumps(self.state.history[-1]) + "\n")
+
+    def checkpoint_config(self) -> dict:
+        data = self.data
+        encoder = {"name": self.cfg.encoder.name, "weights": self.cfg.encoder.weights or None,
+                   "grid": list(data.grid), "cache_key": data.encoder.cache_key()}
+        if data.tuned_blocks:
+            encoder["finetuned_blocks"] = data.tuned_blocks
+        return {"family": self.family, "model": self.model_cfg, "encoder": encoder,
+                "vocab": self.vocab.to_json(),
+                "decoding": {"max_len": self.cfg.train.max_len, "length_penalty": self.length_penalty},
+                "trained_parameters": self.trained_parameters, "train": self.cfg.to_dict(),
+                "state": self.state.to_json()}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The decoder's weights, and the tuned encoder blocks' under ``encoder.``."""
+        out = dict(self.model.state_dict())
+        if self.data.tail is not None:
+            tail = {id(p) for p in self.data.tail.parameters()}
+            out.update({ENCODER_PREFIX + k: p.detach() for k, p in self.data.encoder.named_parameters() if id(p) in tail})
+        return out
+
+    def save(self, name: str, with_optimizer: bool) -> None:
+        """Write the checkpoint ``name`` (rank 0 only: the processes hold the same weights);
+        save_checkpoint copies every tensor to the CPU, so it loads on any device."""
+        if not self.world.main:
+            return
+        optim = None
+        cfg = self.checkpoint_config()
+        if with_optimizer:
+            optim, groups = optimizer_tensors(self.opt)
+            optim["rng.torch"] = torch.get_rng_state()
+            if self.device.type == "cuda":  # SCST's sampling draws from the GPU's generator
+                optim["rng.cuda"] = torch.cuda.get_rng_state(self.device)
+            cfg["optimizer_groups"] = groups
+            if self.scaler.is_enabled():
+                cfg["grad_scaler"] = self.scaler.state_dict()
+        save_checkpoint(self.out / name, self.weights(), cfg, optim)
+
+    def load_weights(self, folder: Path) -> dict[str, torch.Tensor]:
+        weights = read_weights(folder)
+        load_into(self.model, decoder_weights(weights), folder)
+        if self.cfg.train.finetune_blocks:
+            load_finetuned(self.data.encoder, {k[len(ENCODER_PREFIX):]: v for k, v in weights.items()
+                                               if k.startswith(ENCODER_PREFIX)}, str(folder))
+        return weights
+
+    def restore(self, folder: Path, saved: dict) -> None:
+        """Continue from the checkpoint ``folder`` (its config ``saved``): weights, optimizer,
+        random state and training state."""
+        self.load_weights(folder)
+        optim = read_weights(folder, "optimizer.safetensors")  # on the CPU; restored onto the parameters' device
+        rng, rng_cuda = optim.pop("rng.torch"), optim.pop("rng.cuda", None)
+        if self.world.main:  # (the other ranks keep their own draws, seeded by rank)
+            torch.set_rng_state(rng)
+            if rng_cuda is not None and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng_cuda, self.device)
+        restore_optimizer(self.opt, optim, saved["optimizer_groups"])
+        if self.scaler.is_enabled() and "grad_scaler" in saved:
+            self.scaler.load_state_dict(saved["grad_scaler"])
+        self.state = TrainState.from_json(saved["state"], folder / "config.json")
+        if not self.world.main:
+            return
+        # the checkpoint's history is the run's: epochs logged after it (by a run killed before
+        # its next save) are run again, so their lines go rather than appear twice
+        atomic_write_text(self.out / "history.jsonl", "".join(json.dumps(h) + "\n" for h in self.state.history))
+        print(f"resuming from {folder} (epoch {self.state.epoch}, step {self.state.step})", file=sys.stderr)
+        for name in ("last", "best"):  # what killed saves left
+            remove_leftovers(self.out / name)
+
+
+class _BatchLoss(torch.nn.Module):
+    """The trained modules (the model, and the tuned encoder blocks) behind one forward that
+    returns a batch's (loss, figures): what DistributedDataParallel wraps, so that its
+    gradient averaging sees every step, whatever the objective."""
+
+    def __init__(self, trainer: Trainer):
+        super().__init__()
+        self.model = trainer.model
+        self.tail = trainer.data.tail if trainer.cfg.train.finetune_blocks else None
+        self.batch_loss = trainer.batch_loss
+
+    def forward(self, batch: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.batch_loss(batch)
+
+
+class _Clock:
+    """An epoch's time so far (carried across a resume by its EpochProgress) and this
+    process's rate (what a resumed process shows is its own)."""
+
+    def __init__(self, progress: EpochProgress):
+        self.progress = progress
+        self.t0 = time.time() - progress.seconds
+        self.since, self.seen_before = time.time(), progress.seen
+
+    def tick(self) -> None:
+        self.progress.seconds = round(time.time() - self.t0, 1)
+
+    def seconds(self) -> float:
+        return round(time.time() - self.t0, 1)
+
+    def rate(self) -> float:
+        return (self.progress.seen - self.seen_before) / max(time.time() - self.since, 1e-9)
