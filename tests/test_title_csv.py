@@ -131,7 +131,7 @@ def test_split_goes_to_the_cache_when_the_csv_folder_is_not_writable(tmp_path, m
             raise PermissionError(13, "Permission denied", str(dst))
         return real_replace(src, dst)
 
-    monkeypatch.setattr(os, "replace", refuse_beside_csv)  # the os module data.py writes through
+    monkeypatch.setattr(os, "replace", refuse_beside_csv)  # the os module data/datasets.py writes through
     first = names(load_dataset(csv, tmp_path / "Food Images"))
     note = capsys.readouterr().err.splitlines()[-1]
     cached = Path(note.rsplit("saved in ", 1)[1])

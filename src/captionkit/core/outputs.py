@@ -25,7 +25,7 @@ from .errors import OutputError
 
 MARKER = ".captionkit.json"  # {"written_by": "captionkit", "kind": ...} in every folder captionkit writes
 CHECKPOINT_FORMAT = "captionkit-checkpoint"  # config.json "format" of checkpoints (see checkpoint.py)
-ONNX_FORMAT = "captionkit-onnx"  # manifest.json "format" of ONNX exports (see export.py)
+ONNX_FORMAT = "captionkit-onnx"  # manifest.json "format" of ONNX exports (see export/exporters.py)
 OVERWRITE_FLAG = "--overwrite"
 
 

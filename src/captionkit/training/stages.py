@@ -77,7 +77,7 @@ class TrainData:
     Features are the cache's rows (N, L, C) float16, read lazily (:class:`FeatureRows`: a
     batch's rows when it asks for them; never the whole store). With encoder blocks tuned (now:
     ``tail_params`` trained; or by the init checkpoint, then frozen and run once here), the
-    cached rows come from before ``tail`` (on ``source_grid``), and :meth:`Trainer.features`
+    cached rows come from before ``tail`` (on ``source_grid``), and :meth:`~captionkit.training.trainer.Trainer.features`
     runs ``tail`` at every step; ``grid`` is the encoder's output grid."""
 
     train_items: list[ImageItem]

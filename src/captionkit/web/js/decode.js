@@ -1,4 +1,4 @@
-// Greedy and beam search over the exported graphs, a port of captionkit/decoding.py for one
+// Greedy and beam search over the exported graphs, a port of captionkit/inference/decoding.py for one
 // photo: the same allowed words (<pad>, <start>, <unk> never generated; only <end> at the last
 // step), the same float32 scores, the same ranking logprob / (words + 1) ^ length_penalty and
 // the same stopping rule, so captions equal Python's. Generic over the model family: the
