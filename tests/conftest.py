@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import TINY_CONFIG, shapes_bpe, write_flickr8k
+from helpers import TINY_CONFIG, shapes_bpe, write_flickr8k, write_picky_decoder, write_picky_flickr8k
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -51,6 +51,20 @@ def tiny_run(tiny_config, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run")
     train(tiny_config, out=out, progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def picky_data(tmp_path_factory) -> Path:
+    """Twelve photos that are not their own mirror images, in the Flickr8k layout (4 per split)."""
+    return write_picky_flickr8k(tmp_path_factory.mktemp("picky_data"))
+
+
+@pytest.fixture(scope="session")
+def picky_models(tmp_path_factory) -> tuple[Path, Path]:
+    """Two checkpoints of one vocabulary on the patches encoder whose captions follow the pixels
+    (helpers.write_picky_decoder): what the options' tests compare outputs on."""
+    root = tmp_path_factory.mktemp("picky_models")
+    return write_picky_decoder(root / "a", seed=0), write_picky_decoder(root / "b", seed=1)
 
 
 # ---- tiny pretrained models for the LM families (no network; shared by their tests) ---------------

@@ -5,6 +5,7 @@ from them live in conftest.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,84 @@ def word_trainer(cfg, out):
 
     data = prepare_data(cfg)
     return build_trainer(cfg, out, data, build_tokenizer("word", [t for it in data.train_items for t in it.tokens], 1))
+
+
+# ---- decoders whose captions follow the pixels (the options' tests) ----------------------------------
+PICKY_WORDS = ["a", "red", "blue", "circle", "square", "on", "white", "the"]  # after the special tokens
+PICKY_GRID = [16, 16]  # the patches encoder's grid: its rows are the photo's pixels, no weights
+
+
+def picky_photos() -> dict[str, Image.Image]:
+    """Twelve photos that are not their own mirror images: two shapes side by side, and one shape
+    off centre."""
+    photos = {}
+    for a in range(3):
+        for b in range(3):
+            if a != b:
+                im = Image.new("RGB", (64, 64), (255, 255, 255))
+                im.paste(shape_image(a, size=64).resize((32, 32)), (0, 16))
+                im.paste(shape_image(b, size=64).resize((32, 32)), (32, 16))
+                photos[f"pair{a}{b}.png"] = im
+    for k in range(3):
+        for j in (-8, 8):
+            photos[f"s{k}_{j}.png"] = shape_image(k, size=64, jitter=j)
+    return photos
+
+
+def write_picky_flickr8k(root: Path) -> Path:
+    """The picky photos as a dataset in the Flickr8k layout (PNG files): 4 train, 4 dev and 4 test
+    images, each with the references of the shape on its left."""
+    img_dir = root / "Flicker8k_Dataset"
+    img_dir.mkdir(parents=True)
+    lines, names = [], []
+    for i, (name, im) in enumerate(sorted(picky_photos().items())):
+        im.save(img_dir / name)
+        names.append(name)
+        c, _, s = SHAPES[int(name[4] if name.startswith("pair") else name[1])]
+        lines += [f"{name}#{j}\t{t.format(c=c, s=s)}" for j, t in enumerate(TEMPLATES)]
+    (root / "Flickr8k.token.txt").write_text("\n".join(lines) + "\n")
+    for k, split in enumerate(("train", "dev", "test")):
+        (root / f"Flickr_8k.{split}Images.txt").write_text("\n".join(names[4 * k:4 * k + 4]) + "\n")
+    return root
+
+
+def write_picky_decoder(folder: Path, seed: int) -> Path:
+    """A checkpoint of a random transformer decoder on the patches encoder whose weights are
+    scaled x10, so that its captions follow the pixels: on the picky photos a beam width, a
+    length penalty, test-time flips, MBR, an ensemble's weights, ... each change several of them
+    (checked in float32 and bf16 alike; random decoders at their usual scale, or on the random
+    EfficientNet's near-zero features, give one caption whatever the photo)."""
+    import torch
+
+    from captionkit.core.checkpoint import save_checkpoint
+    from captionkit.data.vocab import SPECIALS
+    from captionkit.models import create_model
+
+    words = list(SPECIALS) + PICKY_WORDS
+    torch.manual_seed(seed)
+    decoder = create_model("transformer", {"vocab_size": len(words), "feat_dim": 192, "grid": PICKY_GRID,
+                                           "width": 16, "heads": 2, "decoder_layers": 1, "dropout": 0.0,
+                                           "max_positions": 16})
+    with torch.no_grad():
+        for p in decoder.parameters():
+            p.mul_(10)
+    model = {k: getattr(decoder.cfg, k) for k in decoder.cfg.__dataclass_fields__}
+    save_checkpoint(folder, decoder.state_dict(), {
+        "family": "transformer", "model": model, "vocab": words,
+        "encoder": {"name": "patches", "weights": "random", "grid": PICKY_GRID},
+        "decoding": {"max_len": 6, "length_penalty": 0.0}})
+    return folder
+
+
+def cli_captions(out_dir: Path, argv: list[str]) -> dict[str, str]:
+    """The captions ``captionkit ARGV --json OUT`` writes (a new OUT in ``out_dir`` each call)."""
+    from captionkit.cli.main import main
+
+    out = out_dir / f"captions{len(list(out_dir.glob('captions*.json')))}.json"
+    assert main([*argv, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def direct_captions(cap, paths, **options) -> dict[str, str]:
+    """What a Captioner says of these photos, by file name, without the command line."""
+    return {p.name: r.text for p, r in cap.caption_files(list(paths), workers=0, **options)}

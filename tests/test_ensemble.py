@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_beam_one_is_greedy
+from helpers import assert_beam_one_is_greedy, cli_captions, direct_captions
 
 from captionkit.cli.main import main
 from captionkit.core.checkpoint import CheckpointError, save_checkpoint
@@ -374,13 +374,61 @@ def test_flip_tta_encodes_the_mirror_image_and_ships_in_an_ensemble_folder(lite0
         read_ensemble(tmp_path / "ens")
 
 
-def test_caption_command_takes_tta_flip(lite0_members, tmp_path):
-    from helpers import shape_image
-    a, _ = lite0_members
-    shape_image(0, size=64).save(tmp_path / "img0.jpg")
-    out = tmp_path / "caps.json"
-    assert main(["caption", str(tmp_path / "img0.jpg"), "--model", str(a), "--tta", "flip", "--json", str(out)]) == 0
-    assert list(json.loads(out.read_text())) == ["img0.jpg"]
+def test_caption_command_takes_tta_flip(picky_models, picky_data, tmp_path):
+    """--tta flip captions as Captioner.load(..., tta="flip") does -- on these photos, not as the
+    model alone does -- and --tta none as the model alone."""
+    a, _ = picky_models
+    photos = picky_data / "Flicker8k_Dataset"
+    flip = direct_captions(Captioner.load(a, tta="flip"), sorted(photos.iterdir()))
+    plain = direct_captions(Captioner.load(a), sorted(photos.iterdir()))
+    assert flip != plain  # what makes the test mean something: flips change some captions
+    assert cli_captions(tmp_path, ["caption", str(photos), "--model", str(a), "--tta", "flip"]) == flip
+    assert cli_captions(tmp_path, ["caption", str(photos), "--model", str(a), "--tta", "none"]) == plain
+    assert cli_captions(tmp_path, ["caption", str(photos), "--model", str(a)]) == plain
+
+
+def test_tta_none_switches_off_an_ensemble_folders_flip(picky_models, picky_data, tmp_path):
+    """An ensemble folder written with --tta flip averages flips when used; --tta none switches
+    that off; --tta flip adds it to an ensemble given as several --model."""
+    a, b = picky_models
+    photos = picky_data / "Flicker8k_Dataset"
+    ens = tmp_path / "ens"
+    assert main(["ensemble", "--model", str(a), "--model", str(b), "--tta", "flip", "--out", str(ens)]) == 0
+    flip = direct_captions(Captioner.load_ensemble([a, b], tta="flip"), sorted(photos.iterdir()))
+    plain = direct_captions(Captioner.load_ensemble([a, b]), sorted(photos.iterdir()))
+    assert flip != plain
+    assert cli_captions(tmp_path, ["caption", str(photos), "--model", str(ens)]) == flip
+    assert cli_captions(tmp_path, ["caption", str(photos), "--model", str(ens), "--tta", "none"]) == plain
+    assert cli_captions(tmp_path, ["caption", str(photos), "--model", str(a), "--model", str(b), "--tta",
+                                   "flip"]) == flip
+
+
+def test_evaluate_takes_tta(picky_models, picky_data, tmp_path, capsys):
+    """evaluate --tta flip scores the flip-averaged captions, and records it; --tta none over an
+    ensemble folder's flip scores the plain ensemble's."""
+    from captionkit.data.datasets import load_dataset
+    a, b = picky_models
+    dev = [it.path for it in load_dataset(str(picky_data)).split("dev")]
+
+    def evaluate(*argv: str) -> dict:
+        out = tmp_path / f"eval{len(list(tmp_path.glob('eval*.json')))}.json"
+        assert main(["evaluate", *argv, "--dataset", str(picky_data), "--split", "dev", "--metrics", "bleu,cider",
+                     "--tokenizer", "python", "--meteor", "none", "--out", str(out)]) == 0
+        return json.loads(out.read_text())
+
+    flip, plain = direct_captions(Captioner.load(a, tta="flip"), dev), direct_captions(Captioner.load(a), dev)
+    assert flip != plain
+    doc = evaluate("--model", str(a), "--tta", "flip")
+    assert doc["captions"] == flip and doc["tta"] == "flip"
+    assert "test-time flip" in capsys.readouterr().out
+    doc = evaluate("--model", str(a))
+    assert doc["captions"] == plain and doc["tta"] is None
+    assert main(["ensemble", "--model", str(a), "--model", str(b), "--tta", "flip", "--out", str(tmp_path / "ens")]) == 0
+    flip, plain = (direct_captions(Captioner.load_ensemble([a, b], tta=t), dev) for t in ("flip", None))
+    assert flip != plain
+    assert evaluate("--model", str(tmp_path / "ens"))["captions"] == flip
+    doc = evaluate("--model", str(tmp_path / "ens"), "--tta", "none")
+    assert doc["captions"] == plain and doc["tta"] is None
 
 
 def test_mirror_image_features_are_cached_apart(tmp_path):

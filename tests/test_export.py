@@ -95,3 +95,25 @@ def test_cli_export_with_check(tiny_run, flickr_dir, tmp_path, capsys):
 def test_cli_export_bad_model(tmp_path, capsys):
     assert main(["export", "onnx", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
     assert "no such model folder" in capsys.readouterr().err
+
+
+def test_cli_export_int8_adds_quantised_decoder_graphs(picky_models, tmp_path, capsys):
+    """export onnx --int8: the manifest gains an int8 variant whose decoder graphs hold int8
+    weights, and its parity is reported; without it, float32 graphs only."""
+    import onnx
+    a, _ = picky_models
+
+    def int8_weights(path) -> int:
+        return sum(t.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
+                   for t in onnx.load(str(path)).graph.initializer)
+
+    assert main(["export", "onnx", "--model", str(a), "--out", str(tmp_path / "plain")]) == 0
+    assert "int8:" not in capsys.readouterr().out
+    assert main(["export", "onnx", "--model", str(a), "--out", str(tmp_path / "q"), "--int8"]) == 0
+    assert "int8: largest difference from PyTorch" in capsys.readouterr().out
+    plain = json.loads((tmp_path / "plain" / "manifest.json").read_text())["graphs"]
+    graphs = json.loads((tmp_path / "q" / "manifest.json").read_text())["graphs"]
+    assert list(plain) == ["float32"] and list(graphs) == ["float32", "int8"]
+    for g in ("init", "step"):
+        assert int8_weights(tmp_path / "q" / graphs["float32"][g]) == 0
+        assert int8_weights(tmp_path / "q" / graphs["int8"][g]) > 0

@@ -500,3 +500,29 @@ def test_listening_beyond_loopback_without_a_key_warns(no_model_load, capsys, mo
     assert main(["serve", "--port", "0"]) == 0 and "warning" not in capsys.readouterr().err  # loopback
     for sock, _ in no_model_load:
         sock.close()
+
+
+def test_every_serve_option_reaches_the_server(monkeypatch, tmp_path):
+    """Each of serve's options, given a value other than its default, is what the server is
+    started with (its ServeConfig, models, threads, device and precision)."""
+    import captionkit.serve.app as serve_app
+    from captionkit.cli.main import main
+    started = []
+    monkeypatch.setattr(Captioner, "load", classmethod(lambda *a, **k: pytest.fail("a model was loaded")))
+    monkeypatch.setattr(serve_app, "serve", lambda model, sock, cfg, **kw: started.append((model, sock, cfg, kw)))
+    monkeypatch.delenv("CAPTIONKIT_API_KEY", raising=False)
+    (tmp_path / "manifest.json").write_text("{}")
+    given = {"max_upload_bytes": 3 * 2 ** 20, "queue_size": 5, "max_batch": 2, "onnx_dir": str(tmp_path),
+             "api_key": KEY, "rate_limit": 30.0, "max_pixels": 1000, "decode_workers": 3,
+             "max_decode_bytes": 64 * 2 ** 20, "decode_queue": 4, "max_connections": 7, "header_timeout": 2.0,
+             "body_timeout": 3.0}
+    assert all(getattr(ServeConfig(), k) != v for k, v in given.items())
+    assert main(["serve", "--port", "0", "--model", "a", "--model", "b", "--max-upload-mb", "3", "--queue-size", "5",
+                 "--max-batch", "2", "--onnx", str(tmp_path), "--api-key", KEY, "--rate-limit", "30",
+                 "--max-pixels", "1000", "--decode-workers", "3", "--decode-memory-mb", "64", "--decode-queue", "4",
+                 "--max-connections", "7", "--header-timeout", "2", "--body-timeout", "3", "--threads", "1",
+                 "--device", "cpu", "--precision", "fp32"]) == 0
+    (model, sock, cfg, kw), = started
+    sock.close()
+    assert {k: getattr(cfg, k) for k in given} == given
+    assert model == ["a", "b"] and kw["threads"] == 1 and str(kw["device"]) == "cpu" and kw["precision"] == "fp32"

@@ -199,3 +199,27 @@ def test_a_training_config_reads_a_title_csv_with_cased_words(tmp_path):
     train(path, out=tmp_path / "run", max_steps=2, progress=False)
     words = read_config(tmp_path / "run" / "last")["vocab"]
     assert "Miso-Butter" in words and "Mom's" in words and "misobutter" not in words
+
+
+def test_score_image_column_and_suffix_name_the_images(tmp_path, capsys):
+    """--image-column and --image-suffix: which column names the images and how their files end;
+    the references are found through them, and not without them."""
+    from PIL import Image
+    csv = write_recipes(tmp_path)
+    test = load_dataset(csv, tmp_path / "Food Images").split("test")
+    pngs = tmp_path / "pngs"
+    pngs.mkdir()
+    for p in (tmp_path / "Food Images").iterdir():
+        Image.open(p).save(pngs / f"{p.stem}.png")
+    (tmp_path / "photos.csv").write_text(csv.read_text().replace(",Image_Name,", ",photo,", 1))
+    caps = tmp_path / "caps.json"
+    caps.write_text(json.dumps({f"{Path(it.name).stem}.png": it.raw[0] for it in test}))
+    argv = ["score", "--captions", str(caps), "--dataset", str(tmp_path / "photos.csv"), "--images", str(pngs),
+            "--split", "test", "--metrics", "bleu", "--tokenizer", "python", "--json", str(tmp_path / "s.json")]
+    assert main(argv + ["--image-column", "photo", "--image-suffix", ".png"]) == 0
+    assert json.loads((tmp_path / "s.json").read_text())["Bleu_1"] == pytest.approx(100.0)
+    capsys.readouterr()
+    assert main(argv + ["--image-suffix", ".png", "--overwrite"]) == 2
+    assert "no image-name column 'Image_Name'" in capsys.readouterr().err
+    assert main(argv + ["--image-column", "photo", "--overwrite"]) == 2  # img-k.jpg: not in pngs/
+    assert "pngs" in capsys.readouterr().err

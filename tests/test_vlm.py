@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import shape_image
+from helpers import cli_captions, shape_image
 
 from captionkit.cli.main import main
 from captionkit.core.errors import ImageError, WeightsUnavailable
@@ -133,6 +133,32 @@ def test_zero_shot_shares_caption_s_resumable_outputs(tiny_vlm, photos, tmp_path
     assert "was written with --max-new-tokens 4, this run has --max-new-tokens 5" in capsys.readouterr().err
     assert main(args + ["--template", "ingredients"]) == 2
     assert "was written with the prompt (--prompts/--template)" in capsys.readouterr().err
+
+
+def test_zero_shot_template_prompts_and_answer_length_reach_the_model(tiny_vlm, photos, tmp_path):
+    """--template and --prompts choose the question the model is asked, --max-new-tokens the
+    answer's length: the command's answers are the library's to that question and length, and
+    they differ from one question (or length) to another. (The tiny model answers the shipped
+    title and ingredients questions alike: both end in "... only."; descriptive does not.)"""
+    cap = ZeroShotCaptioner.load(str(tiny_vlm))
+    files = sorted(photos.iterdir())
+    mine = tmp_path / "mine.toml"
+    mine.write_text('[templates.colour]\ntext = "What colour is the shape?"\n')
+
+    def direct(prompt: str, tokens: int = 5) -> dict[str, str]:
+        return {p.name: r.text for p, r in cap.caption_files(files, prompt, max_new_tokens=tokens)}
+
+    prompts = load_prompts()
+    assert prompts.default == "title"
+    want = {"title": direct(prompts.get("title")), "descriptive": direct(prompts.get("descriptive")),
+            "colour": direct("What colour is the shape?"), "title, 2 tokens": direct(prompts.get("title"), 2)}
+    assert len({json.dumps(w, sort_keys=True) for w in want.values()}) == len(want)
+    base = ["zero-shot", str(photos), "--model", str(tiny_vlm)]
+    for argv, name in ((["--max-new-tokens", "5"], "title"),
+                       (["--template", "descriptive", "--max-new-tokens", "5"], "descriptive"),
+                       (["--prompts", str(mine), "--max-new-tokens", "5"], "colour"),
+                       (["--max-new-tokens", "2"], "title, 2 tokens")):
+        assert cli_captions(tmp_path, base + argv) == want[name], name
 
 
 def test_missing_weights_get_one_line_naming_the_model(tmp_path, capsys):
