@@ -1,9 +1,11 @@
 """The documentation's own checks: every relative link in README.md, docs/*.md and the model
 cards (src/captionkit/pretrained/*/README.md) leads to a file that exists (and, for a link to a
-heading of a Markdown file, to a heading that exists), and the README stays short."""
+heading of a Markdown file, to a heading that exists), every captionkit name the pages give (a
+module, or a name in one: the deep imports they promise) imports, and the README stays short."""
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -93,3 +95,47 @@ def test_the_link_checker_finds_a_broken_link(tmp_path):
                     "`[code](nowhere.md)`\n```\n[fenced](nowhere.md)\n```\n"
                     "[gone](docs/missing.md) [bad anchor](docs/a.md#nope)\n")
     assert broken_links(page, tmp_path) == ["docs/missing.md: no such file", "docs/a.md#nope: no heading #nope in docs/a.md"]
+
+
+# `captionkit.wing.module[.name]` in the text, and the module of `from captionkit.x import a, b` lines
+DOTTED = re.compile(r"\bcaptionkit(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+FROM_IMPORT = re.compile(r"^\s*from (captionkit[.\w]*) import ([\w, ]+)$", re.M)
+
+
+def named_in_docs(text: str) -> set[str]:
+    names = set(DOTTED.findall(text))
+    for module, imported in FROM_IMPORT.findall(text):
+        names.update(f"{module}.{n.strip()}" for n in imported.split(",") if n.strip())
+    return names
+
+
+def resolves(dotted: str) -> bool:
+    """Whether ``a.b.c.d`` is a module, or a name reached from the longest module prefix."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+@pytest.mark.parametrize("path", markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_captionkit_name_the_docs_give_imports(path):
+    text = path.read_text(encoding="utf-8")
+    names = {n for n in named_in_docs(text) if not n.startswith("captionkit.json")}  # a file name, not a module
+    assert [n for n in sorted(names) if not resolves(n)] == []
+
+
+def test_the_name_checker_finds_a_moved_name():
+    assert resolves("captionkit.scoring.evaluation.score_captions") and resolves("captionkit.models")
+    assert not resolves("captionkit.evaluation.score_captions")  # the flat module before the wings
+    assert not resolves("captionkit.scoring.evaluation.no_such_function")
+    assert named_in_docs("see `captionkit.core.outputs`.\nfrom captionkit.data.vocab import Vocab, Tokens\n") == {
+        "captionkit.core.outputs", "captionkit.data.vocab", "captionkit.data.vocab.Vocab", "captionkit.data.vocab.Tokens"}
