@@ -230,7 +230,6 @@ def write_picky_decoder(folder: Path, seed: int) -> Path:
     EfficientNet's near-zero features, give one caption whatever the photo)."""
     import torch
 
-    from captionkit.core.checkpoint import save_checkpoint
     from captionkit.data.vocab import SPECIALS
     from captionkit.models import create_model
 
@@ -242,11 +241,21 @@ def write_picky_decoder(folder: Path, seed: int) -> Path:
     with torch.no_grad():
         for p in decoder.parameters():
             p.mul_(10)
-    model = {k: getattr(decoder.cfg, k) for k in decoder.cfg.__dataclass_fields__}
+    return decoder_checkpoint(folder, decoder, "transformer", words, "patches", PICKY_GRID)
+
+
+def decoder_checkpoint(folder: Path, decoder, family: str, words: list[str], encoder: str, grid: list[int],
+                       length_penalty: float = 0.0) -> Path:
+    """A checkpoint folder of a decoder built in a test: its config as the trainer saves it, the
+    encoder by name with random weights, decoding at most 6 words."""
+    from dataclasses import asdict
+
+    from captionkit.core.checkpoint import save_checkpoint
+
     save_checkpoint(folder, decoder.state_dict(), {
-        "family": "transformer", "model": model, "vocab": words,
-        "encoder": {"name": "patches", "weights": "random", "grid": PICKY_GRID},
-        "decoding": {"max_len": 6, "length_penalty": 0.0}})
+        "family": family, "model": asdict(decoder.cfg), "vocab": list(words),
+        "encoder": {"name": encoder, "weights": "random", "grid": list(grid)},
+        "decoding": {"max_len": 6, "length_penalty": length_penalty}})
     return folder
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_beam_one_is_greedy, cli_captions, direct_captions
+from helpers import assert_beam_one_is_greedy, cli_captions, decoder_checkpoint, direct_captions
 
 from captionkit.cli.main import main
-from captionkit.core.checkpoint import CheckpointError, save_checkpoint
+from captionkit.core.checkpoint import CheckpointError
 from captionkit.core.outputs import owner_kind
 from captionkit.data.vocab import SPECIALS
 from captionkit.inference.captioner import Captioner
@@ -59,12 +59,7 @@ def same_captions(a, b) -> None:
 
 def checkpoint(folder: Path, decoder, words=WORDS, grid=GRID, lp: float = 0.0) -> Path:
     family = "transformer" if "grid" in decoder.cfg.__dataclass_fields__ else "sat"
-    model = {k: getattr(decoder.cfg, k) for k in decoder.cfg.__dataclass_fields__}
-    save_checkpoint(folder, decoder.state_dict(), {
-        "family": family, "model": model, "vocab": list(words),
-        "encoder": {"name": "efficientnet_lite0", "weights": "random", "grid": list(grid)},
-        "decoding": {"max_len": 6, "length_penalty": lp}})
-    return folder
+    return decoder_checkpoint(folder, decoder, family, words, "efficientnet_lite0", grid, lp)
 
 
 # ---- the ensemble decoder --------------------------------------------------------------------
