@@ -16,6 +16,8 @@ def test_strict_devices_refuses_what_meta_lets_through():
         m.index_select(0, torch.tensor([0, 1]))
     with strict_devices(), pytest.raises(AssertionError, match="'cat'"):
         torch.cat([m, torch.zeros(1, 2)])  # nested in a list
+    with strict_devices(), pytest.raises(AssertionError, match="non-blocking copy"):
+        m.to("cpu", non_blocking=True)
     with strict_devices(), pytest.raises(AssertionError, match="generator"):
         torch.multinomial(torch.ones(2, 3, device=META), 1, generator=torch.Generator())
 
