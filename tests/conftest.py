@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 from helpers import (
     TINY_CONFIG,
+    CudaView,
+    hide_gpus,
+    show_gpus,
     write_flickr8k,
     write_picky_decoder,
     write_picky_flickr8k,
@@ -22,6 +25,24 @@ from helpers import (
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     os.environ["CAPTIONKIT_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_unless_marked_cuda() -> CudaView:
+    """Tests run on the CPU even on a GPU host: ``auto`` devices (the tiny configs' train.device,
+    commands without --device, torchrun's children) resolve to the CPU, whose outputs the tests
+    compare. Session-wide, so session fixtures (tiny_run...) train on the CPU too; tests marked
+    ``cuda`` get the real GPUs back (:func:`_real_gpus_for_cuda_tests`). Yields the real view."""
+    mp = pytest.MonkeyPatch()
+    real = hide_gpus(mp)
+    yield real
+    mp.undo()
+
+
+@pytest.fixture(autouse=True)
+def _real_gpus_for_cuda_tests(request, monkeypatch, _cpu_unless_marked_cuda):
+    if request.node.get_closest_marker("cuda"):
+        show_gpus(monkeypatch, _cpu_unless_marked_cuda)
 
 
 @pytest.fixture

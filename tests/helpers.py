@@ -6,6 +6,8 @@ from them live in conftest.py."""
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -322,3 +324,42 @@ def write_tiny_gpt2(folder: Path) -> str:
     GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=4,
                                bos_token_id=eos, eos_token_id=eos, initializer_range=0.2)).save_pretrained(folder)
     return str(folder)
+
+
+# ---- the CPU for tests not marked cuda, on any host (conftest's autouse fixtures) ------------------
+@dataclass
+class CudaView:
+    """What torch says of this host's GPUs before :func:`hide_gpus`: its own functions, and the
+    CUDA_VISIBLE_DEVICES that child processes inherited (None: unset)."""
+
+    is_available: object
+    device_count: object
+    visible: str | None
+
+
+def hide_gpus(mp: pytest.MonkeyPatch) -> CudaView:
+    """Make this process and its children see no GPU, so ``auto`` devices are the CPU (the
+    suite's tests compare against CPU outputs, and torchrun children would otherwise ask for
+    cuda:LOCAL_RANK). Returns the real view, for :func:`show_gpus`."""
+    import torch
+
+    real = CudaView(torch.cuda.is_available, torch.cuda.device_count, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    # The first CUDA query fixes which GPUs this process has: made now, before the variable that
+    # hides them from child processes, so the cuda tests of this process still get them.
+    real.is_available()
+    mp.setattr(torch.cuda, "is_available", lambda: False)
+    mp.setattr(torch.cuda, "device_count", lambda: 0)
+    mp.setenv("CUDA_VISIBLE_DEVICES", "")
+    return real
+
+
+def show_gpus(mp: pytest.MonkeyPatch, real: CudaView) -> None:
+    """Undo :func:`hide_gpus` (for a test marked cuda; ``mp`` undoes it after the test)."""
+    import torch
+
+    mp.setattr(torch.cuda, "is_available", real.is_available)
+    mp.setattr(torch.cuda, "device_count", real.device_count)
+    if real.visible is None:
+        mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        mp.setenv("CUDA_VISIBLE_DEVICES", real.visible)
