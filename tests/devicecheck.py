@@ -37,6 +37,16 @@ Typical use::
             greedy(model, feats, max_len=5)
     assert syncs.total <= 6, syncs.report()
 
+``meta_models.decoding_answers(max_len)`` (tests/meta_models.py) gives the answers decoding
+loops need; :func:`hot_path` scopes a mode to one method (``Trainer.train_step``, ``model.step``).
+
+Limits. A mode sees the calls made inside its block through torch's Python API; the ops *inside*
+a torch function it has already seen (``F.cross_entropy``'s own, say) are not seen again, and
+neither is C++ code. Syncs that torch's CUDA code makes by itself (``torch.cuda.synchronize``,
+a blocking copy from pageable memory, caching-allocator frees) are not counted. Other
+data-dependent ops on meta (``unique``, ``masked_select``, ``repeat_interleave`` with tensor
+repeats) are counted as syncs but not answered: meta raises, loudly.
+
 Order of nesting. Modes nest like function calls: the *innermost* (last entered) sees a call
 first. ``count_syncs`` and ``strict_devices`` both answer meta host reads; whichever answers
 tells every active counter, so counts are right in any order. ``factory_sentinel`` only looks.
@@ -130,7 +140,7 @@ def _to_target(args, kwargs) -> tuple[torch.device | None, torch.dtype | None, b
 # Ops that read a tensor's values on the host (and so, on CUDA, wait for the GPU: a sync).
 _SCALAR_READS = {"item", "__bool__", "__float__", "__int__", "__index__", "__complex__", "__format__"}
 _ARRAY_READS = {"tolist", "numpy", "__array__", "cpu"}
-_SIZE_READS = {"nonzero", "argwhere", "nonzero_static"}  # output shape depends on the values
+_SIZE_READS = {"nonzero", "argwhere"}  # output shape depends on the values (nonzero_static's does not)
 _COMPARE_READS = {"equal", "allclose"}  # a Python bool from two tensors
 
 
@@ -479,8 +489,6 @@ def _sync_tensor(name: str, args, kwargs) -> tuple[torch.Tensor | None, str]:
     if not isinstance(t, torch.Tensor):
         return None, ""
     if name in _SCALAR_READS or name in _ARRAY_READS or name in _SIZE_READS:
-        if name == "nonzero_static":
-            return None, ""  # a fixed output size: no sync
         return t, name
     if name == "to":
         device, _, non_blocking = _to_target(args, kwargs)

@@ -42,6 +42,10 @@ def test_meta_reads_get_made_up_values():
         assert m.nonzero().shape == (0, 2) and m.nonzero().device == META
     with strict_devices(MetaAnswers(truth=False, nonzero="all")):
         assert not bool(m.any()) and m.nonzero().shape == (6, 2)
+        assert m.nonzero().tolist() == [[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2]]  # its own indices
+        assert m[m > 0].shape == (6,)  # a bool mask selects what nonzero says
+        assert torch.zeros(2, 3).copy_(m).shape == (2, 3)
+        assert not torch.is_autocast_enabled("meta")  # meta answers autocast queries as fp32 devices
     calls = MetaAnswers(nonzero=lambda i, t: "all" if i == 1 else "empty")
     with strict_devices(calls):
         assert [len(m.nonzero()) for _ in range(3)] == [0, 6, 0]
