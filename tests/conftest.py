@@ -8,12 +8,41 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import TINY_CONFIG, shapes_bpe, write_flickr8k, write_picky_decoder, write_picky_flickr8k
+from helpers import (
+    TINY_CONFIG,
+    CudaView,
+    hide_gpus,
+    show_gpus,
+    write_flickr8k,
+    write_picky_decoder,
+    write_picky_flickr8k,
+    write_tiny_gpt2,
+    write_tiny_lm,
+    write_tiny_vit,
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     os.environ["CAPTIONKIT_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_unless_marked_cuda() -> CudaView:
+    """Tests run on the CPU even on a GPU host: ``auto`` devices (the tiny configs' train.device,
+    commands without --device, torchrun's children) resolve to the CPU, whose outputs the tests
+    compare. Session-wide, so session fixtures (tiny_run...) train on the CPU too; tests marked
+    ``cuda`` get the real GPUs back (:func:`_real_gpus_for_cuda_tests`). Yields the real view."""
+    mp = pytest.MonkeyPatch()
+    real = hide_gpus(mp)
+    yield real
+    mp.undo()
+
+
+@pytest.fixture(autouse=True)
+def _real_gpus_for_cuda_tests(request, monkeypatch, _cpu_unless_marked_cuda):
+    if request.node.get_closest_marker("cuda"):
+        show_gpus(monkeypatch, _cpu_unless_marked_cuda)
 
 
 @pytest.fixture
@@ -72,22 +101,7 @@ def picky_models(tmp_path_factory) -> tuple[Path, Path]:
 def tiny_lm(tmp_path_factory) -> str:
     """A folder with a random 2-layer LLaMA and its tokenizer, as save_pretrained writes them."""
     pytest.importorskip("transformers")
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    folder = tmp_path_factory.mktemp("tiny_lm")
-    bpe = shapes_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], ("The dogs' ball, in a park!",))
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                  pad_token="<|endoftext|>")
-    tok.save_pretrained(folder)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                      initializer_range=0.2)  # at the usual 0.02 a width-32 LM's logits are all ~0, and
-    # with its output layer frozen, no adapter could make it pick a word
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    return str(folder)
+    return write_tiny_lm(tmp_path_factory.mktemp("tiny_lm"))
 
 
 @pytest.fixture(scope="session")
@@ -95,15 +109,7 @@ def tiny_vit(tmp_path_factory) -> str:
     """A random 2-block ViT and its image processor (mean = std = 0.5, bilinear), as
     save_pretrained writes them."""
     pytest.importorskip("transformers")
-    import torch
-    from transformers import ViTConfig, ViTImageProcessor, ViTModel
-
-    folder = tmp_path_factory.mktemp("tiny_vit")
-    torch.manual_seed(0)
-    ViTModel(ViTConfig(image_size=32, patch_size=8, hidden_size=24, num_hidden_layers=2, num_attention_heads=2,
-                       intermediate_size=48)).save_pretrained(folder)
-    ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(folder)
-    return str(folder)
+    return write_tiny_vit(tmp_path_factory.mktemp("tiny_vit"))
 
 
 @pytest.fixture(scope="session")
@@ -111,18 +117,4 @@ def tiny_gpt2(tmp_path_factory) -> str:
     """A random 2-block GPT-2 (without cross-attention, as a pretrained GPT-2 comes) and a
     GPT-2 tokenizer whose byte-level BPE is trained here on the shapes captions."""
     pytest.importorskip("transformers")
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
-
-    folder = tmp_path_factory.mktemp("tiny_gpt2")
-    bpe = shapes_bpe(["<|endoftext|>"])
-    tok = GPT2TokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                            unk_token="<|endoftext|>")
-    tok.save_pretrained(folder)
-    torch.manual_seed(0)
-    eos = tok.eos_token_id
-    # initializer_range 0.2: at GPT-2's 0.02 a width-32 model's logits are all ~0 and a random
-    # model's captions would be a coin toss between <end> and a word at every step
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=4,
-                               bos_token_id=eos, eos_token_id=eos, initializer_range=0.2)).save_pretrained(folder)
-    return str(folder)
+    return write_tiny_gpt2(tmp_path_factory.mktemp("tiny_gpt2"))

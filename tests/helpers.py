@@ -6,6 +6,8 @@ from them live in conftest.py."""
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -271,3 +273,93 @@ def cli_captions(out_dir: Path, argv: list[str]) -> dict[str, str]:
 def direct_captions(cap, paths, **options) -> dict[str, str]:
     """What a Captioner says of these photos, by file name, without the command line."""
     return {p.name: r.text for p, r in cap.caption_files(list(paths), workers=0, **options)}
+
+
+# ---- tiny pretrained models for the LM families (the conftest fixtures of these names) -----------
+def write_tiny_lm(folder: Path) -> str:
+    """A random 2-layer LLaMA and its tokenizer in ``folder``, as save_pretrained writes them."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = shapes_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], ("The dogs' ball, in a park!",))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>")
+    tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                      initializer_range=0.2)  # at the usual 0.02 a width-32 LM's logits are all ~0, and
+    # with its output layer frozen, no adapter could make it pick a word
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    return str(folder)
+
+
+def write_tiny_vit(folder: Path) -> str:
+    """A random 2-block ViT and its image processor (mean = std = 0.5, bilinear) in ``folder``."""
+    import torch
+    from transformers import ViTConfig, ViTImageProcessor, ViTModel
+
+    torch.manual_seed(0)
+    ViTModel(ViTConfig(image_size=32, patch_size=8, hidden_size=24, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=48)).save_pretrained(folder)
+    ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(folder)
+    return str(folder)
+
+
+def write_tiny_gpt2(folder: Path) -> str:
+    """A random 2-block GPT-2 (without cross-attention, as a pretrained GPT-2 comes) and a GPT-2
+    tokenizer whose byte-level BPE is trained here on the shapes captions, in ``folder``."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+
+    bpe = shapes_bpe(["<|endoftext|>"])
+    tok = GPT2TokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                            unk_token="<|endoftext|>")
+    tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    eos = tok.eos_token_id
+    # initializer_range 0.2: at GPT-2's 0.02 a width-32 model's logits are all ~0 and a random
+    # model's captions would be a coin toss between <end> and a word at every step
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                               bos_token_id=eos, eos_token_id=eos, initializer_range=0.2)).save_pretrained(folder)
+    return str(folder)
+
+
+# ---- the CPU for tests not marked cuda, on any host (conftest's autouse fixtures) ------------------
+@dataclass
+class CudaView:
+    """What torch says of this host's GPUs before :func:`hide_gpus`: its own functions, and the
+    CUDA_VISIBLE_DEVICES that child processes inherited (None: unset)."""
+
+    is_available: object
+    device_count: object
+    visible: str | None
+
+
+def hide_gpus(mp: pytest.MonkeyPatch) -> CudaView:
+    """Make this process and its children see no GPU, so ``auto`` devices are the CPU (the
+    suite's tests compare against CPU outputs, and torchrun children would otherwise ask for
+    cuda:LOCAL_RANK). Returns the real view, for :func:`show_gpus`."""
+    import torch
+
+    real = CudaView(torch.cuda.is_available, torch.cuda.device_count, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    # The first CUDA query fixes which GPUs this process has: made now, before the variable that
+    # hides them from child processes, so the cuda tests of this process still get them.
+    real.is_available()
+    mp.setattr(torch.cuda, "is_available", lambda: False)
+    mp.setattr(torch.cuda, "device_count", lambda: 0)
+    mp.setenv("CUDA_VISIBLE_DEVICES", "")
+    return real
+
+
+def show_gpus(mp: pytest.MonkeyPatch, real: CudaView) -> None:
+    """Undo :func:`hide_gpus` (for a test marked cuda; ``mp`` undoes it after the test)."""
+    import torch
+
+    mp.setattr(torch.cuda, "is_available", real.is_available)
+    mp.setattr(torch.cuda, "device_count", real.device_count)
+    if real.visible is None:
+        mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        mp.setenv("CUDA_VISIBLE_DEVICES", real.visible)
