@@ -90,7 +90,11 @@ def beam_search(model, feats: torch.Tensor, beam: int = 3, max_len: int = 20,
 def beam_nbest(model, feats: torch.Tensor, n_best: int, beam: int = 3, max_len: int = 20,
                length_penalty: float = 0.0) -> list[list[Caption]]:
     """Beam search keeping each image's ``n_best`` (<= ``beam``) best finished hypotheses,
-    best first, ranked as :func:`beam_search` ranks them (whose caption is the first)."""
+    best first, ranked as :func:`beam_search` ranks them (whose caption is the first).
+
+    Everything stays on the device until the end: finished hypotheses go into fixed-size
+    buffers per image with masked tensor operations (:class:`_Finished`), and the only host
+    sync of a step is whether every image is done; the buffers are copied to the CPU once."""
     if not 1 <= n_best <= beam:
         raise ValueError(f"n_best must be between 1 and the beam size {beam}, got {n_best}")
     B, K, device = feats.shape[0], beam, feats.device
@@ -103,53 +107,101 @@ def beam_nbest(model, feats: torch.Tensor, n_best: int, beam: int = 3, max_len: 
     scores[:, 0] = 0.0  # only the first beam is live at the start
     seqs = torch.zeros(B * K, 0, dtype=torch.long, device=device)
     hist: torch.Tensor | None = None  # (B*K, t, L)
-    finished: list[list[tuple[float, list[int], torch.Tensor, float]]] = [[] for _ in range(B)]
-    done = [False] * B
-
-    def norm(logprob: float, n_words: int) -> float:
-        return logprob / (n_words + 1) ** length_penalty if length_penalty else logprob
+    first_row = torch.arange(B, device=device).unsqueeze(1) * K  # (B, 1): each image's first beam's row
+    finished: _Finished | None = None
 
     for t in range(max_len + 1):
         logp, state, alpha = model.step(tokens, state, mem)  # (B*K, V), ..., (B*K, L)
         V = logp.shape[1]
         hist = alpha.unsqueeze(1) if hist is None else torch.cat([hist, alpha.unsqueeze(1)], 1)
+        if finished is None:
+            finished = _Finished(B, K, max_len, alpha, scores.dtype)
         logp = allowed_words(logp, t == max_len)
         cand = (scores.view(B * K, 1) + logp).view(B, K * V)
         top_s, top_i = cand.topk(2 * K, dim=1)  # (B, 2K): enough to keep K live after ends
         src, word = top_i // V, top_i % V  # (B, 2K)
         is_end = word == Vocab.end
         # A candidate ending in <end> among the best K becomes a finished hypothesis.
-        for b, r in (is_end[:, :K]).nonzero().tolist():
-            if done[b] or not torch.isfinite(top_s[b, r]):
-                continue
-            row = b * K + int(src[b, r])
-            ids = seqs[row].tolist()
-            lp = float(top_s[b, r])
-            finished[b].append((norm(lp, len(ids)), ids, hist[row, :len(ids)].to("cpu", copy=True), lp))
+        finished.add(t, is_end[:, :K] & torch.isfinite(top_s[:, :K]), top_s[:, :K],
+                     first_row + src[:, :K], seqs, hist)
         live_s = top_s.masked_fill(is_end, float("-inf"))
         pick = live_s.topk(K, dim=1).indices  # (B, K)
         scores = live_s.gather(1, pick)
-        parent = (torch.arange(B, device=device).unsqueeze(1) * K + src.gather(1, pick)).view(-1)  # (B*K,)
+        parent = (first_row + src.gather(1, pick)).view(-1)  # (B*K,)
         tokens = word.gather(1, pick).view(-1)
         seqs = torch.cat([seqs[parent], tokens.unsqueeze(1)], 1)
         hist = hist[parent]
         state = select_rows(state, parent)
-        for b in range(B):
-            if done[b] or not finished[b]:
-                continue
-            # Without length normalisation a live beam can only lose probability: once the
-            # n_best-th finished hypothesis beats the best live one, none can enter the n best.
-            nth_done = sorted((f[0] for f in finished[b]), reverse=True)[n_best - 1] \
-                if len(finished[b]) >= n_best else float("-inf")
-            if len(finished[b]) >= K or (length_penalty == 0.0 and nth_done >= float(scores[b, 0])):
-                done[b] = True
-        if all(done):
+        finished.update_done(scores[:, 0], n_best, length_penalty == 0.0)
+        if bool(finished.done.all()):  # the step's one host sync
             break
-    out = []
-    for b in range(B):
-        ranked = sorted(finished[b], key=lambda f: f[0], reverse=True)[:n_best]  # stable: ties keep order
-        out.append([Caption(ids, att, lp) for _, ids, att, lp in ranked])
-    return out
+    return finished.ranked(n_best, length_penalty)
+
+
+class _Finished:
+    """Each image's finished hypotheses, on the decoding device, in the order they finished:
+    log-probability, length, word ids and attention rows, in buffers of ``2 * beam`` slots per
+    image (an image not yet done holds fewer than ``beam``, and a step adds at most ``beam``),
+    plus one spare slot that takes the writes of candidates that are not added."""
+
+    def __init__(self, B: int, K: int, max_len: int, alpha: torch.Tensor, dtype: torch.dtype):
+        device, self.K, self.slots = alpha.device, K, 2 * K
+        self.logprob = torch.full((B, self.slots + 1), float("-inf"), dtype=dtype, device=device)
+        self.length = torch.zeros(B, self.slots + 1, dtype=torch.long, device=device)
+        self.ids = torch.zeros(B, self.slots + 1, max_len + 1, dtype=torch.long, device=device)
+        self.attention = torch.zeros(B, self.slots + 1, max_len + 1, alpha.shape[-1], dtype=alpha.dtype,
+                                     device=device)
+        self.count = torch.zeros(B, dtype=torch.long, device=device)
+        self.done = torch.zeros(B, dtype=torch.bool, device=device)
+
+    def add(self, t: int, new: torch.Tensor, logprob: torch.Tensor, rows: torch.Tensor, seqs: torch.Tensor,
+            hist: torch.Tensor) -> None:
+        """At step ``t``, the candidates ``new`` (B, K) of images not yet done finish: their
+        log-probabilities (B, K) and the rows (B, K) of ``seqs`` (B*K, t) and ``hist``
+        (B*K, t + 1, L) holding their words and attention. Each image's go, in order, to its
+        next free slots; the others to the spare slot."""
+        new = new & ~self.done.unsqueeze(1)  # (B, K)
+        order = torch.cumsum(new.long(), 1) - 1  # (B, K): position among the image's new ones
+        slot = torch.where(new, self.count.unsqueeze(1) + order, self.slots)  # (B, K)
+        self.logprob.scatter_(1, slot, logprob)
+        self.length.scatter_(1, slot, torch.full_like(slot, t))
+        B, K = slot.shape
+        if t:  # the words before <end>, and their attention rows (not <end>'s)
+            ids = seqs[rows.view(-1)].view(B, K, t)  # (B, K, t)
+            self.ids[:, :, :t].scatter_(1, slot.unsqueeze(2).expand(B, K, t), ids)
+            att = hist[rows.view(-1), :t].view(B, K, t, -1)  # (B, K, t, L)
+            self.attention[:, :, :t].scatter_(1, slot.view(B, K, 1, 1).expand_as(att), att)
+        self.count += new.sum(1)
+
+    def update_done(self, best_live: torch.Tensor, n_best: int, plain: bool) -> None:
+        """Images with ``beam`` finished hypotheses are done. Without length normalisation
+        (``plain``) a live beam can only lose probability: once an image's n_best-th finished
+        hypothesis is at least its best live one (``best_live`` (B,)), none can enter its n
+        best, and it is done too."""
+        full = self.count >= self.K
+        if plain:
+            nth = self.logprob[:, :self.slots].topk(n_best, dim=1).values[:, -1]  # (B,): -inf with fewer
+            full = full | (nth >= best_live)
+        self.done |= (self.count > 0) & full
+
+    def ranked(self, n_best: int, length_penalty: float) -> list[list[Caption]]:
+        """Each image's ``n_best`` best, by logprob / (words + 1) ** length_penalty (ties keep
+        the order they finished in), copied to the CPU once."""
+        B, S = self.length.shape
+        whole = torch.cat([self.count, self.length.flatten(), self.ids.flatten()]).cpu()  # the integers, one copy
+        count, length = whole[:B].tolist(), whole[B:B + B * S].view(B, S).tolist()
+        ids = whole[B + B * S:].view(self.ids.shape)
+        logprob, attention = self.logprob.cpu().tolist(), self.attention.cpu()
+
+        def norm(lp: float, n_words: int) -> float:
+            return lp / (n_words + 1) ** length_penalty if length_penalty else lp
+
+        out = []
+        for b, n in enumerate(count):
+            ranked = sorted(range(n), key=lambda j: norm(logprob[b][j], length[b][j]), reverse=True)[:n_best]
+            out.append([Caption(ids[b, j, :length[b][j]].tolist(), attention[b, j, :length[b][j]].clone(),
+                                logprob[b][j]) for j in ranked])
+        return out
 
 
 def decode(model, feats: torch.Tensor, beam: int = 1, max_len: int = 20,
