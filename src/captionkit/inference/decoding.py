@@ -133,7 +133,7 @@ def beam_nbest(model, feats: torch.Tensor, n_best: int, beam: int = 3, max_len: 
         hist = hist[parent]
         state = select_rows(state, parent)
         finished.update_done(scores[:, 0], n_best, length_penalty == 0.0)
-        if bool(finished.done.all()):  # the step's one host sync
+        if not finished.open.any():  # the step's one host sync (as greedy's: is any image left?)
             break
     return finished.ranked(n_best, length_penalty)
 
@@ -183,6 +183,11 @@ class _Finished:
             nth = self.logprob[:, :self.slots].topk(n_best, dim=1).values[:, -1]  # (B,): -inf with fewer
             full = full | (nth >= best_live)
         self.done |= (self.count > 0) & full
+
+    @property
+    def open(self) -> torch.Tensor:
+        """(B,) the images not done."""
+        return ~self.done
 
     def ranked(self, n_best: int, length_penalty: float) -> list[list[Caption]]:
         """Each image's ``n_best`` best, by logprob / (words + 1) ** length_penalty (ties keep
