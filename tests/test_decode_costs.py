@@ -35,15 +35,16 @@ def feats(n: int = 3) -> torch.Tensor:
 # ---- the ensemble's weights -----------------------------------------------------------------------
 def test_an_ensembles_weights_become_a_tensor_once_per_device():
     """No step makes a tensor of host numbers (on a GPU, a host->device copy per step): the
-    weights are made a tensor once for the device, at the first step."""
+    weights are filled in on the device once, at the first step there, and kept."""
     ens = EnsembleDecoder([transformer(0), transformer(1)], [0.25, 0.75]).to("meta")
     x = torch.randn(2, GRID[0] * GRID[1], FEAT, device="meta")
     with strict_devices(MetaAnswers(fill=Vocab.end)):
-        greedy(ens, x, max_len=3)  # the first decode on this device makes the tensor
         with hot_path(EnsembleDecoder, "step", lambda: factory_sentinel("meta", strict_data=True)):
             greedy(ens, x, max_len=3)
+            first = ens.weight_tensor(torch.device("meta"))
             beam_search(ens, x, beam=2, max_len=3)
     assert list(ens._weight_tensors) == [torch.device("meta")]
+    assert ens.weight_tensor(torch.device("meta")) is first
 
 
 @pytest.mark.parametrize("combine", ["loglinear", "linear"])

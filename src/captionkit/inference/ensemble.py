@@ -127,13 +127,15 @@ class EnsembleDecoder(nn.Module):
             raise ValueError(f"{len(self.views)} views for {len(members)} members: give one view per member")
         self.cfg = EnsembleConfig(*sizes.pop())
         # the weights as a tensor, made once per device the ensemble decodes on (not at every
-        # step: on a GPU, a tensor built from numbers is a host-to-device copy)
+        # step: on a GPU, torch.tensor(numbers) is a host-to-device copy)
         self._weight_tensors: dict[torch.device, torch.Tensor] = {}
 
     def weight_tensor(self, device: torch.device) -> torch.Tensor:
-        """The members' weights (M,) float32 on ``device``."""
+        """The members' weights (M,) float32 on ``device``: each filled in on the device from
+        its Python number (the float32 torch.tensor(weights) would hold), no host memory copied."""
         if device not in self._weight_tensors:
-            self._weight_tensors[device] = torch.tensor(self.weights, dtype=torch.float32, device=device)
+            self._weight_tensors[device] = torch.stack(
+                [torch.full((), w, dtype=torch.float32, device=device) for w in self.weights])
         return self._weight_tensors[device]
 
     @property
