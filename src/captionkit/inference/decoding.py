@@ -92,9 +92,11 @@ def beam_nbest(model, feats: torch.Tensor, n_best: int, beam: int = 3, max_len: 
     """Beam search keeping each image's ``n_best`` (<= ``beam``) best finished hypotheses,
     best first, ranked as :func:`beam_search` ranks them (whose caption is the first).
 
-    Everything stays on the device until the end: finished hypotheses go into fixed-size
-    buffers per image with masked tensor operations (:class:`_Finished`), and the only host
-    sync of a step is whether every image is done; the buffers are copied to the CPU once."""
+    Everything stays on the device until the end, and the one host sync of a step is whether
+    any image is still open. Each step records its chosen words, their beams' parents and its
+    attention; a hypothesis that finishes is a log-probability, a length and the beam it ended
+    on, kept in fixed-size buffers per image with masked tensor operations (:class:`_Finished`);
+    its words and attention rows are traced back through the parents once, at the end."""
     if not 1 <= n_best <= beam:
         raise ValueError(f"n_best must be between 1 and the beam size {beam}, got {n_best}")
     B, K, device = feats.shape[0], beam, feats.device
@@ -105,72 +107,88 @@ def beam_nbest(model, feats: torch.Tensor, n_best: int, beam: int = 3, max_len: 
     tokens = torch.full((B * K,), Vocab.start, dtype=torch.long, device=device)
     scores = torch.full((B, K), float("-inf"), device=device)
     scores[:, 0] = 0.0  # only the first beam is live at the start
-    seqs = torch.zeros(B * K, 0, dtype=torch.long, device=device)
-    hist: torch.Tensor | None = None  # (B*K, t, L)
     first_row = torch.arange(B, device=device).unsqueeze(1) * K  # (B, 1): each image's first beam's row
-    finished: _Finished | None = None
+    finished = _Finished(B, K, scores.dtype, device)
+    steps = _Steps()
 
     for t in range(max_len + 1):
         logp, state, alpha = model.step(tokens, state, mem)  # (B*K, V), ..., (B*K, L)
         V = logp.shape[1]
-        hist = alpha.unsqueeze(1) if hist is None else torch.cat([hist, alpha.unsqueeze(1)], 1)
-        if finished is None:
-            finished = _Finished(B, K, max_len, alpha, scores.dtype)
         logp = allowed_words(logp, t == max_len)
         cand = (scores.view(B * K, 1) + logp).view(B, K * V)
         top_s, top_i = cand.topk(2 * K, dim=1)  # (B, 2K): enough to keep K live after ends
         src, word = top_i // V, top_i % V  # (B, 2K)
         is_end = word == Vocab.end
         # A candidate ending in <end> among the best K becomes a finished hypothesis.
-        finished.add(t, is_end[:, :K] & torch.isfinite(top_s[:, :K]), top_s[:, :K],
-                     first_row + src[:, :K], seqs, hist)
+        finished.add(t, is_end[:, :K] & torch.isfinite(top_s[:, :K]), top_s[:, :K], first_row + src[:, :K])
         live_s = top_s.masked_fill(is_end, float("-inf"))
         pick = live_s.topk(K, dim=1).indices  # (B, K)
         scores = live_s.gather(1, pick)
         parent = (first_row + src.gather(1, pick)).view(-1)  # (B*K,)
         tokens = word.gather(1, pick).view(-1)
-        seqs = torch.cat([seqs[parent], tokens.unsqueeze(1)], 1)
-        hist = hist[parent]
+        steps.record(tokens, parent, alpha)
         state = select_rows(state, parent)
         finished.update_done(scores[:, 0], n_best, length_penalty == 0.0)
         if not finished.open.any():  # the step's one host sync (as greedy's: is any image left?)
             break
-    return finished.ranked(n_best, length_penalty)
+    return finished.ranked(n_best, length_penalty, steps)
+
+
+class _Steps:
+    """What each step of a beam search chose, on the device: the words (B*K,) its beams go on
+    with, each one's parent row (B*K,) among the step's beams, and the step's attention
+    (B*K, L) of those beams."""
+
+    def __init__(self):
+        self.words: list[torch.Tensor] = []
+        self.parents: list[torch.Tensor] = []
+        self.attention: list[torch.Tensor] = []
+
+    def record(self, words: torch.Tensor, parents: torch.Tensor, attention: torch.Tensor) -> None:
+        self.words.append(words)
+        self.parents.append(parents)
+        self.attention.append(attention)
+
+    def trace(self, row: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hypotheses that ended on beam ``row`` (N,) after ``length`` (N,) words -> their words
+        (N, T) and attention (N, T, L), valid up to each one's length: followed back from the
+        last word, through each step's parents."""
+        T, N = len(self.words), row.shape[0]
+        words = torch.zeros(N, T, dtype=torch.long, device=row.device)
+        attention = self.attention[0].new_zeros(N, T, self.attention[0].shape[-1])
+        at = row  # (N,): each hypothesis's beam after word s (meaningful once it has begun)
+        for s in range(T - 2, -1, -1):  # a hypothesis that ended at the last step has T - 1 words
+            at = torch.where(length == s + 1, row, at)  # those of s + 1 words begin here
+            words[:, s] = self.words[s][at]
+            at = self.parents[s][at]
+            attention[:, s] = self.attention[s][at]
+        return words, attention
 
 
 class _Finished:
     """Each image's finished hypotheses, on the decoding device, in the order they finished:
-    log-probability, length, word ids and attention rows, in buffers of ``2 * beam`` slots per
+    log-probability, length and the beam row it ended on, in buffers of ``2 * beam`` slots per
     image (an image not yet done holds fewer than ``beam``, and a step adds at most ``beam``),
     plus one spare slot that takes the writes of candidates that are not added."""
 
-    def __init__(self, B: int, K: int, max_len: int, alpha: torch.Tensor, dtype: torch.dtype):
-        device, self.K, self.slots = alpha.device, K, 2 * K
+    def __init__(self, B: int, K: int, dtype: torch.dtype, device: torch.device):
+        self.K, self.slots = K, 2 * K
         self.logprob = torch.full((B, self.slots + 1), float("-inf"), dtype=dtype, device=device)
         self.length = torch.zeros(B, self.slots + 1, dtype=torch.long, device=device)
-        self.ids = torch.zeros(B, self.slots + 1, max_len + 1, dtype=torch.long, device=device)
-        self.attention = torch.zeros(B, self.slots + 1, max_len + 1, alpha.shape[-1], dtype=alpha.dtype,
-                                     device=device)
+        self.row = torch.zeros(B, self.slots + 1, dtype=torch.long, device=device)
         self.count = torch.zeros(B, dtype=torch.long, device=device)
         self.done = torch.zeros(B, dtype=torch.bool, device=device)
 
-    def add(self, t: int, new: torch.Tensor, logprob: torch.Tensor, rows: torch.Tensor, seqs: torch.Tensor,
-            hist: torch.Tensor) -> None:
-        """At step ``t``, the candidates ``new`` (B, K) of images not yet done finish: their
-        log-probabilities (B, K) and the rows (B, K) of ``seqs`` (B*K, t) and ``hist``
-        (B*K, t + 1, L) holding their words and attention. Each image's go, in order, to its
-        next free slots; the others to the spare slot."""
+    def add(self, t: int, new: torch.Tensor, logprob: torch.Tensor, rows: torch.Tensor) -> None:
+        """At step ``t``, the candidates ``new`` (B, K) of images not yet done finish, with
+        their log-probabilities (B, K), after ``t`` words, on beams ``rows`` (B, K). Each
+        image's go, in order, to its next free slots; the others to the spare slot."""
         new = new & ~self.done.unsqueeze(1)  # (B, K)
         order = torch.cumsum(new.long(), 1) - 1  # (B, K): position among the image's new ones
         slot = torch.where(new, self.count.unsqueeze(1) + order, self.slots)  # (B, K)
         self.logprob.scatter_(1, slot, logprob)
         self.length.scatter_(1, slot, torch.full_like(slot, t))
-        B, K = slot.shape
-        if t:  # the words before <end>, and their attention rows (not <end>'s)
-            ids = seqs[rows.view(-1)].view(B, K, t)  # (B, K, t)
-            self.ids[:, :, :t].scatter_(1, slot.unsqueeze(2).expand(B, K, t), ids)
-            att = hist[rows.view(-1), :t].view(B, K, t, -1)  # (B, K, t, L)
-            self.attention[:, :, :t].scatter_(1, slot.view(B, K, 1, 1).expand_as(att), att)
+        self.row.scatter_(1, slot, rows)
         self.count += new.sum(1)
 
     def update_done(self, best_live: torch.Tensor, n_best: int, plain: bool) -> None:
@@ -189,14 +207,16 @@ class _Finished:
         """(B,) the images not done."""
         return ~self.done
 
-    def ranked(self, n_best: int, length_penalty: float) -> list[list[Caption]]:
+    def ranked(self, n_best: int, length_penalty: float, steps: _Steps) -> list[list[Caption]]:
         """Each image's ``n_best`` best, by logprob / (words + 1) ** length_penalty (ties keep
         the order they finished in), copied to the CPU once."""
         B, S = self.length.shape
-        whole = torch.cat([self.count, self.length.flatten(), self.ids.flatten()]).cpu()  # the integers, one copy
+        ids, attention = steps.trace(self.row.view(-1), self.length.view(-1))  # (B*S, T), (B*S, T, L)
+        T = ids.shape[1]
+        whole = torch.cat([self.count, self.length.view(-1), ids.view(-1)]).cpu()  # the integers, one copy
         count, length = whole[:B].tolist(), whole[B:B + B * S].view(B, S).tolist()
-        ids = whole[B + B * S:].view(self.ids.shape)
-        logprob, attention = self.logprob.cpu().tolist(), self.attention.cpu()
+        ids = whole[B + B * S:].view(B, S, T)
+        logprob, attention = self.logprob.cpu().tolist(), attention.view(B, S, T, -1).cpu()
 
         def norm(lp: float, n_words: int) -> float:
             return lp / (n_words + 1) ** length_penalty if length_penalty else lp
