@@ -167,53 +167,49 @@ class _Steps:
 
 class _Finished:
     """Each image's finished hypotheses, on the decoding device, in the order they finished:
-    log-probability, length and the beam row it ended on, in buffers of ``2 * beam`` slots per
-    image (an image not yet done holds fewer than ``beam``, and a step adds at most ``beam``),
-    plus one spare slot that takes the writes of candidates that are not added."""
+    log-probability, and where it ended (``step * B*K + beam row``: the step is its number of
+    words), in buffers of ``2 * beam`` slots per image (an image still open holds fewer than
+    ``beam``, and a step adds at most ``beam``), plus one spare slot that takes the writes of
+    candidates that are not added. Kept lean: a step's bookkeeping is a few small ops."""
 
     def __init__(self, B: int, K: int, dtype: torch.dtype, device: torch.device):
-        self.K, self.slots = K, 2 * K
+        self.K, self.slots, self.rows = K, 2 * K, B * K
         self.logprob = torch.full((B, self.slots + 1), float("-inf"), dtype=dtype, device=device)
-        self.length = torch.zeros(B, self.slots + 1, dtype=torch.long, device=device)
-        self.row = torch.zeros(B, self.slots + 1, dtype=torch.long, device=device)
-        self.count = torch.zeros(B, dtype=torch.long, device=device)
-        self.done = torch.zeros(B, dtype=torch.bool, device=device)
+        self.ended = torch.zeros(B, self.slots + 1, dtype=torch.long, device=device)
+        self.count = torch.zeros(B, 1, dtype=torch.long, device=device)
+        self.open = torch.ones(B, dtype=torch.bool, device=device)  # (B,) the images not done
 
     def add(self, t: int, new: torch.Tensor, logprob: torch.Tensor, rows: torch.Tensor) -> None:
-        """At step ``t``, the candidates ``new`` (B, K) of images not yet done finish, with
-        their log-probabilities (B, K), after ``t`` words, on beams ``rows`` (B, K). Each
-        image's go, in order, to its next free slots; the others to the spare slot."""
-        new = new & ~self.done.unsqueeze(1)  # (B, K)
-        order = torch.cumsum(new.long(), 1) - 1  # (B, K): position among the image's new ones
-        slot = torch.where(new, self.count.unsqueeze(1) + order, self.slots)  # (B, K)
+        """At step ``t``, the candidates ``new`` (B, K) of open images finish, with their
+        log-probabilities (B, K), after ``t`` words, on beams ``rows`` (B, K). Each image's go,
+        in order, to its next free slots; the others to the spare slot."""
+        new = new & self.open.unsqueeze(1)  # (B, K)
+        upto = torch.cumsum(new, 1, dtype=torch.long)  # (B, K): how many of the image's new ones so far
+        slot = torch.where(new, self.count - 1 + upto, self.slots)  # (B, K)
         self.logprob.scatter_(1, slot, logprob)
-        self.length.scatter_(1, slot, torch.full_like(slot, t))
-        self.row.scatter_(1, slot, rows)
-        self.count += new.sum(1)
+        self.ended.scatter_(1, slot, rows + t * self.rows)
+        self.count += upto[:, -1:]
 
     def update_done(self, best_live: torch.Tensor, n_best: int, plain: bool) -> None:
         """Images with ``beam`` finished hypotheses are done. Without length normalisation
         (``plain``) a live beam can only lose probability: once an image's n_best-th finished
         hypothesis is at least its best live one (``best_live`` (B,)), none can enter its n
-        best, and it is done too."""
-        full = self.count >= self.K
+        best, and it is done too. (An image with none finished stays open.)"""
+        count = self.count.squeeze(1)
+        full = count >= self.K
         if plain:
             nth = self.logprob[:, :self.slots].topk(n_best, dim=1).values[:, -1]  # (B,): -inf with fewer
             full = full | (nth >= best_live)
-        self.done |= (self.count > 0) & full
-
-    @property
-    def open(self) -> torch.Tensor:
-        """(B,) the images not done."""
-        return ~self.done
+        self.open &= ~full | (count == 0)
 
     def ranked(self, n_best: int, length_penalty: float, steps: _Steps) -> list[list[Caption]]:
         """Each image's ``n_best`` best, by logprob / (words + 1) ** length_penalty (ties keep
         the order they finished in), copied to the CPU once."""
-        B, S = self.length.shape
-        ids, attention = steps.trace(self.row.view(-1), self.length.view(-1))  # (B*S, T), (B*S, T, L)
+        B, S = self.ended.shape
+        length = torch.div(self.ended, self.rows, rounding_mode="floor")  # (B, S): words
+        ids, attention = steps.trace((self.ended % self.rows).view(-1), length.view(-1))  # (B*S, T), (.., L)
         T = ids.shape[1]
-        whole = torch.cat([self.count, self.length.view(-1), ids.view(-1)]).cpu()  # the integers, one copy
+        whole = torch.cat([self.count.view(-1), length.view(-1), ids.view(-1)]).cpu()  # the integers, one copy
         count, length = whole[:B].tolist(), whole[B:B + B * S].view(B, S).tolist()
         ids = whole[B + B * S:].view(B, S, T)
         logprob, attention = self.logprob.cpu().tolist(), attention.view(B, S, T, -1).cpu()
