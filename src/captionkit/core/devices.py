@@ -6,8 +6,11 @@ captioning, feature extraction, serving and zero-shot all read them the same way
 - ``auto`` takes the first CUDA GPU when one is visible, else Apple's MPS, else the CPU.
 - ``cpu``, ``cuda``, ``cuda:N`` and ``mps`` name a device; asking for one that is not there is a
   user error (one line), never a silent fall-back to the CPU.
+- a CUDA device, once resolved (or placed, :func:`use_device`), becomes the process's current
+  CUDA device, so libraries that allocate on "the current device" agree with ``--device cuda:N``.
 - precision (``auto``, bf16, fp16, fp32) is resolved for the device by
   :func:`captionkit.core.precision.resolve_precision`.
+- tensors go to a device with :func:`to_device`: never a non-blocking copy to the host.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def resolve_device(spec: str = "auto") -> torch.device:
     check_device_name(spec)
     if spec == "auto":
         if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
+            return use_device(torch.device("cuda", torch.cuda.current_device()))
         return torch.device("mps") if _mps_available() else torch.device("cpu")
     device = torch.device(spec)
     if device.type == "cuda":
@@ -57,7 +60,27 @@ def resolve_device(spec: str = "auto") -> torch.device:
         index = 0 if device.index is None else device.index
         if index >= torch.cuda.device_count():
             raise UserError(f"device {spec!r}: only {torch.cuda.device_count()} CUDA GPU(s) are visible")
-        return torch.device("cuda", index)
+        return use_device(torch.device("cuda", index))
     if device.type == "mps" and not _mps_available():
         raise UserError(f"device {spec!r}: MPS is not available here")
     return device
+
+
+def use_device(device: torch.device) -> torch.device:
+    """Make a CUDA device with an index the current one (``torch.cuda.set_device``) and return
+    it. Without this, ``--device cuda:1`` moves the model to GPU 1 while whatever allocates on
+    the current device -- ``torch.cuda`` calls without a device, ``transformers``' and the
+    autocast/scaler state, a ``tensor.cuda()`` -- still uses GPU 0: a second CUDA context there
+    and, where tensors meet, a device mix. Other devices are returned as they are."""
+    import torch
+
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device.index)
+    return device
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``. The copy is non-blocking only from the host to an accelerator (where
+    the stream orders it before any kernel that reads it); a non-blocking copy *to* the host
+    returns before the data has arrived, and the CPU would read whatever the buffer held."""
+    return t.to(device, non_blocking=t.device.type == "cpu" and device.type != "cpu")

@@ -59,6 +59,23 @@ def with_cache(cache) -> dict:
     return {_cache_keyword(): cache, "use_cache": True}
 
 
+def kv_cache(pairs=()):
+    """A ``DynamicCache`` holding these per-layer (keys, values) tensors as they are, without a
+    copy: the decoding state handed back to the model at every step. (Built from pairs,
+    ``DynamicCache(pairs)`` concatenates each onto an empty tensor: a copy of the whole cache,
+    every layer, at every step, as large as the step's own work for long prefixes; the model then
+    appends the new position by another concatenation, which leaves these tensors unchanged.)"""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    cache = DynamicCache()
+    for k, v in pairs:
+        layer = DynamicLayer()
+        layer.lazy_initialization(k, v)  # whatever else a layer records (its device, ...)
+        layer.keys, layer.values = k, v
+        cache.layers.append(layer)
+    return cache
+
+
 def refuse_missing(info: dict, source: str, what: str, allowed: Callable[[str], bool] = lambda name: False) -> None:
     """Refuse a checkpoint whose loading info lists missing tensors, other than those ``allowed``
     (layers the caller adds and trains)."""

@@ -1,7 +1,10 @@
 """Which float format the large matmuls should use on a device.
 
-On CUDA, ``"auto"`` is bf16 on GPUs that multiply it (Ampere and newer), else fp16 with a gradient
-scaler. fp16 is refused elsewhere. On the CPU:
+On CUDA, ``"auto"`` is bf16 on GPUs that multiply it natively (compute capability 8.0 and up:
+Ampere and newer), else fp16 with a gradient scaler, decided for the GPU in use (not the
+current one). ``torch.cuda.is_bf16_supported()`` is not asked: it also says yes where bf16 is
+only emulated (V100, T4), which is slower than fp16 there. fp32 on CUDA lets the matmuls use
+TF32 (see :func:`autocast`). fp16 is refused elsewhere. On the CPU:
 
 bf16 autocast pays off only where the CPU multiplies bf16 natively (Intel AMX or
 AVX512-BF16, Arm's BF16 extension): there it runs several times faster than float32. Elsewhere
@@ -53,10 +56,11 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
 
     if precision not in PRECISIONS:
         raise UserError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
-    kind = torch.device(device).type
+    device = torch.device(device)
+    kind = device.type
     if kind == "cuda":
         if precision == "auto":
-            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+            return "bf16" if cuda_native_bf16(device) else "fp16"
         return precision
     if precision == "fp16":
         raise UserError(f"precision fp16 needs a CUDA device (this one is {kind}); use bf16, fp32 or auto")
@@ -65,13 +69,43 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
     return precision
 
 
+def cuda_native_bf16(device: torch.device) -> bool:
+    """Whether the CUDA GPU ``device`` (its index; none: the current GPU) multiplies bf16 in
+    hardware: compute capability 8.0 or more."""
+    import torch
+
+    major, _ = torch.cuda.get_device_capability(device)
+    return major >= 8
+
+
 def autocast(device: torch.device, precision: str) -> ContextManager:
-    """The autocast region for a resolved precision on ``device`` (a no-op for fp32)."""
+    """The region the model computes in, for a resolved precision on ``device``: autocast to
+    bf16/fp16; for fp32 nothing, except on CUDA, where float32 matmuls may use TF32 inside it
+    (:func:`tf32_matmuls`)."""
     import torch
 
     if precision == "fp32":
-        return contextlib.nullcontext()
+        return tf32_matmuls() if device.type == "cuda" else contextlib.nullcontext()
     return torch.autocast(device.type, dtype=getattr(torch, _DTYPES[precision]))
+
+
+@contextlib.contextmanager
+def tf32_matmuls():
+    """float32 matmuls on CUDA in TF32 (Ampere and newer; a no-op before), restored on exit.
+    TF32 keeps float32's range but rounds the inputs to 10 mantissa bits: several times the
+    matmul speed, at a relative error of about 1e-3 per product (docs/devices.md), which the
+    training loss does not notice. It is what ``torch.set_float32_matmul_precision("high")``
+    sets for CUDA; this sets CUDA's flag alone, so the CPU's float32 matmuls (oneDNN's, which
+    "high" would also switch) stay exact, and only for the region, so a program that imports
+    captionkit keeps its own setting elsewhere."""
+    import torch
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..core.devices import to_device
 from ..core.errors import CheckpointError, UserError, WeightsUnavailable  # noqa: F401  (re-exported for the encoder modules)
 from ..core.registry import ENCODERS, list_encoders, register_encoder  # noqa: F401  (re-exported for the encoder modules)
 from ..data.images import Preprocess
@@ -27,7 +28,8 @@ IMAGENET = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
 
 def module_device(module: torch.nn.Module) -> torch.device:
     """Where a module computes: its first parameter's (or buffer's) device; the CPU for a module
-    that holds no tensors (e.g. the ``patches`` encoder, which runs wherever its input is)."""
+    that holds no tensors. Every :class:`Encoder` holds one (its ``device_anchor``), so an encoder
+    without weights (``patches``, ``vit_pixels``) is where it was last moved."""
     for t in module.parameters():
         return t.device
     for t in module.buffers():
@@ -42,6 +44,14 @@ class Encoder(nn.Module):
     preprocess: Preprocess
     dim: int
     weights_id: str  # what weights were loaded: "random", or a file name / package name
+
+    def __init__(self):
+        super().__init__()
+        # An empty tensor that moves with the module: where an encoder is, even one without
+        # weights (module_device). Such an encoder would otherwise say "CPU" wherever it was
+        # moved, and encode() would copy a GPU's pixels to the host. Not persistent: no
+        # checkpoint or state dict holds it.
+        self.register_buffer("device_anchor", torch.empty(0), persistent=False)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -58,7 +68,7 @@ class Encoder(nn.Module):
         """Preprocessed pixels (B, 3, S, S) on any device -> annotation vectors (B, L, D) on the
         encoder's device, without autograd. The one place a batch of photos goes through an
         encoder (captioning, serving, the feature cache)."""
-        x = pixels.to(module_device(self), non_blocking=True).contiguous(memory_format=torch.channels_last)
+        x = to_device(pixels, module_device(self)).contiguous(memory_format=torch.channels_last)
         with torch.inference_mode():
             return self(x)
 

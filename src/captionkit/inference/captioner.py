@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 import torch
 
 from ..core.checkpoint import CheckpointError, load_into, read_config, read_weights, split_weights
-from ..core.devices import resolve_device
+from ..core.devices import resolve_device, to_device, use_device
 from ..core.errors import UserError
 from ..core.precision import autocast, resolve_precision
 from ..data.images import ImageError
@@ -127,15 +127,20 @@ class Captioner:
         # where the decoder and encoder are as given (the CPU: checkpoints are read there, and the
         # ONNX runtime's stand-ins are not modules to move); see place()
         self.device = torch.device("cpu")
-        self.precision = resolve_precision("auto", self.device)
+        self.asked_precision = "auto"  # as asked, re-resolved for each device placed on
+        self.precision = resolve_precision(self.asked_precision, self.device)
 
-    def place(self, device: str | torch.device = "cpu", precision: str = "auto") -> "Captioner":
+    def place(self, device: str | torch.device = "cpu", precision: str | None = None) -> "Captioner":
         """Move the decoder and encoder to ``device`` (a name as ``--device`` takes it, or a
         torch.device) and decode under ``precision`` resolved for it (captionkit.core.precision:
         "auto" is bf16 autocast on a GPU that has it and on a CPU that multiplies bf16
-        natively, else float32). Checkpoints are read on the CPU and moved here."""
-        self.device = resolve_device(device) if isinstance(device, str) else torch.device(device)
-        self.precision = resolve_precision(precision, self.device)
+        natively, else float32; None: what was asked before, at first "auto"). Checkpoints are
+        read on the CPU and moved here. The one way a captioner moves: afterwards ``device`` is
+        where the decoder and the encoder are (captionkit.encoders.module_device)."""
+        where = resolve_device(device) if isinstance(device, str) else use_device(torch.device(device))
+        asked = self.asked_precision if precision is None else precision
+        self.precision = resolve_precision(asked, where)
+        self.device, self.asked_precision = where, asked
         self.decoder.to(self.device)
         if self.encoder is not None:
             self.encoder.to(self.device)
@@ -229,7 +234,7 @@ class Captioner:
                           length_penalty=self.length_penalty_or(length_penalty))
 
     def _on_device(self, feats: torch.Tensor) -> torch.Tensor:
-        return feats.to(self.device, non_blocking=True).float()
+        return to_device(feats, self.device).float()
 
     def mbr(self, lists: list[list[Caption]]) -> list[Caption]:
         """Each n-best list's consensus caption (captionkit.inference.rerank; document frequencies from

@@ -90,7 +90,13 @@ def beam_search(model, feats: torch.Tensor, beam: int = 3, max_len: int = 20,
 def beam_nbest(model, feats: torch.Tensor, n_best: int, beam: int = 3, max_len: int = 20,
                length_penalty: float = 0.0) -> list[list[Caption]]:
     """Beam search keeping each image's ``n_best`` (<= ``beam``) best finished hypotheses,
-    best first, ranked as :func:`beam_search` ranks them (whose caption is the first)."""
+    best first, ranked as :func:`beam_search` ranks them (whose caption is the first).
+
+    Everything stays on the device until the end, and the one host sync of a step is whether
+    any image is still open. Each step records its chosen words, their beams' parents and its
+    attention; a hypothesis that finishes is a log-probability, a length and the beam it ended
+    on, kept in fixed-size buffers per image with masked tensor operations (:class:`_Finished`);
+    its words and attention rows are traced back through the parents once, at the end."""
     if not 1 <= n_best <= beam:
         raise ValueError(f"n_best must be between 1 and the beam size {beam}, got {n_best}")
     B, K, device = feats.shape[0], beam, feats.device
@@ -101,55 +107,122 @@ def beam_nbest(model, feats: torch.Tensor, n_best: int, beam: int = 3, max_len: 
     tokens = torch.full((B * K,), Vocab.start, dtype=torch.long, device=device)
     scores = torch.full((B, K), float("-inf"), device=device)
     scores[:, 0] = 0.0  # only the first beam is live at the start
-    seqs = torch.zeros(B * K, 0, dtype=torch.long, device=device)
-    hist: torch.Tensor | None = None  # (B*K, t, L)
-    finished: list[list[tuple[float, list[int], torch.Tensor, float]]] = [[] for _ in range(B)]
-    done = [False] * B
-
-    def norm(logprob: float, n_words: int) -> float:
-        return logprob / (n_words + 1) ** length_penalty if length_penalty else logprob
+    first_row = torch.arange(B, device=device).unsqueeze(1) * K  # (B, 1): each image's first beam's row
+    finished = _Finished(B, K, scores.dtype, device)
+    steps = _Steps()
 
     for t in range(max_len + 1):
         logp, state, alpha = model.step(tokens, state, mem)  # (B*K, V), ..., (B*K, L)
         V = logp.shape[1]
-        hist = alpha.unsqueeze(1) if hist is None else torch.cat([hist, alpha.unsqueeze(1)], 1)
         logp = allowed_words(logp, t == max_len)
         cand = (scores.view(B * K, 1) + logp).view(B, K * V)
         top_s, top_i = cand.topk(2 * K, dim=1)  # (B, 2K): enough to keep K live after ends
         src, word = top_i // V, top_i % V  # (B, 2K)
         is_end = word == Vocab.end
         # A candidate ending in <end> among the best K becomes a finished hypothesis.
-        for b, r in (is_end[:, :K]).nonzero().tolist():
-            if done[b] or not torch.isfinite(top_s[b, r]):
-                continue
-            row = b * K + int(src[b, r])
-            ids = seqs[row].tolist()
-            lp = float(top_s[b, r])
-            finished[b].append((norm(lp, len(ids)), ids, hist[row, :len(ids)].to("cpu", copy=True), lp))
+        finished.add(t, is_end[:, :K] & torch.isfinite(top_s[:, :K]), top_s[:, :K], first_row + src[:, :K])
         live_s = top_s.masked_fill(is_end, float("-inf"))
         pick = live_s.topk(K, dim=1).indices  # (B, K)
         scores = live_s.gather(1, pick)
-        parent = (torch.arange(B, device=device).unsqueeze(1) * K + src.gather(1, pick)).view(-1)  # (B*K,)
+        parent = (first_row + src.gather(1, pick)).view(-1)  # (B*K,)
         tokens = word.gather(1, pick).view(-1)
-        seqs = torch.cat([seqs[parent], tokens.unsqueeze(1)], 1)
-        hist = hist[parent]
+        steps.record(tokens, parent, alpha)
         state = select_rows(state, parent)
-        for b in range(B):
-            if done[b] or not finished[b]:
-                continue
-            # Without length normalisation a live beam can only lose probability: once the
-            # n_best-th finished hypothesis beats the best live one, none can enter the n best.
-            nth_done = sorted((f[0] for f in finished[b]), reverse=True)[n_best - 1] \
-                if len(finished[b]) >= n_best else float("-inf")
-            if len(finished[b]) >= K or (length_penalty == 0.0 and nth_done >= float(scores[b, 0])):
-                done[b] = True
-        if all(done):
+        finished.update_done(scores[:, 0], n_best, length_penalty == 0.0)
+        if not finished.open.any():  # the step's one host sync (as greedy's: is any image left?)
             break
-    out = []
-    for b in range(B):
-        ranked = sorted(finished[b], key=lambda f: f[0], reverse=True)[:n_best]  # stable: ties keep order
-        out.append([Caption(ids, att, lp) for _, ids, att, lp in ranked])
-    return out
+    return finished.ranked(n_best, length_penalty, steps)
+
+
+class _Steps:
+    """What each step of a beam search chose, on the device: the words (B*K,) its beams go on
+    with, each one's parent row (B*K,) among the step's beams, and the step's attention
+    (B*K, L) of those beams."""
+
+    def __init__(self):
+        self.words: list[torch.Tensor] = []
+        self.parents: list[torch.Tensor] = []
+        self.attention: list[torch.Tensor] = []
+
+    def record(self, words: torch.Tensor, parents: torch.Tensor, attention: torch.Tensor) -> None:
+        self.words.append(words)
+        self.parents.append(parents)
+        self.attention.append(attention)
+
+    def trace(self, row: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hypotheses that ended on beam ``row`` (N,) after ``length`` (N,) words -> their words
+        (N, T) and attention (N, T, L), valid up to each one's length: followed back from the
+        last word, through each step's parents."""
+        T, N = len(self.words), row.shape[0]
+        words = torch.zeros(N, T, dtype=torch.long, device=row.device)
+        attention = self.attention[0].new_zeros(N, T, self.attention[0].shape[-1])
+        at = row  # (N,): each hypothesis's beam after word s (meaningful once it has begun)
+        for s in range(T - 2, -1, -1):  # a hypothesis that ended at the last step has T - 1 words
+            at = torch.where(length == s + 1, row, at)  # those of s + 1 words begin here
+            words[:, s] = self.words[s][at]
+            at = self.parents[s][at]
+            attention[:, s] = self.attention[s][at]
+        return words, attention
+
+
+class _Finished:
+    """Each image's finished hypotheses, on the decoding device, in the order they finished:
+    log-probability, and where it ended (``step * B*K + beam row``: the step is its number of
+    words), in buffers of ``2 * beam`` slots per image (an image still open holds fewer than
+    ``beam``, and a step adds at most ``beam``), plus one spare slot that takes the writes of
+    candidates that are not added. Kept lean: a step's bookkeeping is a few small ops."""
+
+    def __init__(self, B: int, K: int, dtype: torch.dtype, device: torch.device):
+        self.K, self.slots, self.rows = K, 2 * K, B * K
+        self.logprob = torch.full((B, self.slots + 1), float("-inf"), dtype=dtype, device=device)
+        self.ended = torch.zeros(B, self.slots + 1, dtype=torch.long, device=device)
+        self.count = torch.zeros(B, 1, dtype=torch.long, device=device)
+        self.open = torch.ones(B, dtype=torch.bool, device=device)  # (B,) the images not done
+
+    def add(self, t: int, new: torch.Tensor, logprob: torch.Tensor, rows: torch.Tensor) -> None:
+        """At step ``t``, the candidates ``new`` (B, K) of open images finish, with their
+        log-probabilities (B, K), after ``t`` words, on beams ``rows`` (B, K). Each image's go,
+        in order, to its next free slots; the others to the spare slot."""
+        new = new & self.open.unsqueeze(1)  # (B, K)
+        upto = torch.cumsum(new, 1, dtype=torch.long)  # (B, K): how many of the image's new ones so far
+        slot = torch.where(new, self.count - 1 + upto, self.slots)  # (B, K)
+        self.logprob.scatter_(1, slot, logprob)
+        self.ended.scatter_(1, slot, rows + t * self.rows)
+        self.count += upto[:, -1:]
+
+    def update_done(self, best_live: torch.Tensor, n_best: int, plain: bool) -> None:
+        """Images with ``beam`` finished hypotheses are done. Without length normalisation
+        (``plain``) a live beam can only lose probability: once an image's n_best-th finished
+        hypothesis is at least its best live one (``best_live`` (B,)), none can enter its n
+        best, and it is done too. (An image with none finished stays open.)"""
+        count = self.count.squeeze(1)
+        full = count >= self.K
+        if plain:
+            nth = self.logprob[:, :self.slots].topk(n_best, dim=1).values[:, -1]  # (B,): -inf with fewer
+            full = full | (nth >= best_live)
+        self.open &= ~full | (count == 0)
+
+    def ranked(self, n_best: int, length_penalty: float, steps: _Steps) -> list[list[Caption]]:
+        """Each image's ``n_best`` best, by logprob / (words + 1) ** length_penalty (ties keep
+        the order they finished in), copied to the CPU once."""
+        B, S = self.ended.shape
+        length = torch.div(self.ended, self.rows, rounding_mode="floor")  # (B, S): words
+        ids, attention = steps.trace((self.ended % self.rows).view(-1), length.view(-1))  # (B*S, T), (.., L)
+        T = ids.shape[1]
+        whole = torch.cat([self.count.view(-1), length.view(-1), ids.view(-1)]).cpu()  # the integers, one copy
+        count, length = whole[:B].tolist(), whole[B:B + B * S].view(B, S).tolist()
+        ids = whole[B + B * S:].view(B, S, T)
+        logprob, attention = self.logprob.cpu().tolist(), attention.view(B, S, T, -1).cpu()
+
+        def norm(lp: float, n_words: int) -> float:
+            return lp / (n_words + 1) ** length_penalty if length_penalty else lp
+
+        out = []
+        for b, n in enumerate(count):
+            ranked = sorted(range(n), key=lambda j: norm(logprob[b][j], length[b][j]), reverse=True)[:n_best]
+            out.append([Caption(ids[b, j, :length[b][j]].tolist(), attention[b, j, :length[b][j]].clone(),
+                                logprob[b][j]) for j in ranked])
+        return out
 
 
 def decode(model, feats: torch.Tensor, beam: int = 1, max_len: int = 20,

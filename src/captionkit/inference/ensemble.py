@@ -86,10 +86,15 @@ def normalised_weights(weights: Sequence[float] | None, n: int) -> list[float]:
     return [float(w) / total for w in weights]
 
 
-def combine_logprobs(logprobs: Sequence[torch.Tensor], weights: Sequence[float], combine: str) -> torch.Tensor:
-    """Members' log-probabilities (each (B, V)) -> the ensemble's (B, V), normalised."""
+def combine_logprobs(logprobs: Sequence[torch.Tensor], weights: Sequence[float] | torch.Tensor,
+                     combine: str) -> torch.Tensor:
+    """Members' log-probabilities (each (B, V)) -> the ensemble's (B, V), normalised.
+    ``weights``: numbers, or a tensor of them on the log-probabilities' device."""
     stacked = torch.stack(list(logprobs))  # (M, B, V)
-    w = torch.tensor(weights, dtype=stacked.dtype, device=stacked.device).view(-1, 1, 1)
+    if isinstance(weights, torch.Tensor):
+        w = weights.to(stacked.dtype).view(-1, 1, 1)  # (M, 1, 1)
+    else:
+        w = torch.tensor(weights, dtype=stacked.dtype, device=stacked.device).view(-1, 1, 1)
     if combine == "loglinear":
         mixed = (w * stacked).sum(0)
         return mixed - torch.logsumexp(mixed, dim=-1, keepdim=True)
@@ -121,6 +126,17 @@ class EnsembleDecoder(nn.Module):
         if self.views is not None and len(self.views) != len(members):
             raise ValueError(f"{len(self.views)} views for {len(members)} members: give one view per member")
         self.cfg = EnsembleConfig(*sizes.pop())
+        # the weights as a tensor, made once per device the ensemble decodes on (not at every
+        # step: on a GPU, torch.tensor(numbers) is a host-to-device copy)
+        self._weight_tensors: dict[torch.device, torch.Tensor] = {}
+
+    def weight_tensor(self, device: torch.device) -> torch.Tensor:
+        """The members' weights (M,) float32 on ``device``: each filled in on the device from
+        its Python number (the float32 torch.tensor(weights) would hold), no host memory copied."""
+        if device not in self._weight_tensors:
+            self._weight_tensors[device] = torch.stack(
+                [torch.full((), w, dtype=torch.float32, device=device) for w in self.weights])
+        return self._weight_tensors[device]
 
     @property
     def attention_view(self) -> str:
@@ -153,7 +169,8 @@ class EnsembleDecoder(nn.Module):
             logprobs.append(logp.float())
             new_state += st
             attention = att if attention is None else attention  # the first member's
-        return combine_logprobs(logprobs, self.weights, self.combine), tuple(new_state), attention
+        weights = self.weight_tensor(logprobs[0].device)
+        return combine_logprobs(logprobs, weights, self.combine), tuple(new_state), attention
 
 
 # ---- test-time augmentation: the photo and its mirror image --------------------------------

@@ -101,33 +101,45 @@ def _decode(batch: dict[str, np.ndarray], preprocess) -> dict[str, np.ndarray]:
     return {"pos": batch["pos"], "image": images, "error": np.array(errors, dtype=object)}
 
 
+def replica_device():
+    """The device of a model replica in a Ray worker: its GPU when Ray gave it one (Ray hides
+    the others: the one it gave is ``cuda`` to this process), else the CPU."""
+    import ray
+
+    from ..core.devices import resolve_device
+
+    return resolve_device("cuda" if ray.get_gpu_ids() else "cpu")
+
+
 class _Replica:
-    """A model replica: ``load()`` builds the model once per actor; batches of decoded images
-    are encoded on the replica's device (a GPU when Ray gave it one)."""
+    """A model replica: ``load()`` builds the model once per actor and ``place()`` puts it on
+    the replica's device (a GPU when Ray gave it one), where batches of decoded images are
+    encoded."""
 
     def __init__(self, load: Callable, threads: int):
-        import ray
         import torch
 
         torch.set_num_threads(threads)
         self.model = load()
-        # Ray hides the GPUs a replica was not given (num_gpus per replica)
-        self.device = torch.device("cuda" if ray.get_gpu_ids() else "cpu")
-        if self.device.type == "cuda":
-            self.to_device()
+        self.device = replica_device()
+        self.place()
 
-    def to_device(self) -> None:
-        self.model.to(self.device)
+    def place(self) -> None:
+        raise NotImplementedError
 
-    def _encode(self, batch: dict[str, np.ndarray], encoder):
+    def encode(self, pixels):
+        """Pixels (B, 3, S, S) on the host -> the model's rows on the replica's device."""
+        raise NotImplementedError
+
+    def _encode(self, batch: dict[str, np.ndarray]):
         """The rows of the readable images of ``batch`` (their mask, and (B, L, D) or None)."""
         import torch
 
         ok = np.array([e == "" for e in batch["error"]], dtype=bool)
         if not ok.any():
             return ok, None
-        images = [torch.from_numpy(x).to(self.device) for x in batch["image"][ok]]
-        return ok, encoder.encode_batch(images)
+        # one host array (B, 3, S, S), copied to the device once by the encoder
+        return ok, self.encode(torch.from_numpy(np.ascontiguousarray(batch["image"][ok])))
 
 
 class CaptionReplica(_Replica):
@@ -137,12 +149,17 @@ class CaptionReplica(_Replica):
         super().__init__(load, threads)
         self.beam, self.length_penalty = beam, length_penalty
 
-    def to_device(self) -> None:
-        self.model.decoder.to(self.device)
-        self.model.encoder.to(self.device)
+    def place(self) -> None:
+        # the captioner's own placement: its device, encoder and decoder agree, and its
+        # precision is resolved for the replica's device
+        self.model.place(self.device)
+
+    def encode(self, pixels):
+        # through the captioner: its test-time augmentation and precision, as the local engine
+        return self.model.encode(pixels)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        ok, feats = self._encode(batch, self.model.encoder)
+        ok, feats = self._encode(batch)
         captions = np.array([""] * len(ok), dtype=object)
         if feats is not None:
             caps = self.model.decode_features(feats, self.beam, self.length_penalty)
@@ -157,8 +174,14 @@ class FeatureReplica(_Replica):
         super().__init__(load, threads)
         self.shape = shape  # (L, D)
 
+    def place(self) -> None:
+        self.model.to(self.device)  # an encoder knows where it is (encoders.module_device)
+
+    def encode(self, pixels):
+        return self.model.encode(pixels)
+
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        ok, feats = self._encode(batch, self.model)
+        ok, feats = self._encode(batch)
         rows = np.zeros((len(ok), *self.shape), dtype=np.float16)
         if feats is not None:
             rows[ok] = feats.float().cpu().numpy().astype(np.float16)

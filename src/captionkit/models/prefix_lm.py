@@ -40,7 +40,7 @@ from torch import nn
 
 from ..core.errors import CheckpointError, UserError, WeightsUnavailable
 from ..core.fields import check_fields, field_error, spec
-from ..core.hf import DEFAULT_LM, load_lm, load_lm_tokenizer, with_cache
+from ..core.hf import DEFAULT_LM, kv_cache, load_lm, load_lm_tokenizer, with_cache
 from ..core.registry import register_exporter, register_family
 from .base import CaptionModel, KVMemory, TrainedTensorsMixin, TransformersExport
 from .lm_tokens import N_SPECIAL, LMTokens
@@ -243,8 +243,9 @@ class PrefixLMCaptioner(TrainedTensorsMixin, LMTokens, CaptionModel):
 
     @staticmethod
     def _cache(state):
-        from transformers import DynamicCache
-        return DynamicCache(list(zip(state[0::2], state[1::2]))) if state else DynamicCache()
+        """The LM's cache of a decoding state (keys_0, values_0, keys_1, ...), its tensors as
+        they are (core.hf.kv_cache: not copied at every step)."""
+        return kv_cache(zip(state[0::2], state[1::2]))
 
     def step(self, tokens: torch.Tensor, state, mem: KVMemory):
         """tokens (B,) -> (log-probs (B, V), the cache one position longer, attention (B, L))."""

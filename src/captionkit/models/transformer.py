@@ -268,11 +268,16 @@ class TransformerCaptioner(CaptionModel):
         return KVMemory([k for k, _ in kv], [v for _, v in kv])
 
     def init_state(self, mem: KVMemory) -> tuple[torch.Tensor, ...]:
-        """(position (B,), then per layer keys and values (B, h, max_positions, d)), all zero."""
+        """(position (B,), then per layer keys and values (B, h, max_positions, d)), all zero.
+        The caches take the memory's dtype, the one the layers compute in (bf16/fp16 under
+        autocast): a step then writes and reads them without casting the whole cache twice per
+        layer; keys and values computed under autocast are in that dtype anyway, so a float32
+        cache would hold exactly the same numbers."""
         B, h, _, d = mem.keys[0].shape
-        device = mem.keys[0].device
+        device, dtype = mem.keys[0].device, mem.keys[0].dtype
         # distinct tensors, not one repeated: an exporter treats aliased inputs as one input
-        caches = tuple(torch.zeros(B, h, self.cfg.max_positions, d, device=device) for _ in range(2 * len(self.layers)))
+        caches = tuple(torch.zeros(B, h, self.cfg.max_positions, d, dtype=dtype, device=device)
+                       for _ in range(2 * len(self.layers)))
         return (torch.zeros(B, dtype=torch.long, device=device),) + caches
 
     def step(self, tokens: torch.Tensor, state, mem: KVMemory):
@@ -287,6 +292,8 @@ class TransformerCaptioner(CaptionModel):
         for i, layer in enumerate(self.layers):
             q, k_new, v_new = layer.qkv(x)  # (B, h, 1, d) each
             where = pos.view(-1, 1, 1, 1).expand_as(k_new)  # (B, h, 1, d): the slot to write
+            # the caches are in the compute dtype (init_state): these casts are no-ops, kept
+            # for a state made outside the autocast region it is decoded in
             k_cache = caches[2 * i].scatter(2, where, k_new.to(caches[2 * i].dtype))  # (B, h, P, d)
             v_cache = caches[2 * i + 1].scatter(2, where, v_new.to(caches[2 * i + 1].dtype))
             x, weights = layer(x, q, k_cache.to(k_new.dtype), v_cache.to(v_new.dtype), mask, mem.keys[i], mem.values[i])

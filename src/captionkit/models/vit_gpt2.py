@@ -69,6 +69,7 @@ from ..core.hf import (
     DEFAULT_VIT,
     gpt2_config,
     is_cross_attention,
+    kv_cache,
     load_gpt2,
     load_image_processor_dict,
     load_lm_tokenizer,
@@ -154,17 +155,9 @@ class CrossMemory(KVMemory):
                            [v.index_select(0, idx) for v in self.values])
 
     def cache(self):
-        """A DynamicCache holding these keys and values as they are. (Built from pairs, a
-        DynamicCache concatenates them onto empty tensors: a copy of every layer's keys and
-        values at every step, as large as the step's own work for ViT-B's 197 tokens.)"""
-        from transformers.cache_utils import DynamicCache, DynamicLayer
-        cache = DynamicCache()
-        for k, v in zip(self.keys, self.values):
-            layer = DynamicLayer()
-            layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v
-            cache.layers.append(layer)
-        return cache
+        """A DynamicCache holding these keys and values as they are (core.hf.kv_cache: not
+        copied at every step, which for ViT-B's 197 tokens is as large as the step's own work)."""
+        return kv_cache(zip(self.keys, self.values))
 
 
 def _side_part(name: str, blocks: str, embeddings: tuple[str, ...]) -> int | str:
@@ -294,9 +287,10 @@ class ViTGPT2Captioner(TrainedTensorsMixin, LMTokens, CaptionModel):
     @staticmethod
     def _cache(state, mem: CrossMemory):
         """GPT-2's cache: the self-attention keys/values of the state, the memory's cross-attention
-        ones (non-empty, so GPT-2 uses them instead of recomputing them from the tokens)."""
-        from transformers import DynamicCache, EncoderDecoderCache
-        return EncoderDecoderCache(DynamicCache(list(zip(state[0::2], state[1::2]))), mem.cache())
+        ones (non-empty, so GPT-2 uses them instead of recomputing them from the tokens); both
+        as they are, not copied."""
+        from transformers import EncoderDecoderCache
+        return EncoderDecoderCache(kv_cache(zip(state[0::2], state[1::2])), mem.cache())
 
     def step(self, tokens: torch.Tensor, state, mem: CrossMemory):
         """tokens (B,) -> (log-probs (B, V), the cache one position longer, attention (B, H*W))."""
