@@ -1,0 +1,501 @@
+"""Device checks for CPU-only CI: see on the CPU the device bugs that only a GPU would show.
+
+Nothing here needs a GPU. The trick is the ``meta`` device: a model and its inputs moved to
+``torch.device("meta")`` behave like a second device (shapes and dtypes, no data), so code that
+mixes a "GPU" tensor with a CPU one, builds tensors on the wrong device, or reads device values
+on the host can be caught. Three tools, each a context manager around a
+:class:`torch.overrides.TorchFunctionMode` (every torch function and tensor method call made
+inside the ``with`` block goes through it):
+
+``strict_devices()``
+    Raises ``AssertionError`` naming the op when one call gets tensors on more than one device
+    (0-dim CPU tensors excepted: CUDA takes those as scalars). Needed because meta is more
+    lenient than CUDA: ``torch.mm(meta, cpu)`` and ``meta.index_select(0, cpu_idx)`` succeed on
+    meta and crash on CUDA. It also *answers* host reads of meta tensors (``item``, ``tolist``,
+    ``bool(t)``, ``float(t)``, ``.cpu()``, ``.to("cpu")``, ``.numpy()``, ``nonzero``...), which meta
+    cannot do, with made-up values (:class:`MetaAnswers`), so whole decoding and training loops
+    run on meta.
+
+``factory_sentinel(device)``
+    Fails any tensor factory (``zeros``, ``full``, ``arange``, ``tensor``, ``randn``...) called
+    without ``device=``, or with a device other than ``device`` (the device under test), and
+    any host->device copy of a non-scalar CPU tensor. Meant for hot paths only (a decoding
+    step, a training step, SCST sampling), where each such call costs a host->device copy per
+    step, or creates a CPU tensor that then meets a device one. See the rules below.
+
+``count_syncs(devices)``
+    Counts host syncs (reads of device values on the host) per call site: the first frame in
+    ``src/captionkit`` (else the first frame outside torch and this file). ``report()`` gives a
+    table; ``total`` the count; ``sites`` a ``Counter`` of ``(site, op)``.
+
+Typical use::
+
+    model = model.to("meta")
+    feats = torch.rand(2, 6, 8, device="meta")
+    with strict_devices(MetaAnswers(fill=Vocab.end)), count_syncs() as syncs:
+        with factory_sentinel(torch.device("meta")):
+            greedy(model, feats, max_len=5)
+    assert syncs.total <= 6, syncs.report()
+
+Order of nesting. Modes nest like function calls: the *innermost* (last entered) sees a call
+first. ``count_syncs`` and ``strict_devices`` both answer meta host reads; whichever answers
+tells every active counter, so counts are right in any order. ``factory_sentinel`` only looks.
+
+What the factory sentinel allows and refuses (inside its block):
+
+* refused: a factory (``torch.zeros/ones/full/empty/empty_strided/arange/range/linspace/
+  logspace/eye/rand/randn/randint/randperm/normal/tensor/as_tensor/asarray/scalar_tensor/
+  tril_indices/triu_indices``) without ``device=``, or with a device that is not the one under
+  test. ``torch.tensor(ids).to(device)`` is refused too: it is a pageable host->device copy
+  every step; build the tensor on the device, or keep the data on the device.
+* refused: ``torch.from_numpy`` (always a CPU tensor) and ``.to(device)``/``.cuda()``/
+  ``copy_`` of a CPU tensor with more than one element onto the device under test (a
+  host->device copy per step; pass ``host_copies=True`` where one is by design, e.g. a training
+  step that moves its batch).
+* allowed: ``zeros_like``/``full_like``/``new_zeros``/... (they inherit the device), and
+  ``torch.tensor(data, device=device)`` with ``device`` the device under test: host data (say,
+  rewards scored on the CPU) has to travel once; ``strict_data=True`` refuses that too.
+* allowed: 0-dim CPU tensors (Python scalars wrapped by torch) - CUDA takes them as scalars.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["MetaAnswers", "SyncCounter", "count_syncs", "factory_sentinel", "hot_path", "strict_devices",
+           "tensor_devices"]
+
+CPU = torch.device("cpu")
+_HERE = os.path.abspath(__file__)
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_SRC = os.sep + os.path.join("src", "captionkit") + os.sep
+
+
+# ---- walking arguments ---------------------------------------------------------------------------
+def _tensors(obj) -> Iterator[torch.Tensor]:
+    """Every tensor in ``obj`` and its nested lists/tuples/dicts."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def _generators(obj) -> Iterator[torch.Generator]:
+    if isinstance(obj, torch.Generator):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _generators(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _generators(o)
+
+
+def _is_cpu_scalar(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dim() == 0
+
+
+def tensor_devices(args, kwargs) -> set[torch.device]:
+    """The devices of the tensors among ``args``/``kwargs``, 0-dim CPU tensors left out."""
+    return {t.device for t in _tensors((args, kwargs)) if not _is_cpu_scalar(t)}
+
+
+def _name(func) -> str:
+    return getattr(func, "__name__", None) or repr(func)
+
+
+def _to_target(args, kwargs) -> tuple[torch.device | None, torch.dtype | None, bool]:
+    """(device, dtype, non_blocking) of a ``Tensor.to(...)`` call."""
+    device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **{k: v for k, v in kwargs.items()
+                                                                          if k != "copy"})
+    return device, dtype, non_blocking
+
+
+# ---- answering host reads of meta tensors --------------------------------------------------------
+# Ops that read a tensor's values on the host (and so, on CUDA, wait for the GPU: a sync).
+_SCALAR_READS = {"item", "__bool__", "__float__", "__int__", "__index__", "__complex__", "__format__"}
+_ARRAY_READS = {"tolist", "numpy", "__array__", "cpu"}
+_SIZE_READS = {"nonzero", "argwhere", "nonzero_static"}  # output shape depends on the values
+_COMPARE_READS = {"equal", "allclose"}  # a Python bool from two tensors
+
+
+@dataclass
+class MetaAnswers:
+    """The made-up values a host read of a meta tensor returns.
+
+    fill: every number read (``item``, ``tolist``, ``.cpu()``...) is this value, cast to the
+    tensor's dtype. Decoding tests use ``Vocab.end`` so that word lists contain an <end>.
+    truth: what ``bool(t)``, ``torch.equal`` and ``allclose`` say. ``True`` makes loops of the
+    form ``if not alive.any(): break`` run to ``max_len`` (and ``if done.all(): break`` stop at
+    once: pick what the loop under test needs).
+    nonzero: what ``nonzero``/``argwhere`` give: ``"empty"`` (no element is true: the shape a
+    data-dependent op cannot know on meta, so none), ``"all"`` (every element is true), or a
+    callable ``(call_number, tensor) -> "empty" | "all"`` (e.g. empty until the last decoding
+    step, where every beam candidate is an <end>, as on a real run)."""
+    fill: int | float = 0
+    truth: bool = True
+    nonzero: str | Callable[[int, torch.Tensor], str] = "empty"
+    _nonzero_calls: int = field(default=0, repr=False)
+
+    def value(self, dtype: torch.dtype):
+        if dtype == torch.bool:
+            return bool(self.fill)
+        if dtype.is_floating_point or dtype.is_complex:
+            return float(self.fill)
+        return int(self.fill)
+
+    def host_tensor(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or t.dtype
+        return torch.full(t.shape, self.value(dtype), dtype=dtype, device=CPU)
+
+    def nonzero_of(self, t: torch.Tensor, as_tuple: bool = False):
+        kind = self.nonzero
+        if callable(kind):
+            kind = kind(self._nonzero_calls, t)
+        self._nonzero_calls += 1
+        if kind == "all":
+            idx = torch.ones(t.shape, dtype=torch.bool).nonzero()  # (numel, dim), every index
+        elif kind == "empty":
+            idx = torch.zeros((0, t.dim()), dtype=torch.long)
+        else:
+            raise ValueError(f"MetaAnswers.nonzero must be 'empty', 'all' or a callable, not {kind!r}")
+        idx = idx.to(t.device)  # a meta result, as nonzero of a device tensor is a device tensor
+        return tuple(idx.unbind(1)) if as_tuple else idx
+
+
+_NOT_A_READ = object()
+
+
+def _answer_meta_read(answers: MetaAnswers, name: str, args, kwargs):
+    """The made-up result of a host read of a meta tensor, or ``_NOT_A_READ``."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        if name in _COMPARE_READS and any(t.device.type == "meta" for t in _tensors((args, kwargs))):
+            return answers.truth
+        return _NOT_A_READ
+    t = args[0]
+    if t.device.type != "meta":
+        return _NOT_A_READ
+    if name == "__bool__":
+        return answers.truth
+    if name in ("item", "__float__", "__int__", "__index__", "__complex__"):
+        if t.numel() != 1:  # the real error, not a made-up value
+            raise RuntimeError(f"{name}: a Tensor with {t.numel()} elements cannot be converted to Scalar")
+        v = answers.value(t.dtype)
+        return {"__float__": float, "__int__": int, "__index__": int, "__complex__": complex}.get(name, lambda x: x)(v)
+    if name == "__format__":
+        v = answers.value(t.dtype) if t.dim() == 0 else t
+        return format(v, *args[1:]) if t.dim() == 0 else object.__format__(t, *args[1:])
+    if name == "tolist":
+        return answers.host_tensor(t).tolist()
+    if name in ("numpy", "__array__"):
+        return answers.host_tensor(t).numpy()
+    if name == "cpu":
+        return answers.host_tensor(t)
+    if name == "to":
+        device, dtype, _ = _to_target(args, kwargs)
+        if device is not None and device.type == "cpu":
+            return answers.host_tensor(t, dtype)
+        return _NOT_A_READ
+    if name in ("nonzero", "argwhere"):
+        return answers.nonzero_of(t, bool(kwargs.get("as_tuple", False)))
+    if name in _COMPARE_READS:
+        return answers.truth
+    return _NOT_A_READ
+
+
+# Active sync counters, so that a meta read answered by any mode is counted once by each.
+_COUNTERS: list[SyncCounter] = []
+
+
+def _notify_read(name: str) -> None:
+    for c in _COUNTERS:
+        c._record(name)
+
+
+# ---- strict_devices ------------------------------------------------------------------------------
+# Ops whose job is to move data between devices, or that take CPU indices for device tensors
+# (as CUDA does): they may see two devices.
+_CROSS_DEVICE_OK = {"to", "cpu", "cuda", "copy_", "__set__", "__get__", "set_", "type", "new_tensor",
+                    "tensor", "as_tensor", "asarray", "_has_compatible_shallow_copy_type", "__setitem__",
+                    "__reduce_ex__", "__deepcopy__", "detach", "requires_grad_", "pin_memory"}
+_INDEXING = {"__getitem__", "index", "index_put", "index_put_"}
+
+
+def _check_devices(name: str, args, kwargs) -> None:
+    if name in _CROSS_DEVICE_OK:
+        return
+    devices = tensor_devices(args, kwargs)
+    if name in _INDEXING and args and isinstance(args[0], torch.Tensor):
+        # CUDA tensors take CPU index tensors (they are copied); a CPU tensor refuses CUDA indices
+        devices = {args[0].device} | {d for d in devices if d.type != "cpu"}
+    if len(devices) > 1:
+        raise AssertionError(f"torch op {name!r} got tensors on {len(devices)} devices "
+                             f"({', '.join(sorted(map(str, devices)))}): CUDA refuses this")
+    gens = list(_generators((args, kwargs)))
+    if gens and devices:
+        (device,) = devices
+        for g in gens:
+            if g.device.type != device.type:
+                raise AssertionError(f"torch op {name!r} on {device} got a generator on {g.device}: "
+                                     "CUDA refuses a generator of another device")
+
+
+class _StrictDevices(TorchFunctionMode):
+    def __init__(self, answers: MetaAnswers):
+        super().__init__()
+        self.answers = answers
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _name(func)
+        if name != "__get__":  # attribute reads (.shape, .device, .grad) are the hot case
+            _check_devices(name, args, kwargs)
+            answer = _answer_meta_read(self.answers, name, args, kwargs)
+            if answer is not _NOT_A_READ:
+                _notify_read(name)
+                return answer
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def strict_devices(answers: MetaAnswers | None = None):
+    """Inside: any torch call on tensors of two devices raises AssertionError (see the module's
+    doc), and host reads of meta tensors get the made-up values of ``answers``. Yields the
+    :class:`MetaAnswers` in use."""
+    answers = answers or MetaAnswers()
+    with _StrictDevices(answers):
+        yield answers
+
+
+# ---- factory_sentinel ----------------------------------------------------------------------------
+_FACTORIES = {"zeros", "ones", "full", "empty", "empty_strided", "arange", "range", "linspace", "logspace", "eye",
+              "rand", "randn", "randint", "randperm", "normal", "tensor", "as_tensor", "asarray", "scalar_tensor",
+              "tril_indices", "triu_indices", "from_numpy"}
+_DATA_FACTORIES = {"tensor", "as_tensor", "asarray"}
+
+
+def _caller() -> str:
+    """file:line of the first frame in src/captionkit, else of the first outside torch and here."""
+    fallback = None
+    for fs in reversed(traceback.extract_stack()):
+        path = os.path.abspath(fs.filename)
+        if path == _HERE or path.startswith(_TORCH_DIR) or "contextlib" in path:
+            continue
+        if _SRC in path:
+            return f"captionkit/{path.split(_SRC, 1)[1]}:{fs.lineno}"
+        fallback = fallback or f"{os.path.basename(path)}:{fs.lineno}"
+    return fallback or "?"
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """cuda and cuda:0 are one device when one of them names no index."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+class _FactorySentinel(TorchFunctionMode):
+    def __init__(self, device: torch.device | None, host_copies: bool, strict_data: bool):
+        super().__init__()
+        self.device, self.host_copies, self.strict_data = device, host_copies, strict_data
+
+    def _refuse(self, why: str):
+        raise AssertionError(f"{why} (at {_caller()}) inside a hot path: see tests/devicecheck.py")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _name(func)
+        if name in _FACTORIES and not hasattr(torch.Tensor, name):
+            if name == "from_numpy":
+                self._refuse("torch.from_numpy makes a CPU tensor")
+            device = kwargs.get("device")
+            if device is None and name in _DATA_FACTORIES and args and isinstance(args[0], torch.Tensor):
+                device = args[0].device  # as_tensor(t) keeps t where it is
+            elif device is None and name == "normal" and any(isinstance(a, torch.Tensor) for a in args):
+                device = next(a for a in args if isinstance(a, torch.Tensor)).device  # normal(mean, std)
+            if device is None:
+                self._refuse(f"torch.{name} without device=")
+            device = torch.device(device)
+            if self.device is not None and not _same_device(device, self.device):
+                self._refuse(f"torch.{name} on {device}, the device under test is {self.device}")
+            if self.strict_data and name in _DATA_FACTORIES:
+                self._refuse(f"torch.{name} of host data (a host->device copy)")
+        elif not self.host_copies and args and isinstance(args[0], torch.Tensor):
+            self._check_copy(name, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _check_copy(self, name, args, kwargs):
+        t = args[0]
+        if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            src = args[1]
+            if src.device.type == "cpu" and t.device.type != "cpu" and src.numel() > 1:
+                self._refuse(f"copy_ of a CPU tensor {tuple(src.shape)} to {t.device}")
+            return
+        if t.device.type != "cpu" or t.numel() <= 1:
+            return
+        if name == "cuda":
+            self._refuse(f"host->device copy of a CPU tensor {tuple(t.shape)}")
+        if name == "to":
+            device, _, _ = _to_target(args, kwargs)
+            if device is not None and device.type != "cpu":
+                self._refuse(f".to({device}) of a CPU tensor {tuple(t.shape)}: a host->device copy")
+
+
+@contextlib.contextmanager
+def factory_sentinel(device: torch.device | str | None = None, host_copies: bool = False,
+                     strict_data: bool = False):
+    """Inside: tensor factories must name ``device=`` (and, given ``device``, that device), and
+    CPU tensors must not be copied to the device (unless ``host_copies``). See the module's doc."""
+    with _FactorySentinel(None if device is None else torch.device(device), host_copies, strict_data):
+        yield
+
+
+# ---- count_syncs ---------------------------------------------------------------------------------
+@dataclass
+class SyncCounter:
+    """Host syncs seen inside a :func:`count_syncs` block."""
+    devices: tuple[str, ...] | None  # device types counted; None: every device but the CPU
+    sites: Counter = field(default_factory=Counter)  # (site, op) -> count
+
+    @property
+    def total(self) -> int:
+        return sum(self.sites.values())
+
+    def by_site(self) -> Counter:
+        out: Counter = Counter()
+        for (site, _), n in self.sites.items():
+            out[site] += n
+        return out
+
+    def report(self, per: int = 1, unit: str = "") -> str:
+        """One line per (site, op), most first; ``per`` divides the counts (e.g. by steps)."""
+        lines = [f"{self.total / per:8.2f}  total{unit}"]
+        for (site, op), n in self.sites.most_common():
+            lines.append(f"{n / per:8.2f}  {site}  {op}")
+        return "\n".join(lines)
+
+    def reset(self) -> None:
+        self.sites.clear()
+
+    def _counts(self, t: torch.Tensor) -> bool:
+        if self.devices is None:
+            return t.device.type != "cpu"
+        return t.device.type in self.devices
+
+    def _record(self, op: str) -> None:
+        self.sites[(_caller(), op)] += 1
+
+
+def _sync_tensor(name: str, args, kwargs) -> tuple[torch.Tensor | None, str]:
+    """(the device tensor read on the host, op label) if this call is a host sync, else (None, '')."""
+    if not args:
+        return None, ""
+    t = args[0]
+    if name in _COMPARE_READS:
+        ts = [x for x in _tensors((args, kwargs))]
+        return (ts[0] if ts else None), name
+    if not isinstance(t, torch.Tensor):
+        return None, ""
+    if name in _SCALAR_READS or name in _ARRAY_READS or name in _SIZE_READS:
+        if name == "nonzero_static":
+            return None, ""  # a fixed output size: no sync
+        return t, name
+    if name == "to":
+        device, _, non_blocking = _to_target(args, kwargs)
+        if device is not None and device.type == "cpu":
+            return t, "to(cpu, non_blocking)" if non_blocking else "to(cpu)"
+    if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor) and t.device.type == "cpu":
+        return args[1], "copy_ to cpu"
+    if name in ("__getitem__", "index", "index_put_", "index_put", "__setitem__", "masked_select", "unique",
+                "repeat_interleave", "bincount", "unique_consecutive"):
+        if name in ("masked_select", "unique", "unique_consecutive"):
+            return t, name
+        if name == "repeat_interleave" and len(args) > 1 and isinstance(args[1], torch.Tensor) \
+                and args[1].numel() > 1 and kwargs.get("output_size") is None:
+            return args[1], "repeat_interleave(tensor repeats)"
+        if name == "bincount" and not kwargs.get("minlength"):
+            return t, name
+        idx = args[1] if len(args) > 1 else None
+        for i in _tensors(idx):
+            if i.dtype == torch.bool and i.device.type != "cpu":
+                return i, f"{name}[bool mask]"
+    return None, ""
+
+
+class _CountSyncs(TorchFunctionMode):
+    def __init__(self, counter: SyncCounter, answers: MetaAnswers):
+        super().__init__()
+        self.counter, self.answers = counter, answers
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _name(func)
+        if name != "__get__":
+            t, label = _sync_tensor(name, args, kwargs)
+            if t is not None and t.device.type == "meta":
+                answer = _answer_meta_read(self.answers, name, args, kwargs)
+                if answer is not _NOT_A_READ:
+                    _notify_read(label)  # counts it here and in every other active counter
+                    return answer
+            if t is not None and self.counter._counts(t):
+                self.counter._record(label)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def count_syncs(devices: tuple[str, ...] | None = None, answers: MetaAnswers | None = None):
+    """Counts host syncs on tensors of ``devices`` (device types; default every device but the
+    CPU, so a meta model stands in for a GPU) inside the block; yields the :class:`SyncCounter`.
+    Meta reads are answered as by :func:`strict_devices` (``answers``)."""
+    counter = SyncCounter(devices)
+    _COUNTERS.append(counter)
+    try:
+        with _CountSyncs(counter, answers or MetaAnswers()):
+            yield counter
+    finally:
+        _COUNTERS.remove(counter)
+
+
+# ---- scoping a mode to one method ----------------------------------------------------------------
+@contextlib.contextmanager
+def hot_path(obj: Any, name: str, *modes: Callable[[], Any]):
+    """Within the block, every call of ``obj.name`` (an instance's method, or a class's: then
+    for every instance) runs inside fresh instances of ``modes`` (context-manager factories,
+    e.g. ``lambda: factory_sentinel("meta")``), so a check covers a hot path only, not the
+    setup around it::
+
+        with hot_path(Trainer, "train_step", lambda: factory_sentinel("meta", host_copies=True)):
+            trainer.fit(...)
+    """
+    own = vars(obj).get(name, _MISSING)
+    inner = getattr(obj, name)  # a bound method of an instance, or a class's plain function
+
+    @functools.wraps(inner)
+    def wrapped(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for make in modes:
+                stack.enter_context(make())
+            return inner(*args, **kwargs)
+
+    setattr(obj, name, wrapped)
+    try:
+        yield
+    finally:
+        if own is _MISSING:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, own)
+
+
+_MISSING = object()
