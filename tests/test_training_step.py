@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from devicecheck import MetaAnswers, count_syncs, strict_devices
+from devicecheck import MetaAnswers, count_syncs, factory_sentinel, strict_devices
 from safetensors.torch import load_file, save_file
 
 import captionkit.inference.captioner as captioner_module
@@ -249,6 +249,18 @@ def test_hard_attention_baseline_under_ddp_is_the_one_process_baseline(monkeypat
     assert whole.baseline[1] == 3
 
 
+def baselines_per_step(trainer: Trainer) -> list[torch.Tensor]:
+    """The model's baseline after each of the trainer's steps, from now on."""
+    seen, step = [], trainer.train_step
+
+    def train_step(*args):
+        step(*args)
+        seen.append(trainer.model.baseline.clone())
+
+    trainer.train_step = train_step
+    return seen
+
+
 def _ddp_rank(rank: int, config: str, out: str, port: int, steps: int) -> None:
     """One of 2 gloo processes: the trainer as run.train builds it, ``steps`` steps."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -258,8 +270,9 @@ def _ddp_rank(rank: int, config: str, out: str, port: int, steps: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         trainer = tiny_trainer(Path(config), Path(out), world=World(rank, 2, rank))
+        seen = baselines_per_step(trainer)
         trainer.fit(max_steps=steps, progress=False)
-        save_file({"baseline": trainer.model.baseline.contiguous()}, str(Path(out) / f"rank{rank}.safetensors"))
+        save_file({"baselines": torch.stack(seen)}, str(Path(out) / f"rank{rank}.safetensors"))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -275,22 +288,23 @@ def free_port() -> int:
 def test_hard_attention_under_two_gloo_processes_trains_what_one_process_trains(tiny_config, tmp_path, monkeypatch):
     """Real DDP (buffers broadcast from rank 0 at every forward): 10 steps of the tiny hard-
     attention model (the first epoch, which has batches of one caption, so a rank stands in
-    with weight 0; then rank 0 validates alone; then a step more) in 2 processes end with every
-    rank holding one process's baseline, and the weights one process trains. (Not the
+    with weight 0; then rank 0 validates alone; then a step more) in 2 processes: after every
+    step each rank holds one process's baseline; at the end, the weights one process trains. (Not the
     attention MLP's: its gradients are ~1e-7 here, float noise that Adam's per-parameter
     normalisation turns into steps of the learning rate in one run and the other.)"""
     config = variant(tiny_config, tmp_path, model='attention = "hard"\nexpected_prob = 0.0\n')
     steps = 10
     monkeypatch.setattr(torch, "multinomial", first_location)
     one = tiny_trainer(config, tmp_path / "one")
+    expected = baselines_per_step(one)
     one.fit(max_steps=steps, progress=False)
     two = tmp_path / "two"
     two.mkdir()
     torch.multiprocessing.spawn(_ddp_rank, args=(str(config), str(two), free_port(), steps), nprocs=2)
-    baselines = [load_file(two / f"rank{r}.safetensors")["baseline"] for r in range(2)]
-    assert torch.equal(baselines[0], baselines[1])
-    assert baselines[0][1] == steps  # (validation added nothing)
-    torch.testing.assert_close(baselines[0], one.model.baseline, rtol=1e-5, atol=0)
+    ranks = [load_file(two / f"rank{r}.safetensors")["baselines"] for r in range(2)]  # (steps, 2) each
+    assert torch.equal(ranks[0], ranks[1])
+    assert ranks[0][:, 1].tolist() == list(range(1, steps + 1))  # one update a step; validation added none
+    torch.testing.assert_close(ranks[0], torch.stack(expected), rtol=1e-5, atol=0)
     saved = load_file(two / "last" / "model.safetensors")
     for k, v in one.model.state_dict().items():
         if not k.startswith(("att_w", "att_feat.", "h_proj.")):
@@ -300,8 +314,8 @@ def test_hard_attention_under_two_gloo_processes_trains_what_one_process_trains(
 # ---- host syncs: none in a step, one per LOG_EVERY steps ----------------------------------------
 def meta_trainer(config: Path, out: Path) -> Trainer:
     """The trainer with its model on meta, the tests' stand-in GPU. Fused Adam has no meta
-    kernel: the same rule runs per tensor here (its step count stays on the CPU; on CUDA the
-    fused kernel reads nothing on the host either)."""
+    kernel: the same rule runs per tensor here (its step count is a CPU tensor, made at its
+    first step; on CUDA the fused kernel keeps it on the GPU and reads nothing on the host)."""
     trainer = tiny_trainer(config, out, device=META)
     trainer.opt = torch.optim.Adam([{"params": g["params"], "lr": g["lr"]} for g in trainer.opt.param_groups],
                                    foreach=False)
@@ -313,11 +327,15 @@ def meta_trainer(config: Path, out: Path) -> Trainer:
 def test_a_training_step_reads_nothing_on_the_host(model, tiny_config, tmp_path):
     """Before: 2 host reads per step (the finite check, the loss figure), 7 with hard attention
     (its baseline's), 1 more under DDP. Now the figures and losses wait on the device and are
-    read together, once, when the progress line is due."""
+    read together, once, when the progress line is due. (And the step builds every tensor on
+    its device: the factory sentinel.)"""
     trainer = meta_trainer(variant(tiny_config, tmp_path, model=model), tmp_path / "run")
     batches = [trainer.host_batch(b) for b in trainer.epoch_batches(0)]  # the prefetch thread's work
     answers = MetaAnswers(fill=0)
-    with strict_devices(answers), count_syncs(answers=answers) as syncs:
+    with strict_devices(answers):  # a first step: the optimizer makes its state (the stand-in's on the CPU)
+        trainer.train_step(batches[-1], 0, len(batches))
+        trainer.read_figures()
+    with strict_devices(answers), count_syncs(answers=answers) as syncs, factory_sentinel(META, host_copies=True):
         for bi in range(LOG_EVERY):
             trainer.train_step(batches[bi % len(batches)], bi, len(batches))
     assert syncs.total == 0, syncs.report(per=LOG_EVERY, unit=" per step")
@@ -336,7 +354,9 @@ def test_a_self_critical_step_reads_only_what_scoring_needs(tiny_config, tmp_pat
     trainer.model.eval()
     batch = trainer.host_batch(trainer.epoch_batches(0)[0])
     answers = MetaAnswers(fill=Vocab.end)
-    with strict_devices(answers), count_syncs(answers=answers) as syncs:
+    with strict_devices(answers), count_syncs(answers=answers):  # a first step: the optimizer's state
+        trainer.train_step(batch, 0, 2)
+    with strict_devices(answers), count_syncs(answers=answers) as syncs, factory_sentinel(META, host_copies=True):
         trainer.train_step(batch, 0, 2)
     sites = {(site.split(":")[0], op) for site, op in syncs.sites}
     assert sites <= {("captionkit/training/scst.py", "tolist"), ("captionkit/training/scst.py", "__bool__"),

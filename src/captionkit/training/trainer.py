@@ -257,11 +257,10 @@ class Trainer:
             out = {k: v.pin_memory() for k, v in out.items()}
         return out
 
-    def batch_loss(self, batch: HostBatch | list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
-        """-> (loss to minimise, figures to report: the cross-entropy, or scst's rewards).
-        ``batch``: a prepared :class:`HostBatch`, or items to read here. The figures stay
-        where they are (a device tensor, or a float computed on the host): reading them is
-        :meth:`read_figures`'s job."""
+    def batch_loss(self, batch: HostBatch | list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """-> (loss to minimise, figures to report: the cross-entropy, or scst's mean rewards).
+        ``batch``: a prepared :class:`HostBatch`, or items to read here. The figures are 0-dim
+        tensors on the device, left there: reading them is :meth:`read_figures`'s job."""
         tc = self.cfg.train
         idx, host = (batch.shard.part, batch.tensors) if isinstance(batch, HostBatch) else (batch, self.host_tensors(batch))
         t = {k: self.to_device(v) for k, v in host.items()}
@@ -269,7 +268,7 @@ class Trainer:
             feats = self.features(t["feats"])  # (B or U, L, D)
             if self.scst is not None:
                 loss, stats = self.scst.loss(self.model, feats, idx)
-                figures: dict[str, torch.Tensor | float] = {"reward": stats.sample_reward}
+                figures = {"reward": stats.sample_reward}
                 if stats.greedy_reward is not None:
                     figures["greedy_reward"] = stats.greedy_reward
                 return loss, figures
@@ -363,8 +362,7 @@ class Trainer:
             return
         keys = sorted(unread[0][3])
         # (N, K + 1): each step's figures weighted by this process's share, and its loss
-        rows = torch.stack([torch.stack([torch.as_tensor(f[k], dtype=torch.float64, device=self.device) * share
-                                         for k in keys] + [loss.to(torch.float64)])
+        rows = torch.stack([torch.stack([f[k].to(torch.float64) * share for k in keys] + [loss.to(torch.float64)])
                             for _, share, loss, f in unread])
         prog = self.state.epoch_progress
         for (step, *_), values in zip(unread, mean_figures(self.world, rows)):
@@ -643,7 +641,7 @@ class _BatchLoss(torch.nn.Module):
         self.tail = trainer.data.tail if trainer.cfg.train.finetune_blocks else None
         self.batch_loss = trainer.batch_loss
 
-    def forward(self, batch: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+    def forward(self, batch: HostBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.batch_loss(batch)
 
 
