@@ -127,17 +127,15 @@ class SelfCritical:
         # greedy captions) come to the host; sampling and greedy decoding also read once per
         # word, to stop when every caption has ended
         ids = [[w for w in row if w not in (Vocab.end, Vocab.pad)] for row in seqs.tolist()]
-        r_sample = self.rewards([k for k in keys for _ in range(n)], ids)  # B*n
-        r_greedy = None
-        rewards = torch.tensor(r_sample, device=feats.device)  # (B*n,)
+        rewards = torch.tensor(self.rewards([k for k in keys for _ in range(n)], ids), device=feats.device)  # (B*n,)
+        greedy_rewards = None
         if self.baseline == "greedy":
             base = greedy(model, feats, self.max_len)
-            r_greedy = self.rewards(keys, [c.ids for c in base])  # B
-            greedy_rewards = torch.tensor(r_greedy, device=feats.device)  # (B,)
+            greedy_rewards = torch.tensor(self.rewards(keys, [c.ids for c in base]), device=feats.device)  # (B,)
             advantage = rewards - greedy_rewards.repeat_interleave(n)  # (B*n,)
         else:
             advantage = rewards - leave_one_out_mean(rewards, n)  # (B*n,)
         logp = sequence_logprobs(model, feats, seqs, n)  # (B*n, T)
         words = process_sum((seqs != Vocab.pad).sum())
-        loss = -(advantage.to(logp.device).unsqueeze(1) * logp).sum() / words
-        return loss, SelfCriticalStats(rewards.mean(), None if r_greedy is None else greedy_rewards.mean())
+        loss = -(advantage.unsqueeze(1) * logp).sum() / words
+        return loss, SelfCriticalStats(rewards.mean(), None if greedy_rewards is None else greedy_rewards.mean())
