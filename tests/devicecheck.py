@@ -37,6 +37,16 @@ Typical use::
             greedy(model, feats, max_len=5)
     assert syncs.total <= 6, syncs.report()
 
+``meta_models.decoding_answers(max_len)`` (tests/meta_models.py) gives the answers decoding
+loops need; :func:`hot_path` scopes a mode to one method (``Trainer.train_step``, ``model.step``).
+
+Limits. A mode sees the calls made inside its block through torch's Python API; the ops *inside*
+a torch function it has already seen (``F.cross_entropy``'s own, say) are not seen again, and
+neither is C++ code. Syncs that torch's CUDA code makes by itself (``torch.cuda.synchronize``,
+a blocking copy from pageable memory, caching-allocator frees) are not counted. Other
+data-dependent ops on meta (``unique``, ``masked_select``, ``repeat_interleave`` with tensor
+repeats) are counted as syncs but not answered: meta raises, loudly.
+
 Order of nesting. Modes nest like function calls: the *innermost* (last entered) sees a call
 first. ``count_syncs`` and ``strict_devices`` both answer meta host reads; whichever answers
 tells every active counter, so counts are right in any order. ``factory_sentinel`` only looks.
@@ -54,7 +64,8 @@ What the factory sentinel allows and refuses (inside its block):
   step that moves its batch).
 * allowed: ``zeros_like``/``full_like``/``new_zeros``/... (they inherit the device), and
   ``torch.tensor(data, device=device)`` with ``device`` the device under test: host data (say,
-  rewards scored on the CPU) has to travel once; ``strict_data=True`` refuses that too.
+  rewards scored on the CPU) has to travel once; ``strict_data=True`` refuses that too (but for
+  empty data, ``torch.tensor([], device=d)``: nothing travels), as decoding steps should.
 * allowed: 0-dim CPU tensors (Python scalars wrapped by torch) - CUDA takes them as scalars.
 """
 
@@ -64,6 +75,7 @@ import contextlib
 import functools
 import os
 import traceback
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -71,8 +83,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["MetaAnswers", "SyncCounter", "count_syncs", "factory_sentinel", "hot_path", "strict_devices",
-           "tensor_devices"]
+__all__ = ["MetaAnswers", "SyncCounter", "count_syncs", "factory_sentinel", "hot_path", "meta_autocast",
+           "strict_devices", "tensor_devices"]
 
 CPU = torch.device("cpu")
 _HERE = os.path.abspath(__file__)
@@ -128,7 +140,7 @@ def _to_target(args, kwargs) -> tuple[torch.device | None, torch.dtype | None, b
 # Ops that read a tensor's values on the host (and so, on CUDA, wait for the GPU: a sync).
 _SCALAR_READS = {"item", "__bool__", "__float__", "__int__", "__index__", "__complex__", "__format__"}
 _ARRAY_READS = {"tolist", "numpy", "__array__", "cpu"}
-_SIZE_READS = {"nonzero", "argwhere", "nonzero_static"}  # output shape depends on the values
+_SIZE_READS = {"nonzero", "argwhere"}  # output shape depends on the values (nonzero_static's does not)
 _COMPARE_READS = {"equal", "allclose"}  # a Python bool from two tensors
 
 
@@ -149,6 +161,14 @@ class MetaAnswers:
     truth: bool = True
     nonzero: str | Callable[[int, torch.Tensor], str] = "empty"
     _nonzero_calls: int = field(default=0, repr=False)
+    # the values of the meta tensors made up here (nonzero's indices), read back as they are
+    _known: dict = field(default_factory=dict, repr=False)
+
+    def _remember(self, t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        key = id(t)
+        self._known[key] = (weakref.ref(t), values)
+        weakref.finalize(t, self._known.pop, key, None)
+        return t
 
     def value(self, dtype: torch.dtype):
         if dtype == torch.bool:
@@ -159,6 +179,9 @@ class MetaAnswers:
 
     def host_tensor(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or t.dtype
+        ref, values = self._known.get(id(t), (None, None))
+        if ref is not None and ref() is t:
+            return values.to(dtype)
         return torch.full(t.shape, self.value(dtype), dtype=dtype, device=CPU)
 
     def nonzero_of(self, t: torch.Tensor, as_tuple: bool = False):
@@ -172,11 +195,19 @@ class MetaAnswers:
             idx = torch.zeros((0, t.dim()), dtype=torch.long)
         else:
             raise ValueError(f"MetaAnswers.nonzero must be 'empty', 'all' or a callable, not {kind!r}")
-        idx = idx.to(t.device)  # a meta result, as nonzero of a device tensor is a device tensor
-        return tuple(idx.unbind(1)) if as_tuple else idx
+        # a meta result, as nonzero of a device tensor is a device tensor; its values are kept
+        # for when they are read (nonzero().tolist())
+        if as_tuple:
+            return tuple(self._remember(torch.empty(len(idx), dtype=torch.long, device=t.device), col)
+                         for col in idx.unbind(1))
+        return self._remember(torch.empty(idx.shape, dtype=torch.long, device=t.device), idx)
 
 
 _NOT_A_READ = object()
+
+
+def _is_meta_mask(index) -> bool:
+    return isinstance(index, torch.Tensor) and index.dtype == torch.bool and index.device.type == "meta"
 
 
 def _answer_meta_read(answers: MetaAnswers, name: str, args, kwargs):
@@ -186,6 +217,9 @@ def _answer_meta_read(answers: MetaAnswers, name: str, args, kwargs):
             return answers.truth
         return _NOT_A_READ
     t = args[0]
+    if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].device.type == "meta" \
+            and t.device.type == "cpu":  # cpu_tensor.copy_(meta_tensor): the made-up values written in
+        return t.copy_(answers.host_tensor(args[1], t.dtype))
     if t.device.type != "meta":
         return _NOT_A_READ
     if name == "__bool__":
@@ -211,18 +245,28 @@ def _answer_meta_read(answers: MetaAnswers, name: str, args, kwargs):
         return _NOT_A_READ
     if name in ("nonzero", "argwhere"):
         return answers.nonzero_of(t, bool(kwargs.get("as_tuple", False)))
+    if name == "__getitem__" and len(args) > 1 and _is_meta_mask(args[1]):
+        # x[mask]: as many rows as nonzero says the mask holds (a new tensor: no autograd link)
+        mask = args[1]
+        rows = len(answers.nonzero_of(mask))
+        return t.new_empty((rows, *t.shape[mask.dim():]))
     if name in _COMPARE_READS:
         return answers.truth
     return _NOT_A_READ
+
 
 
 # Active sync counters, so that a meta read answered by any mode is counted once by each.
 _COUNTERS: list[SyncCounter] = []
 
 
-def _notify_read(name: str) -> None:
+_ANSWERERS: list[MetaAnswers] = []  # those of the active strict_devices blocks
+
+
+def _notify_read(label: str, t: torch.Tensor) -> None:
     for c in _COUNTERS:
-        c._record(name)
+        if c._counts(t):
+            c._record(label)
 
 
 # ---- strict_devices ------------------------------------------------------------------------------
@@ -235,6 +279,11 @@ _INDEXING = {"__getitem__", "index", "index_put", "index_put_"}
 
 
 def _check_devices(name: str, args, kwargs) -> None:
+    if name == "to" and args and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu":
+        device, _, non_blocking = _to_target(args, kwargs)
+        if non_blocking and device is not None and device.type == "cpu":
+            raise AssertionError(f"a non-blocking copy from {args[0].device} to the CPU: its values may be read "
+                                 "before they land (synchronize first, or copy blocking)")
     if name in _CROSS_DEVICE_OK:
         return
     devices = tensor_devices(args, kwargs)
@@ -265,19 +314,46 @@ class _StrictDevices(TorchFunctionMode):
             _check_devices(name, args, kwargs)
             answer = _answer_meta_read(self.answers, name, args, kwargs)
             if answer is not _NOT_A_READ:
-                _notify_read(name)
+                t, label = _sync_tensor(name, args, kwargs)
+                _notify_read(label or name, args[0] if t is None else t)
                 return answer
         return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
+def meta_autocast():
+    """``torch.is_autocast_enabled("meta")`` raises (meta has no autocast), where code that asks
+    of a CUDA or CPU device gets an answer: inside, meta answers as a device whose autocast is off
+    (what fp32 runs see). Entered by :func:`strict_devices`."""
+    enabled, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+
+    def is_enabled(*args):
+        if args and str(args[0]) == "meta":
+            return False
+        return enabled(*args)
+
+    def get_dtype(device_type):
+        return torch.float32 if str(device_type) == "meta" else dtype(device_type)
+
+    torch.is_autocast_enabled, torch.get_autocast_dtype = is_enabled, get_dtype
+    try:
+        yield
+    finally:
+        torch.is_autocast_enabled, torch.get_autocast_dtype = enabled, dtype
+
+
+@contextlib.contextmanager
 def strict_devices(answers: MetaAnswers | None = None):
     """Inside: any torch call on tensors of two devices raises AssertionError (see the module's
-    doc), and host reads of meta tensors get the made-up values of ``answers``. Yields the
-    :class:`MetaAnswers` in use."""
+    doc), and host reads of meta tensors get the made-up values of ``answers``; meta answers
+    autocast queries (:func:`meta_autocast`). Yields the :class:`MetaAnswers` in use."""
     answers = answers or MetaAnswers()
-    with _StrictDevices(answers):
-        yield answers
+    _ANSWERERS.append(answers)
+    try:
+        with meta_autocast(), _StrictDevices(answers):
+            yield answers
+    finally:
+        _ANSWERERS.remove(answers)
 
 
 # ---- factory_sentinel ----------------------------------------------------------------------------
@@ -298,6 +374,11 @@ def _caller() -> str:
             return f"captionkit/{path.split(_SRC, 1)[1]}:{fs.lineno}"
         fallback = fallback or f"{os.path.basename(path)}:{fs.lineno}"
     return fallback or "?"
+
+
+def _is_empty_data(data) -> bool:
+    """``torch.tensor([])``: nothing to copy (how caches start empty)."""
+    return isinstance(data, (list, tuple)) and len(data) == 0
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -329,7 +410,7 @@ class _FactorySentinel(TorchFunctionMode):
             device = torch.device(device)
             if self.device is not None and not _same_device(device, self.device):
                 self._refuse(f"torch.{name} on {device}, the device under test is {self.device}")
-            if self.strict_data and name in _DATA_FACTORIES:
+            if self.strict_data and name in _DATA_FACTORIES and not (args and _is_empty_data(args[0])):
                 self._refuse(f"torch.{name} of host data (a host->device copy)")
         elif not self.host_copies and args and isinstance(args[0], torch.Tensor):
             self._check_copy(name, args, kwargs)
@@ -408,8 +489,6 @@ def _sync_tensor(name: str, args, kwargs) -> tuple[torch.Tensor | None, str]:
     if not isinstance(t, torch.Tensor):
         return None, ""
     if name in _SCALAR_READS or name in _ARRAY_READS or name in _SIZE_READS:
-        if name == "nonzero_static":
-            return None, ""  # a fixed output size: no sync
         return t, name
     if name == "to":
         device, _, non_blocking = _to_target(args, kwargs)
@@ -434,7 +513,7 @@ def _sync_tensor(name: str, args, kwargs) -> tuple[torch.Tensor | None, str]:
 
 
 class _CountSyncs(TorchFunctionMode):
-    def __init__(self, counter: SyncCounter, answers: MetaAnswers):
+    def __init__(self, counter: SyncCounter, answers: MetaAnswers | None):
         super().__init__()
         self.counter, self.answers = counter, answers
 
@@ -444,11 +523,14 @@ class _CountSyncs(TorchFunctionMode):
         if name != "__get__":
             t, label = _sync_tensor(name, args, kwargs)
             if t is not None and t.device.type == "meta":
-                answer = _answer_meta_read(self.answers, name, args, kwargs)
-                if answer is not _NOT_A_READ:
-                    _notify_read(label)  # counts it here and in every other active counter
-                    return answer
-            if t is not None and self.counter._counts(t):
+                # answered here (given answers, or no strict_devices around), else by the
+                # strict_devices further out, which tells the counters: counted once either way
+                if self.answers is not None or not _ANSWERERS:
+                    answer = _answer_meta_read(self.answers or MetaAnswers(), name, args, kwargs)
+                    if answer is not _NOT_A_READ:
+                        _notify_read(label, t)
+                        return answer
+            elif t is not None and self.counter._counts(t):
                 self.counter._record(label)
         return func(*args, **kwargs)
 
@@ -457,11 +539,12 @@ class _CountSyncs(TorchFunctionMode):
 def count_syncs(devices: tuple[str, ...] | None = None, answers: MetaAnswers | None = None):
     """Counts host syncs on tensors of ``devices`` (device types; default every device but the
     CPU, so a meta model stands in for a GPU) inside the block; yields the :class:`SyncCounter`.
-    Meta reads are answered as by :func:`strict_devices` (``answers``)."""
+    Meta reads are answered by the :func:`strict_devices` around (its answers), else by
+    ``answers`` (default :class:`MetaAnswers`)."""
     counter = SyncCounter(devices)
     _COUNTERS.append(counter)
     try:
-        with _CountSyncs(counter, answers or MetaAnswers()):
+        with _CountSyncs(counter, answers):
             yield counter
     finally:
         _COUNTERS.remove(counter)
