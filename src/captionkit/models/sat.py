@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.collectives import process_sum
 from ..core.errors import UserError
 from ..core.fields import check_fields, spec
 from ..core.registry import register_exporter, register_family
@@ -147,7 +148,8 @@ class SoftAttentionDecoder(CaptionModel):
         """(B, L, D) annotation vectors -> Memory."""
         mean = feats.mean(1, dtype=torch.float32)  # (B, D)
         kind = feats.device.type
-        if torch.is_autocast_enabled(kind):  # cast once here, not at every use
+        # (meta, the tests' stand-in GPU, has no autocast: asking would raise)
+        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):  # cast once here
             feats = feats.to(torch.get_autocast_dtype(kind))
         return Memory(feats, self.att_feat(feats), mean)  # proj: (B, L, A)
 
@@ -249,22 +251,28 @@ class SoftAttentionDecoder(CaptionModel):
         word_ll = -F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")  # (B, T)
         sent_ll = (word_ll * mask).sum(1)  # (B,) log p(y | s, a): the reward
         lengths = mask.sum(1)
-        value, updates = self.baseline.tolist()
         reward = sent_ll.detach()
-        if sampled.any():
-            per_word = float((reward[sampled] / lengths[sampled]).mean())
-            value = per_word if updates == 0 else cfg.baseline_decay * value + (1 - cfg.baseline_decay) * per_word
         # The baseline is per word, scaled by each caption's length: captions of different
         # lengths have very different log-likelihoods, and batches hold one length each.
-        advantage = (reward - self.baseline[0] * lengths) * sampled  # (B,), 0 for expected-context captions
-        if updates == 0:
-            advantage = advantage * 0  # no baseline yet: no REINFORCE step on the first batch
+        # Kept on the device and updated there (no host read per step); from the global
+        # batch's sampled captions under DDP (process_sum), so that every process holds what
+        # one process would; and only in training mode: the dev loss must not move it.
+        old, updates = self.baseline.clone().unbind()  # (a copy: the buffer is written below)
+        advantage = (reward - old * lengths) * sampled * (updates > 0)  # (B,), 0 for expected-context
+        # captions, and on the first batch (no baseline yet: no REINFORCE step)
         log_p_loc = torch.log(alphas.gather(2, locs.unsqueeze(2)).squeeze(2).clamp_min(1e-12))  # (B, T)
         entropy = -(alphas * torch.log(alphas.clamp_min(1e-12))).sum(2)  # (B, T)
         lower_bound = (sent_ll.sum() + cfg.reinforce_weight * (advantage.unsqueeze(1) * log_p_loc * mask).sum()
                        + cfg.entropy_weight * (entropy * mask).sum())
-        with torch.no_grad():
-            self.baseline.copy_(torch.tensor([value, updates + 1]))
+        if self.training:
+            with torch.no_grad():
+                # (sum of the sampled captions' per-word rewards, how many were sampled)
+                total, count = process_sum(torch.stack([(reward / lengths * sampled).sum(),
+                                                        sampled.sum().to(reward.dtype)])).unbind()
+                per_word = total / count.clamp_min(1)
+                value = torch.where(updates == 0, per_word,
+                                    cfg.baseline_decay * old + (1 - cfg.baseline_decay) * per_word)
+                self.baseline.copy_(torch.stack([torch.where(count > 0, value, old), updates + 1]))
         ce = -sent_ll.sum() / n_words
         return -lower_bound / n_words + alpha_c * attention_penalty(alphas, targets), ce
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -110,15 +110,29 @@ def broadcast_json(world: World, obj: Any, device: torch.device) -> Any:
     return obj if world.main else json.loads(bytes(buf.cpu().tolist()).decode())
 
 
-def mean_figures(world: World, figures: dict[str, float], weight: float, device: torch.device) -> dict[str, float]:
-    """The global batch's figures from each rank's (its share ``weight`` of the batch, the
-    shares summing to 1): every rank gets sum(weight * figure)."""
+def mean_figures(world: World, figures: torch.Tensor) -> list[list[float]]:
+    """Figures of the global batches of several steps, read on the host: ``figures`` (N, K)
+    float64 holds this rank's for N steps, each weighted by the rank's share of its step's
+    batch (the shares of a step summing to 1) -> N rows of the sums over the ranks. The one
+    host read (and under DDP the one collective) of the figures for those N steps."""
+    if world.distributed:
+        dist.all_reduce(figures)
+    return figures.tolist()
+
+
+def step_sum(world: World, real: bool) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The :func:`captionkit.core.collectives.process_sum` of one DDP step: a sum over the
+    processes, to which a process without a real shard (it stands in with weight 0, see
+    :func:`shard`) adds zeros. None (the identity) for one process."""
     if not world.distributed:
-        return figures
-    keys = sorted(figures)
-    t = torch.tensor([weight * figures[k] for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return dict(zip(keys, t.tolist()))
+        return None
+
+    def total(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone() if real else torch.zeros_like(t)
+        dist.all_reduce(t)
+        return t
+
+    return total
 
 
 def shard(batch: list[int], world: World, key: list[int] | None = None) -> tuple[list[int], bool]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..core.collectives import process_sum
 from ..core.errors import UserError
 from ..data.vocab import Vocab
 from ..inference.decoding import allowed_words, greedy, select_rows
@@ -80,8 +81,9 @@ BASELINES = ("greedy", "mean")
 
 @dataclass
 class SelfCriticalStats:
-    sample_reward: float  # mean CIDEr-D of the sampled captions
-    greedy_reward: float | None  # mean CIDEr-D of the greedy captions (the greedy baseline)
+    """0-dim tensors on the loss's device (read on the host when the trainer reads its figures)."""
+    sample_reward: torch.Tensor  # mean CIDEr-D of the sampled captions
+    greedy_reward: torch.Tensor | None  # mean CIDEr-D of the greedy captions (the greedy baseline)
 
 
 def leave_one_out_mean(rewards: torch.Tensor, n: int) -> torch.Tensor:
@@ -107,26 +109,33 @@ class SelfCritical:
         self.cider = CiderD(refs)
         self.vocab, self.samples, self.max_len, self.baseline = vocab, samples, max_len, baseline
 
-    def rewards(self, keys: list, seqs: list[list[int]], device: torch.device | str = "cpu") -> torch.Tensor:
-        """CIDEr-D of each word-id sequence (without <start>/<end>) for its image key (scored
-        on the CPU, returned on ``device``)."""
-        return torch.tensor([self.cider.score(k, self.vocab.decode(s)) for k, s in zip(keys, seqs)], device=device)
+    def rewards(self, keys: list, seqs: list[list[int]]) -> list[float]:
+        """CIDEr-D of each word-id sequence (without <start>/<end>) for its image key, scored on
+        the CPU."""
+        return [self.cider.score(k, self.vocab.decode(s)) for k, s in zip(keys, seqs)]
 
     def loss(self, model, feats: torch.Tensor, keys: list) -> tuple[torch.Tensor, SelfCriticalStats]:
-        """feats (B, L, D) of the images ``keys`` -> (REINFORCE loss, rewards)."""
+        """feats (B, L, D) of the images ``keys`` -> (REINFORCE loss, mean rewards).
+
+        The loss is a sum over the sampled words divided by the number of sampled words of the
+        *global* batch (:func:`~captionkit.core.collectives.process_sum`: this process's count
+        with one process), so that under DDP the processes' losses add up to the one-process
+        loss of the whole batch (the trainer weights each by 1, a stand-in shard by 0)."""
         n = self.samples
         seqs = sample(model, feats, n, self.max_len)  # (B*n, T)
+        # host reads that cannot go: CIDEr-D is scored on the CPU, so the samples (and the
+        # greedy captions) come to the host; sampling and greedy decoding also read once per
+        # word, to stop when every caption has ended
         ids = [[w for w in row if w not in (Vocab.end, Vocab.pad)] for row in seqs.tolist()]
-        r_sample = self.rewards([k for k in keys for _ in range(n)], ids, feats.device)  # (B*n,)
-        r_greedy = None
+        rewards = torch.tensor(self.rewards([k for k in keys for _ in range(n)], ids), device=feats.device)  # (B*n,)
+        greedy_rewards = None
         if self.baseline == "greedy":
             base = greedy(model, feats, self.max_len)
-            r_greedy = self.rewards(keys, [c.ids for c in base], feats.device)  # (B,)
-            advantage = r_sample - r_greedy.repeat_interleave(n)  # (B*n,)
+            greedy_rewards = torch.tensor(self.rewards(keys, [c.ids for c in base]), device=feats.device)  # (B,)
+            advantage = rewards - greedy_rewards.repeat_interleave(n)  # (B*n,)
         else:
-            advantage = r_sample - leave_one_out_mean(r_sample, n)  # (B*n,)
+            advantage = rewards - leave_one_out_mean(rewards, n)  # (B*n,)
         logp = sequence_logprobs(model, feats, seqs, n)  # (B*n, T)
-        words = (seqs != Vocab.pad).sum()
-        loss = -(advantage.to(logp.device).unsqueeze(1) * logp).sum() / words  # rewards are CPU-side
-        return loss, SelfCriticalStats(float(r_sample.mean()),
-                                       None if r_greedy is None else float(r_greedy.mean()))
+        words = process_sum((seqs != Vocab.pad).sum())
+        loss = -(advantage.unsqueeze(1) * logp).sum() / words
+        return loss, SelfCriticalStats(rewards.mean(), None if greedy_rewards is None else greedy_rewards.mean())

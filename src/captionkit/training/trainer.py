@@ -40,6 +40,7 @@ from ..core.checkpoint import (
     restore_optimizer,
     save_checkpoint,
 )
+from ..core.collectives import summed_over
 from ..core.outputs import atomic_write_text
 from ..core.precision import autocast, grad_scaler, resolve_precision
 from ..data.tokenizers import Tokenizer
@@ -48,11 +49,15 @@ from ..encoders import load_finetuned
 from ..inference.captioner import Captioner
 from ..scoring.evaluation import coco_scores, format_scores
 from .config import ConfigError, RunConfig, TrainConfig
-from .distributed import SINGLE, World, barrier, broadcast_json, mean_figures, shard
+from .distributed import SINGLE, World, barrier, broadcast_json, mean_figures, shard, step_sum
+from .prefetch import HostBatch, Prefetcher, Shard
 from .scst import SelfCritical
 from .stages import CPU, BuiltModel, BuiltOptimizer, TrainData, decoder_weights, encode_captions
 
 _SCORER = {"METEOR": "meteor", "ROUGE_L": "rouge"}  # validation scores BLEU and CIDEr, and these when chosen
+# Steps between host reads of the training figures: the progress line (and the check that the
+# loss is finite) comes every LOG_EVERY steps; between them a step never waits for the device.
+LOG_EVERY = 20
 PRECISION_NAMES = {"bf16": "bf16 mixed precision matmuls", "fp32": "float32 matmuls",
                    "fp16": "fp16 mixed precision matmuls with a gradient scaler"}
 
@@ -170,6 +175,7 @@ class Trainer:
         self.trained_parameters, self.params = optim.trained_parameters, optim.params
         self.state = state or TrainState(lr=tc.lr)
         self.device, self.world = device, world
+        self.unread: list[tuple] = []  # (step, share, loss, figures) of the steps since read_figures
         self.precision = resolve_precision(tc.precision, device)  # "bf16", "fp16" or "fp32"
         self.scaler = grad_scaler(device, self.precision)  # enabled for fp16 only
         if world.main:
@@ -204,9 +210,9 @@ class Trainer:
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A batch's tensor built on the CPU -> the training device (through pinned memory,
-        without waiting for the copy, on CUDA)."""
+        without waiting for the copy, on CUDA; the prefetch thread has pinned it already)."""
         if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
+            return (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True)
         return t.to(self.device)
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
@@ -227,31 +233,49 @@ class Trainer:
         batches = length_batches([len(self.examples[i][1]) for i in pick], tc.batch_size, seed)
         return [[pick[j] for j in b] for b in batches]
 
-    def batch_loss(self, idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
-        """-> (loss to minimise, figures to report: the cross-entropy, or scst's rewards)."""
+    def host_batch(self, batch: list[int]) -> HostBatch:
+        """A global batch's host side for this process: its shard and the shard's tensors.
+        Runs on the prefetch thread: reads and builds on the CPU only, draws nothing."""
+        sh = self.shard(batch)
+        return HostBatch(sh, len(batch), self.host_tensors(sh.part))
+
+    def host_tensors(self, idx: list[int]) -> dict[str, torch.Tensor]:
+        """The CPU tensors of the items ``idx`` (pinned when training on CUDA): xe: "feats"
+        (B or U, L, C) cached rows, "ids" (B, T+1) and with image batching "image_index" (B,);
+        scst: "feats" (B, L, C) of the images."""
+        if self.scst is not None:
+            out = {"feats": self.data.train_feats.select(torch.tensor(idx))}
+        else:
+            rows = torch.tensor([self.examples[i][0] for i in idx])
+            longest = max(len(self.examples[i][1]) for i in idx)  # "length" batches: all this long
+            out = {"ids": torch.tensor([self.examples[i][1] + [Vocab.pad] * (longest - len(self.examples[i][1]))
+                                        for i in idx])}  # (B, T+1), <pad> after <end> (ignored by the loss)
+            if self.cfg.train.batching == "image":  # each image once, indexed per caption
+                rows, out["image_index"] = torch.unique(rows, return_inverse=True)  # (U,), (B,)
+            out["feats"] = self.data.train_feats.select(rows)  # (B or U, L, C)
+        if self.device.type == "cuda":
+            out = {k: v.pin_memory() for k, v in out.items()}
+        return out
+
+    def batch_loss(self, batch: HostBatch | list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """-> (loss to minimise, figures to report: the cross-entropy, or scst's mean rewards).
+        ``batch``: a prepared :class:`HostBatch`, or items to read here. The figures are 0-dim
+        tensors on the device, left there: reading them is :meth:`read_figures`'s job."""
         tc = self.cfg.train
+        idx, host = (batch.shard.part, batch.tensors) if isinstance(batch, HostBatch) else (batch, self.host_tensors(batch))
+        t = {k: self.to_device(v) for k, v in host.items()}
         with autocast(self.device, self.precision):
+            feats = self.features(t["feats"])  # (B or U, L, D)
             if self.scst is not None:
-                rows = self.data.train_feats.select(torch.tensor(idx))
-                feats = self.features(self.to_device(rows))  # (B, L, D)
                 loss, stats = self.scst.loss(self.model, feats, idx)
                 figures = {"reward": stats.sample_reward}
                 if stats.greedy_reward is not None:
                     figures["greedy_reward"] = stats.greedy_reward
                 return loss, figures
-            rows = torch.tensor([self.examples[i][0] for i in idx])
-            longest = max(len(self.examples[i][1]) for i in idx)  # "length" batches: all this long
-            ids = torch.tensor([self.examples[i][1] + [Vocab.pad] * (longest - len(self.examples[i][1]))
-                                for i in idx])  # (B, T+1), <pad> after <end> (ignored by the loss)
-            image_index = None
-            if tc.batching == "image":  # each image once, indexed per caption
-                rows, image_index = torch.unique(rows, return_inverse=True)  # (U,), (B,)
-                image_index = self.to_device(image_index)
-            feats = self.features(self.to_device(self.data.train_feats.select(rows)))  # (B or U, L, D)
-            ids = self.to_device(ids)
+            ids = t["ids"]
             loss, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], alpha_c=tc.alpha_c,
-                                                label_smoothing=tc.label_smoothing, image_index=image_index)
-            return loss, {"loss": float(ce.detach())}
+                                                label_smoothing=tc.label_smoothing, image_index=t.get("image_index"))
+            return loss, {"loss": ce.detach()}
 
     # ---- the loop ----
     def fit(self, max_steps: int | None = None, progress: bool = True,
@@ -271,16 +295,23 @@ class Trainer:
             if not st.batch_in_epoch or st.epoch_progress is None:
                 st.epoch_progress = EpochProgress()
             clock = _Clock(st.epoch_progress)
-            for bi in range(st.batch_in_epoch, len(batches)):
-                if max_steps is not None and st.step >= max_steps:
-                    self.save("last", with_optimizer=True)
-                    return st
-                self.train_step(batches[bi], bi, len(batches))
-                clock.tick()
-                if progress and (bi % 20 == 0 or bi == len(batches) - 1):
-                    self.log(bi, len(batches), clock)
-                if tc.checkpoint_every and st.step % tc.checkpoint_every == 0:
-                    self.save("last", with_optimizer=True)
+            # the coming batches' reads on a background thread (training.prefetch)
+            with Prefetcher(self.host_batch, batches[st.batch_in_epoch:]) as coming:
+                for bi, batch in enumerate(coming, start=st.batch_in_epoch):
+                    if max_steps is not None and st.step >= max_steps:
+                        self.read_figures()
+                        self.save("last", with_optimizer=True)
+                        return st
+                    self.train_step(batch, bi, len(batches))
+                    clock.tick()
+                    shown = bi % LOG_EVERY == 0 or bi == len(batches) - 1  # (an epoch's last: always)
+                    saved = tc.checkpoint_every and st.step % tc.checkpoint_every == 0
+                    if shown or saved:  # on every process: under DDP the read is a collective
+                        self.read_figures()
+                    if progress and shown:
+                        self.log(bi, len(batches), clock)
+                    if saved:
+                        self.save("last", with_optimizer=True)
             if progress:
                 print(file=sys.stderr)
             self.end_epoch(clock, on_epoch)
@@ -293,18 +324,20 @@ class Trainer:
         barrier(self.world)
         return self.state
 
-    def train_step(self, batch: list[int], bi: int, n_batches: int) -> None:
+    def train_step(self, batch: HostBatch | list[int], bi: int, n_batches: int) -> None:
         """One optimizer step on one global batch, at the schedule's learning rate for this step.
-        Under DDP each process takes its shard of the batch; its loss is weighted by its share
-        so that the gradients DDP averages are those of the whole batch."""
+        Under DDP each process takes its shard of the batch; its loss is weighted (see
+        :meth:`shard`) so that the gradients DDP averages are those of the whole batch. No
+        host read: the step's figures and loss wait on the device for :meth:`read_figures`."""
         tc, st = self.cfg.train, self.state
+        if not isinstance(batch, HostBatch):
+            batch = self.host_batch(batch)
         self.set_lr(st.lr * lr_factor(tc, st.step, (st.epoch + bi / n_batches) / tc.epochs))
-        part, weight = self.shard(batch)
-        loss, figures = self.loss_module(part)
-        if not math.isfinite(float(loss.detach())):
-            raise FloatingPointError(f"loss became {float(loss.detach())} at step {st.step}")
+        with summed_over(step_sum(self.world, batch.shard.real)):  # the step's global sums (core.collectives)
+            loss, figures = self.loss_module(batch)
+        self.unread.append((st.step, batch.shard.share, loss.detach(), figures))
         if self.world.distributed:  # DDP averages over the processes: weight * world size each
-            loss = loss * (weight * self.world.size)
+            loss = loss * (batch.shard.loss_weight * self.world.size)
         self.opt.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         if tc.grad_clip:
@@ -312,28 +345,47 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.params, tc.grad_clip)
         self.scaler.step(self.opt)
         self.scaler.update()
-        figures = mean_figures(self.world, figures, weight, self.device)
         st.step += 1
         st.batch_in_epoch = bi + 1
         prog = st.epoch_progress
-        prog.seen += len(batch)
+        prog.seen += batch.size
         prog.batches += 1
-        for k, v in figures.items():  # means over this epoch so far
-            prog.sums[k] = prog.sums.get(k, 0.0) + v
 
-    def shard(self, batch: list[int]) -> tuple[list[int], float]:
-        """This process's part of a global batch and its share of it (1 for one process): by
-        target tokens for cross-entropy (the loss is a mean over them), by images for SCST.
+    def read_figures(self) -> None:
+        """The figures of the steps since the last read, read on the host at once (one sync;
+        under DDP one all-reduce, so every process calls it at the same steps) and added to
+        the epoch's sums, in step order. The losses are checked here too: a loss that was
+        not finite stops training, naming its step, at most LOG_EVERY steps after it (no
+        checkpoint is written in between: every save reads first)."""
+        unread, self.unread = self.unread, []
+        if not unread:
+            return
+        keys = sorted(unread[0][3])
+        # (N, K + 1): each step's figures weighted by this process's share, and its loss
+        rows = torch.stack([torch.stack([f[k].to(torch.float64) * share for k in keys] + [loss.to(torch.float64)])
+                            for _, share, loss, f in unread])
+        prog = self.state.epoch_progress
+        for (step, *_), values in zip(unread, mean_figures(self.world, rows)):
+            if not math.isfinite(values[-1]):  # (summed over the processes: any one's)
+                raise FloatingPointError(f"loss became {values[-1]} at step {step}")
+            for k, v in zip(keys, values):  # means over this epoch so far
+                prog.sums[k] = prog.sums.get(k, 0.0) + v
+
+    def shard(self, batch: list[int]) -> Shard:
+        """This process's part of a global batch and its weights (see :class:`Shard`): by
+        target tokens for cross-entropy (the loss is a mean over them); for SCST the figures
+        by images, the loss by 1 (it is normalised by the global batch's sampled words).
         Image batching keeps each image's captions on one process."""
         if not self.world.distributed:
-            return batch, 1.0
+            return Shard(batch)
         if self.scst is not None:
             part, real = shard(batch, self.world)
-            return part, (len(part) / len(batch) if real else 0.0)
+            return Shard(part, real, len(part) / len(batch) if real else 0.0, 1.0 if real else 0.0)
         key = [row for row, _ in self.examples] if self.cfg.train.batching == "image" else None
         part, real = shard(batch, self.world, key)
         tokens = [len(self.examples[i][1]) - 1 for i in batch]  # targets: the words and <end>
-        return part, (sum(len(self.examples[i][1]) - 1 for i in part) / sum(tokens) if real else 0.0)
+        share = sum(len(self.examples[i][1]) - 1 for i in part) / sum(tokens) if real else 0.0
+        return Shard(part, real, share, share)
 
     def log(self, bi: int, n_batches: int, clock: _Clock) -> None:
         """The progress line: epoch, batch, the epoch's mean figures, this process's rate."""
@@ -351,6 +403,7 @@ class Trainer:
         early-stopping and plateau bookkeeping, history.jsonl and the ``last`` checkpoint.
         Under DDP, rank 0 does it and the others take its state."""
         tc, st = self.cfg.train, self.state
+        self.read_figures()  # (nothing left unread: an epoch's last step is a read point)
         prog = st.epoch_progress
         st.epoch += 1
         st.batch_in_epoch = 0
@@ -423,8 +476,9 @@ class Trainer:
         tc, data = self.cfg.train, self.data
         length_penalty = self.length_penalty if length_penalty is None else length_penalty
         self.model.eval()
-        # decoded where the model trains (place() moves nothing that is already there)
-        cap = Captioner(self.model, self.vocab, self.checkpoint_config()).place(self.device)
+        # decoded where the model trains (place() moves nothing that is already there), in the
+        # run's precision (the captioner's own default, "auto", would ignore train.precision)
+        cap = Captioner(self.model, self.vocab, self.checkpoint_config()).place(self.device, self.precision)
         captions = {}
         for i in range(0, len(data.val_items), 100):
             feats = self.to_device(data.val_feats[i:i + 100]).float()
@@ -440,12 +494,14 @@ class Trainer:
     def validation_loss(self) -> float:
         """The teacher-forced cross-entropy of the dev captions (the model's training_loss, without
         dropout), per token: the dev counterpart of the training ``loss``, to see over-fitting.
-        Under a forked RNG, so that a family whose loss samples leaves training's draws unchanged."""
+        Under a forked RNG (the CPU's and the device's), so that a family whose loss samples
+        leaves training's draws unchanged; in eval mode, so that it leaves a family's running
+        statistics (hard attention's baseline) as training left them."""
         tc = self.cfg.train
         examples, _ = encode_captions(self.data.val_items, self.vocab, self.cfg.data)
         self.model.eval()
         total, tokens = 0.0, 0
-        with torch.random.fork_rng(devices=[]):
+        with forked_rng(self.device):
             for idx in length_batches([len(ids) for _, ids in examples], tc.batch_size, seed=0):
                 rows = torch.tensor([examples[i][0] for i in idx])
                 ids = self.to_device(torch.tensor([examples[i][1] for i in idx]))  # (B, T+1), one length per batch
@@ -563,6 +619,17 @@ class Trainer:
             remove_leftovers(self.out / name)
 
 
+def forked_rng(device: torch.device):
+    """torch.random.fork_rng for the CPU's generator and ``device``'s (a GPU's own generator
+    is what sampling on it draws from; ``devices=[]`` alone would leave it to move)."""
+    if device.type in ("cpu", "meta"):
+        return torch.random.fork_rng(devices=[])
+    index = device.index
+    if index is None:  # "cuda" names the current GPU (MPS has one device)
+        index = torch.cuda.current_device() if device.type == "cuda" else 0
+    return torch.random.fork_rng(devices=[index], device_type=device.type)
+
+
 class _BatchLoss(torch.nn.Module):
     """The trained modules (the model, and the tuned encoder blocks) behind one forward that
     returns a batch's (loss, figures): what DistributedDataParallel wraps, so that its
@@ -574,7 +641,7 @@ class _BatchLoss(torch.nn.Module):
         self.tail = trainer.data.tail if trainer.cfg.train.finetune_blocks else None
         self.batch_loss = trainer.batch_loss
 
-    def forward(self, batch: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+    def forward(self, batch: HostBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.batch_loss(batch)
 
 
