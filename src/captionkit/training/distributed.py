@@ -8,6 +8,9 @@ wraps its model in DistributedDataParallel over gloo (CPU) or nccl (CUDA). See
 docs/distributed-training.md for the rules: the global batch, what rank 0 alone does, resume
 under another world size.
 
+An error on one rank ends every rank at once (:func:`abort`, :func:`peer_failure`; the run's
+entry point, captionkit.training.run.train, uses them): no rank waits on an error path.
+
 A single process (no torchrun) is a world of one: every helper here is then a no-op, so the
 single-process path runs exactly as it did before any of this existed.
 """
