@@ -87,3 +87,64 @@ def test_a_collective_broken_by_another_rank_is_told_in_one_line():
     assert peer_failure(World(1, 2), WaitTimeout("rank 1 waited 3 h for rank 0")) is None
     assert peer_failure(World(0, 1), gone) is None
     assert isinstance(WaitTimeout("x"), UserError)  # one line, from the command line
+
+
+class _FakeDist:
+    """torch.distributed as abort() sees it: an initialized group of ``backend``; what is called is recorded."""
+
+    def __init__(self, backend: str):
+        self.backend, self.calls = backend, []
+        fake = self
+
+        class group:
+            class WORLD:
+                @staticmethod
+                def abort():
+                    fake.calls.append("abort")
+
+        self.group = group
+
+    def is_initialized(self):
+        return True
+
+    def get_backend(self):
+        return self.backend
+
+    def __getattr__(self, name):  # barrier, destroy_process_group, ...: each would wait on the other ranks
+        raise AssertionError(f"abort called dist.{name}")
+
+
+@pytest.mark.parametrize("backend, calls", [("nccl", ["abort"]), ("gloo", [])])
+def test_abort_waits_for_no_other_rank(monkeypatch, backend, calls):
+    """The error path: nccl's communicators are aborted; gloo's group is left to the process's
+    exit (destroying it would wait out its timeout on a pending collective); no barrier."""
+    fake = _FakeDist(backend)
+    monkeypatch.setattr(distributed, "dist", fake)
+    distributed.abort(World(1, 2))
+    assert fake.calls == calls
+
+
+def test_a_wait_for_rank_0_that_times_out_is_one_line_naming_what_it_waited_for(monkeypatch):
+    """gloo's timeout is a plain RuntimeError: a failure at the end of the wait's time is the
+    timeout (one line: what the rank waited for, what to do); an earlier one is not."""
+    import time
+    from datetime import timedelta
+
+    monkeypatch.setattr(distributed, "_waits", object())  # the group of the long waits
+    monkeypatch.setattr(distributed, "WAIT_TIMEOUT", timedelta(seconds=0.05))
+
+    def late(group):
+        time.sleep(0.06)
+        raise RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 50ms for recv operation")
+
+    monkeypatch.setattr(distributed.dist, "barrier", lambda group: late(group))
+    with pytest.raises(WaitTimeout, match=r"^rank 1 waited 0.05 s for rank 0 to finish the feature cache and "
+                                          r"gave up; fill it first$"):
+        distributed.barrier(World(1, 2), "rank 0 to finish the feature cache", "fill it first")
+
+    def gone(group):
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+
+    monkeypatch.setattr(distributed.dist, "barrier", lambda group: gone(group))
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        distributed.barrier(World(1, 2), "x")

@@ -141,7 +141,7 @@ def abort(world: World) -> None:
     if not (world.distributed and dist.is_initialized()) or dist.get_backend() != "nccl":
         return
     with contextlib.suppress(Exception):  # a broken group may refuse; this process is ending with its own error
-        dist.distributed_c10d._abort_process_group()
+        dist.group.WORLD.abort()  # (nccl's alone: the gloo group of the waits ends with the process)
 
 
 # How a gloo collective ends when the other side has gone (its process exited, or it stopped
@@ -177,19 +177,20 @@ def barrier(world: World, waiting_for: str = "rank 0", hint: str = "") -> None:
 def _wait(world: World, collective: Callable[[Any], None], waiting_for: str, hint: str = "") -> None:
     """Run ``collective`` on the group of the long waits; its timeout is one line (WaitTimeout)
     naming what this rank waited for. Told by the clock, as gloo's timeout is a plain RuntimeError."""
+    limit = WAIT_TIMEOUT if _waits is not None else STEP_TIMEOUT  # (no wait group: a process group started elsewhere)
     t0 = time.monotonic()
     try:
         collective(_waits)
     except RuntimeError:
-        if time.monotonic() - t0 < 0.99 * (WAIT_TIMEOUT if _waits is not None else STEP_TIMEOUT).total_seconds():
+        if time.monotonic() - t0 < 0.99 * limit.total_seconds():
             raise
-        raise WaitTimeout(f"rank {world.rank} waited {_waited()} for {waiting_for} and gave up"
+        raise WaitTimeout(f"rank {world.rank} waited {_span(limit)} for {waiting_for} and gave up"
                           + (f"; {hint}" if hint else "")) from None
 
 
-def _waited() -> str:
-    hours = (WAIT_TIMEOUT if _waits is not None else STEP_TIMEOUT).total_seconds() / 3600
-    return f"{hours:g} h"
+def _span(t: timedelta) -> str:
+    s = t.total_seconds()
+    return f"{s / 3600:g} h" if s >= 3600 else f"{s / 60:g} min" if s >= 60 else f"{s:g} s"
 
 
 @contextlib.contextmanager
