@@ -169,6 +169,7 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
             atomic_write_text(out / "glove_coverage.json", json.dumps(trainer.glove_coverage.to_json(), indent=1))
         barrier(world)  # the run folder exists before any rank goes on
         state = trainer.fit(max_steps=max_steps, progress=progress, on_epoch=on_epoch)
+        stop(world)
     except BaseException as e:
         # Any rank's error ends the run on every rank, at once: no barrier here (see abort). The
         # failing rank's error goes on to the user; a rank whose collective broke because of it
@@ -183,7 +184,6 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
     finally:
         if tensorboard and world.main:
             tb.close()
-    stop(world)
     return state
 
 
