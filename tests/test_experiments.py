@@ -17,7 +17,7 @@ import torch
 
 from captionkit.cli.main import main
 from captionkit.core.checkpoint import read_config
-from captionkit.core.errors import OutputError
+from captionkit.core.errors import OutputError, UserError
 from captionkit.experiments import sweep as sw
 from captionkit.experiments.runs import find_runs, read_history
 
@@ -221,6 +221,81 @@ def test_ray_tune_sweep_stops_a_weak_trial_early_with_asha(tiny_config, tmp_path
     remote = json.loads((out / "summary.json").read_text())["columns"]
     assert [c for c in remote if c != "train.lr"] == [c for c in local if c not in ("train.lr", "model.hidden_dim")]
     assert next(csv.reader((out / "summary.csv").open())) == remote
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    """Ray Tune as run_ray calls it, without starting Ray: a Ray whose GPU count the test sets
+    (``calls["gpus"]``); the resources each trial asks for, and the trainable, are recorded."""
+    pytest.importorskip("ray.tune", reason="Ray Tune is not installed (pip install 'captionkit[ray]')")
+    import ray
+    from ray import tune
+
+    calls: dict = {"gpus": 0}
+
+    def with_resources(trainable, resources):
+        calls.update(trainable=trainable, resources=resources)
+        return trainable
+
+    class Tuner:
+        def __init__(self, trainable, **kwargs):
+            pass
+
+        def fit(self):
+            return []
+
+    def no_ray(**kwargs):
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: calls.get("init", False))
+    monkeypatch.setattr(ray, "init", no_ray)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0, **({"GPU": calls["gpus"]} if calls["gpus"] else {})})
+    monkeypatch.setattr(tune, "with_resources", with_resources)
+    monkeypatch.setattr(tune, "Tuner", Tuner)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # (the trainable sets its trial's)
+    return calls
+
+
+@pytest.mark.slow  # (importing Ray Tune: ~5 s)
+@pytest.mark.parametrize("device, ray_gpus, given, wanted", [
+    ("cuda", 2, None, 1.0), ("cuda:1", 2, None, 1.0), ("auto", 1, None, 1.0), ("auto", 0, None, 0.0),
+    ("cpu", 2, None, 0.0), ("cuda", 2, 0.5, 0.5)])
+def test_ray_trials_that_train_on_cuda_hold_a_gpu(fake_ray, tiny_config, tmp_path, monkeypatch, device, ray_gpus,
+                                                  given, wanted):
+    """Ray shows a trial only the GPUs it holds (none: CUDA_VISIBLE_DEVICES empty), so a trial
+    of train.device cuda (or auto, on a Ray that has GPUs) must ask for one (issue 28, item 8).
+    A trial's cuda:N becomes cuda: the GPU Ray gives it is its cuda:0."""
+    fake_ray.update(init=True, gpus=ray_gpus)
+    sweep = sw.define(sweep_config(tiny_config, tmp_path, device=device), ["train.lr=1e-2"], tmp_path / "s",
+                      engine="ray")
+    sw.run_ray(sweep, cpus_per_trial=1, gpus_per_trial=given)
+    assert fake_ray["resources"] == {"cpu": 1, "gpu": wanted}
+    ran = {}
+    monkeypatch.setattr(sw, "run_trial", lambda sweep, name, on_epoch, device: ran.update(device=device))
+    fake_ray["trainable"]({"trial": sweep.trials[0]["name"]})
+    assert ran["device"] == ("cuda" if device == "cuda:1" else None)
+
+
+@pytest.mark.slow  # (importing Ray Tune: ~5 s)
+def test_ray_trials_on_cuda_without_a_gpu_to_hold_are_one_line_before_ray_starts(fake_ray, tiny_config, tmp_path):
+    sweep = sw.define(sweep_config(tiny_config, tmp_path, device="cuda"), ["train.lr=1e-2,1e-3"], tmp_path / "s",
+                      engine="ray")
+    with pytest.raises(UserError, match=r"^--gpus-per-trial 0, but trial 000-lr=0.01 trains on cuda "):
+        sw.run_ray(sweep, gpus_per_trial=0)
+    fake_ray.update(init=True, gpus=0)  # a local Ray without GPUs: the trials would wait for ever
+    with pytest.raises(UserError, match=r"^each trial needs 1 GPU\(s\) .* but this Ray has 0"):
+        sw.run_ray(sweep)
+    assert "resources" not in fake_ray
+
+
+@pytest.mark.slow  # (importing Ray Tune: ~5 s)
+def test_gpus_per_trial_reaches_the_ray_engine(fake_ray, tiny_config, tmp_path, monkeypatch):
+    asked = []
+    monkeypatch.setattr(sw, "run_ray", lambda sweep, **kwargs: asked.append(kwargs["gpus_per_trial"]) or [])
+    for given in (["--gpus-per-trial", "0.5"], []):
+        assert main(["sweep", "--config", str(tiny_config), "--set", "train.lr=1e-2", "--out", str(tmp_path / "s"),
+                     "--engine", "ray", *given]) == 0
+    assert asked == [0.5, None]  # None: as the trials' train.device asks (trial_gpus)
 
 
 # ---- the dev loss and TensorBoard ------------------------------------------------------------

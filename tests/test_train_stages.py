@@ -115,3 +115,55 @@ def test_the_training_device_is_checked_before_any_data(tmp_path, flickr_dir, ti
     assert main(["train", "--config", cuda, "--out", str(tmp_path / "b")]) == 2
     assert capsys.readouterr().err.startswith(f"captionkit train: error: {cuda}: train.device: device 'cuda:1': ")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+class _Stop(Exception):
+    """Ends prepare_data once its features are built (a meta encoder cannot go back to the CPU)."""
+
+
+def test_the_feature_cache_is_computed_on_the_training_device(tiny_config, tmp_path, monkeypatch):
+    """train --device cuda: the encoder that fills the cache runs on the training device, not
+    the CPU (issue 28, item 13). The meta device stands in for the GPU: the encoder's calls are
+    recorded there and answered with zero rows (float32, as the real encoder gives), in a cache
+    of this test's own."""
+    import captionkit.training.stages as stages
+    from captionkit.encoders.base import Encoder, module_device
+
+    monkeypatch.setenv("CAPTIONKIT_CACHE", str(tmp_path / "cache"))  # new features; fake ones stay here
+    seen: list[torch.device] = []
+
+    def encode(self, pixels):
+        seen.append(module_device(self))
+        rows = self.grid()[0] * self.grid()[1]
+        return torch.zeros(pixels.shape[0], rows, self.dim)  # (B, L, D)
+
+    def build_then_stop(*args, **kwargs):
+        store = real_build(*args, **kwargs)
+        assert len(store.index) == 15  # every photo encoded
+        raise _Stop
+
+    real_build = stages.build_features
+    monkeypatch.setattr(Encoder, "encode", encode)
+    monkeypatch.setattr(stages, "build_features", build_then_stop)
+    with pytest.raises(_Stop):
+        prepare_data(RunConfig.load(tiny_config), device=torch.device("meta"))
+    assert seen and set(seen) == {torch.device("meta")}
+
+
+def test_frozen_tuned_blocks_run_on_the_training_device(tmp_path):
+    """Encoder blocks tuned by train.init and frozen now run once over the cached rows, on the
+    training device (meta here), and their output is held in CPU memory as float16."""
+    from captionkit.encoders.features import ArrayStore, FeatureRows
+    from captionkit.training.stages import _run_tail
+
+    class Tail(torch.nn.Module):
+        def forward(self, x, grid):
+            self.seen = x.device
+            return torch.ones(x.shape[0], 2, 3)  # (B, L, D)
+
+    names = [f"{i}.jpg" for i in range(300)]
+    rows = FeatureRows(ArrayStore(names, torch.zeros(300, 4, 5, dtype=torch.float16).numpy()), names)
+    tail = Tail()
+    out = _run_tail(tail, rows, (2, 2), torch.device("meta"))
+    assert tail.seen == torch.device("meta")
+    assert out[0:300].shape == (300, 2, 3) and out[0:1].dtype == torch.float16

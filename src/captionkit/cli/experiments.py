@@ -28,26 +28,31 @@ def add_sweep(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--seed", type=int, default=0, help="seed of --random")
     w.add_argument("--cpus", type=int, default=2, help="ray: CPUs of the local Ray")
     w.add_argument("--cpus-per-trial", type=float, default=1, help="ray: CPUs each trial holds (and torch threads)")
+    w.add_argument("--gpus-per-trial", type=float, help="ray: GPUs each trial holds (a fraction shares one; default 1 "
+                   "when the trials train on CUDA: train.device cuda, or auto on a Ray with GPUs; else 0)")
     w.add_argument("--address", help="ray: an existing Ray cluster (its nodes must see --out)")
     w.add_argument("--grace-epochs", type=int, default=1, help="ray: epochs before ASHA may stop a trial")
 
 
 def cmd_sweep(config: str, sets: list[str] | None, out: str, metric: str | None, engine: str,
               random: int | None, seed: int, cpus: int, cpus_per_trial: float, address: str | None,
-              grace_epochs: int) -> int:
+              grace_epochs: int, gpus_per_trial: float | None = None) -> int:
     from ..experiments.sweep import define, format_table, ray_missing, run_local, run_ray
 
     if engine == "ray" and ray_missing():
         raise UsageError(ray_missing())
     if cpus < 1 or cpus_per_trial <= 0 or grace_epochs < 1:
         raise UsageError("--cpus, --cpus-per-trial and --grace-epochs must be positive")
+    if gpus_per_trial is not None and gpus_per_trial < 0:
+        raise UsageError("--gpus-per-trial must be 0 or more")
     sweep = define(config, sets or [], out, metric=metric, random_count=random, seed=seed, engine=engine)
     print(f"{out}: {len(sweep.trials)} trials, {len(sweep.todo())} to run ({engine}); metric {sweep.metric}",
           file=sys.stderr)
     if engine == "local":
         rows = run_local(sweep)
     else:
-        rows = run_ray(sweep, cpus=cpus, cpus_per_trial=cpus_per_trial, address=address, grace_epochs=grace_epochs)
+        rows = run_ray(sweep, cpus=cpus, cpus_per_trial=cpus_per_trial, address=address, grace_epochs=grace_epochs,
+                       gpus_per_trial=gpus_per_trial)
     print(format_table(rows))
     print(f"summary: {Path(out) / 'summary.csv'}, {Path(out) / 'summary.json'} (scores x100)", file=sys.stderr)
     return 0

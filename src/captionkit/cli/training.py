@@ -34,7 +34,7 @@ def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool,
     if nproc > 1:  # the same command in nproc processes under torchrun (DDP); see docs/distributed-training.md
         from ..training.distributed import launch
         from ..training.run import check_run
-        check_run(config, out, max_steps, resume, init, overwrite, device)  # one line here, not one per process
+        check_run(config, out, max_steps, resume, init, overwrite, device, nproc)  # one line here, not one per process
         flags = {"--out": out, "--max-steps": max_steps, "--init": init, "--tensorboard": tensorboard, "--device": device}
         args = ["train", "--config", config, *[x for k, v in flags.items() if v is not None for x in (k, str(v))]]
         return launch(nproc, args + ["--resume"] * resume + ["--overwrite"] * overwrite)

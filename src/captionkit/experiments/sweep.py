@@ -382,8 +382,9 @@ class _Clock:
         self.sweep.set_status(self.name, "running", self.seconds())
 
 
-def run_trial(sweep: Sweep, name: str, progress: bool = False, on_epoch=None) -> dict:
-    """Train (or resume) one trial with the ordinary trainer; mark it finished."""
+def run_trial(sweep: Sweep, name: str, progress: bool = False, on_epoch=None, device: str | None = None) -> dict:
+    """Train (or resume) one trial with the ordinary trainer; mark it finished. ``device``
+    replaces the trial's train.device (a Ray trial's GPU is its cuda:0)."""
     from ..core.checkpoint import resolve
     from ..training.run import train
 
@@ -396,7 +397,7 @@ def run_trial(sweep: Sweep, name: str, progress: bool = False, on_epoch=None) ->
         if on_epoch:
             on_epoch(entry)
     state = train(sweep.config_path(name), out=sweep.run_dir(name), resume=resume, progress=progress,
-                  on_epoch=each_epoch)
+                  on_epoch=each_epoch, device=device)
     sweep.set_status(name, "finished", clock.seconds())
     return state
 
@@ -425,10 +426,42 @@ def ray_missing() -> str | None:
     return None
 
 
+def trial_devices(sweep: Sweep) -> dict[str, str]:
+    """Each trial's train.device (the base config's, or the trial's --set)."""
+    from ..training.config import RunConfig
+
+    return {t["name"]: RunConfig.from_dict(t["config"]).train.device for t in sweep.trials}
+
+
+def check_trial_gpus(sweep: Sweep, gpus_per_trial: float | None) -> None:
+    """A Ray trial given no GPU sees none (Ray hides them: CUDA_VISIBLE_DEVICES is empty), so
+    a trial that trains on CUDA would fail at its start: one line before Ray starts instead."""
+    if gpus_per_trial is None or gpus_per_trial > 0:
+        return
+    on_cuda = sorted(name for name, device in trial_devices(sweep).items() if device.startswith("cuda"))
+    if on_cuda:
+        raise UserError(f"--gpus-per-trial 0, but trial {on_cuda[0]} trains on {trial_devices(sweep)[on_cuda[0]]} "
+                        f"(train.device): give each trial a GPU (--gpus-per-trial 1, or a fraction to share one) "
+                        f"or train on the CPU (--set train.device=cpu)")
+
+
+def trial_gpus(sweep: Sweep, gpus_per_trial: float | None, cluster_gpus: float) -> float:
+    """The GPUs each Ray trial holds: ``gpus_per_trial`` when given, else what the trials'
+    train.device asks for: 1 when one trains on CUDA (``cuda``, ``cuda:N``, or ``auto`` on a
+    Ray with ``cluster_gpus`` > 0), else 0. (One figure for every trial: a grid over
+    train.device holds a GPU for its CPU trials too.)"""
+    if gpus_per_trial is not None:
+        return gpus_per_trial
+    devices = trial_devices(sweep).values()
+    wants = any(d.startswith("cuda") or (d == "auto" and cluster_gpus > 0) for d in devices)
+    return 1.0 if wants else 0.0
+
+
 def run_ray(sweep: Sweep, cpus: int | None = 2, cpus_per_trial: float = 1, address: str | None = None,
-            grace_epochs: int = 1, reduction_factor: int = 2) -> list[dict]:
+            grace_epochs: int = 1, reduction_factor: int = 2, gpus_per_trial: float | None = None) -> list[dict]:
     """The unfinished trials on Ray Tune: a local Ray of ``cpus`` CPUs (or the cluster at
-    ``address``, whose nodes must see the sweep folder), ``cpus_per_trial`` each, and the ASHA
+    ``address``, whose nodes must see the sweep folder), ``cpus_per_trial`` each and
+    ``gpus_per_trial`` (default: see :func:`trial_gpus`), and the ASHA
     scheduler on the sweep's metric, reported at every validation (time = the trial's epoch):
     at each rung (``grace_epochs`` x ``reduction_factor``^k epochs) a trial below the best
     1/``reduction_factor`` of those that reached it is stopped. A stopped trial keeps its run
@@ -442,8 +475,10 @@ def run_ray(sweep: Sweep, cpus: int | None = 2, cpus_per_trial: float = 1, addre
         return summarize(sweep)
     from ..training.config import RunConfig
 
+    check_trial_gpus(sweep, gpus_per_trial)
     folder = sweep.folder.resolve()
     planned = {t["name"]: RunConfig.from_dict(t["config"]).train.epochs for t in sweep.trials}
+    devices = trial_devices(sweep)
     threads = max(1, int(cpus_per_trial))
 
     def trainable(config: dict) -> None:
@@ -456,16 +491,23 @@ def run_ray(sweep: Sweep, cpus: int | None = 2, cpus_per_trial: float = 1, addre
             # lose the length-penalty search that follows
             if sweep.metric in entry and entry["epoch"] < planned[name]:
                 tune.report({k: v for k, v in entry.items() if isinstance(v, (int, float))})
-        run_trial(load_sweep(folder), name, on_epoch=report)
+        # Ray shows a trial only the GPU(s) it holds, as cuda:0 on: cuda:N would not be there
+        device = "cuda" if gpus and devices[name].startswith("cuda:") else None
+        run_trial(load_sweep(folder), name, on_epoch=report, device=device)
 
     if not ray.is_initialized():
         ray.init(address=address, num_cpus=None if address else cpus, include_dashboard=False,
                  log_to_driver=False, configure_logging=False)
+    cluster_gpus = ray.cluster_resources().get("GPU", 0)
+    gpus = trial_gpus(sweep, gpus_per_trial, cluster_gpus)
+    if gpus > cluster_gpus and not address:  # (a cluster may add GPU nodes as trials wait; this Ray will not)
+        raise UserError(f"each trial needs {gpus:g} GPU(s) (--gpus-per-trial, or train.device) but this Ray has "
+                        f"{cluster_gpus:g}: its trials would wait for ever")
     scheduler = ASHAScheduler(time_attr="epoch", max_t=max(planned.values()), grace_period=grace_epochs,
                               reduction_factor=reduction_factor)
     mode = "min" if sweep.metric == LOSS_METRIC else "max"
     tuner = tune.Tuner(
-        tune.with_resources(trainable, {"cpu": cpus_per_trial}),
+        tune.with_resources(trainable, {"cpu": cpus_per_trial, "gpu": gpus}),
         param_space={"trial": tune.grid_search(todo)},
         tune_config=tune.TuneConfig(metric=sweep.metric, mode=mode, scheduler=scheduler),
         run_config=tune.RunConfig(name="ray", storage_path=str(folder / "ray"), verbose=0))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,10 +29,13 @@ from .config import ConfigError, RunConfig
 from .distributed import (
     SINGLE,
     World,
+    abort,
     barrier,
     broadcast_json,
+    check_gpus,
     device_for,
     main_first,
+    peer_failure,
     start,
     stop,
     world_from_env,
@@ -41,6 +45,11 @@ from .stages import CPU, TrainData, build_model, build_optimizer, build_tokenize
 from .trainer import Trainer, TrainState
 
 
+# what a rank that waited too long for rank 0's feature cache is told to do
+FILL_CACHE_FIRST = ("fill the cache in one process first (the same captionkit train without --nproc/torchrun, "
+                    "--max-steps 1 --out a scratch folder), then start the DDP run")
+
+
 def build_trainer(cfg: RunConfig, out: Path, data: TrainData | None = None, vocab: Tokenizer | None = None,
                   saved: dict | None = None, device: torch.device = CPU, world: World = SINGLE) -> Trainer:
     """The stages in order: data, tokenizer, model, optimizer, then the Trainer. ``vocab``
@@ -48,7 +57,7 @@ def build_trainer(cfg: RunConfig, out: Path, data: TrainData | None = None, voca
     tokenizer, and its model config checked against the one built). Under DDP rank 0 fills the
     feature cache before the others read it, and its tokenizer is every rank's."""
     if data is None:
-        with main_first(world):
+        with main_first(world, "the feature cache", hint=FILL_CACHE_FIRST):
             data = prepare_data(cfg, device)
     if saved is not None:
         vocab = load_tokenizer(saved["vocab"])
@@ -159,22 +168,35 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
         if trainer.glove_coverage is not None and world.main:
             atomic_write_text(out / "glove_coverage.json", json.dumps(trainer.glove_coverage.to_json(), indent=1))
         barrier(world)  # the run folder exists before any rank goes on
-        return trainer.fit(max_steps=max_steps, progress=progress, on_epoch=on_epoch)
+        state = trainer.fit(max_steps=max_steps, progress=progress, on_epoch=on_epoch)
+        stop(world)
+    except BaseException as e:
+        # Any rank's error ends the run on every rank, at once: no barrier here (see abort). The
+        # failing rank's error goes on to the user; a rank whose collective broke because of it
+        # says so in one line, so that the user sees the one error that matters, once.
+        abort(world)
+        stopped = peer_failure(world, e)
+        if stopped is None:
+            raise
+        lead = "\n" if world.main and progress else ""  # (after rank 0's progress line)
+        print(lead + stopped, file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         if tensorboard and world.main:
             tb.close()
-        stop(world)
+    return state
 
 
 def check_run(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,
               resume: bool = False, init: str | None = None, overwrite: bool = False,
-              device: str | None = None) -> tuple[RunConfig, Path, torch.device]:
+              device: str | None = None, nproc: int = 1) -> tuple[RunConfig, Path, torch.device]:
     """Everything the user gave, checked before any expensive work (also by ``--nproc`` before
-    it starts the processes): -> (the config, the run folder, the training device)."""
+    it starts the ``nproc`` processes): -> (the config, the run folder, the training device)."""
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
         raise UserError(f"max_steps must be a positive integer, got {max_steps!r}")
     cfg = RunConfig.load(config, init)
     run_device = _training_device(cfg, config, device)
+    check_gpus(nproc, run_device)
     out = Path(out) if out else Path("runs") / Path(config).stem
     check_run_folder(out, resume, overwrite)
     if resume:

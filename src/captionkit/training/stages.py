@@ -112,8 +112,9 @@ def prepare_data(cfg: RunConfig, device: torch.device = CPU) -> TrainData:
     """Stage 1: the dataset's splits, the encoder (with the init checkpoint's tuned blocks) and
     the cached features of every image (computed once per encoder, see captionkit.encoders.features).
     The features stay in the store, read a batch at a time on the CPU (encoder blocks tuned
-    before and frozen now: their output is computed here and held in memory); tuned encoder
-    blocks go to ``device``."""
+    before and frozen now: their output is computed here and held in memory). The encoder
+    computes on ``device`` (a GPU's minutes, not a CPU's hours, for a new dataset), in float32
+    as on the CPU, then goes back to the CPU: only the blocks tuned now stay on ``device``."""
     tc = cfg.train
     torch.manual_seed(tc.seed)  # the encoder's random weights (tests) and everything after
     init = load_init(cfg)  # before the dataset: a bad folder costs nothing
@@ -136,14 +137,20 @@ def prepare_data(cfg: RunConfig, device: torch.device = CPU) -> TrainData:
         raise ConfigError(f"train.finetune_blocks must be 0 or at least the {inherited} blocks {tc.init} tuned")
     tuned_blocks = max(tc.finetune_blocks, inherited)
     source, tail = (encoder.split(tuned_blocks) if tuned_blocks else (encoder, None))
-    store = build_features(source, [it.path for it in ds.all_items()])
+    # the whole encoder: a trunk (source) computes with its encoder's weights
+    encoder.to(device)
+    source.to(device)
+    store = build_features(source, [it.path for it in ds.all_items()])  # (where the encoder is)
     data = TrainData(train_items, val_items, encoder, _load_feats(store, train_items), _load_feats(store, val_items),
                      grid=tuple(encoder.grid()), source_grid=store.grid, tuned_blocks=tuned_blocks, tail=tail, init=init)
     if tail is not None and not tc.finetune_blocks:  # tuned before, frozen now
-        data.train_feats = _run_tail(tail, data.train_feats, store.grid)
-        data.val_feats = _run_tail(tail, data.val_feats, store.grid)
+        data.train_feats = _run_tail(tail, data.train_feats, store.grid, device)
+        data.val_feats = _run_tail(tail, data.val_feats, store.grid, device)
         data.source_grid = data.grid
-    elif tail is not None:
+    # what does not train leaves the device's memory to the model (the trainer never runs it)
+    encoder.to(CPU)
+    source.to(CPU)
+    if tail is not None and tc.finetune_blocks:
         tail.to(device)
         data.tail_params = list(tail.parameters())
         for p in data.tail_params:
@@ -159,10 +166,13 @@ def _load_feats(store, items: list[ImageItem]) -> FeatureRows:
 
 
 @torch.no_grad()
-def _run_tail(tail: torch.nn.Module, feats: FeatureRows, grid: tuple[int, int]) -> FeatureRows:
-    """The frozen tuned blocks' output for every row, computed once, 256 rows at a time: held
-    in memory (N, L, D) float16, as the blocks' output is in no store."""
-    out = torch.cat([tail(feats[i:i + 256].float(), grid).half() for i in range(0, len(feats), 256)])
+def _run_tail(tail: torch.nn.Module, feats: FeatureRows, grid: tuple[int, int], device: torch.device = CPU
+              ) -> FeatureRows:
+    """The frozen tuned blocks' output for every row, computed once on ``device`` (where the
+    blocks are), 256 rows at a time: held in CPU memory (N, L, D) float16, as the blocks'
+    output is in no store."""
+    out = torch.cat([tail(feats[i:i + 256].to(device).float(), grid).half().cpu()  # (<=256, L, D) each
+                     for i in range(0, len(feats), 256)])
     return FeatureRows(ArrayStore(feats.names, out.numpy()), feats.names)
 
 
