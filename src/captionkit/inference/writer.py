@@ -310,7 +310,7 @@ class _StdoutClosed(Exception):
     """stdout was closed (``| head``) and nothing else is being written: stop."""
 
 
-def _silence_stdout() -> None:
+def silence_stdout() -> None:
     """Point stdout at /dev/null, so neither later prints nor the flush at exit meet the
     closed pipe again (a BrokenPipeError traceback at shutdown otherwise)."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -376,9 +376,16 @@ class CaptionWriter:
     def total(self) -> int:
         return len(self.keys)
 
+    @property
+    def readable(self) -> list[Path]:
+        """The images found that were not refused (some may still fail to decode)."""
+        return [p for p in self.keys if p not in self.refused]
+
     def run(self, caption: Callable[[list[Path]], Iterator[tuple[Path, object]]]) -> int:
         """Caption the images not yet in the outputs with ``caption(paths)`` -> (path, result
-        or ImageError) and write each as it comes; the exit status (0, 1 if any image is
+        or ImageError) and write each as it comes: the refused ones (missing files, FIFOs)
+        first, and ``caption`` is not called when no other is left (so a caller that loads its
+        model inside ``caption`` loads none); the exit status (0, 1 if any image is
         recorded as failed, EXIT_STDOUT_CLOSED if stdout closed with nothing else to write)."""
         retry = set(self.keys.values()) if self.retry_failed else set()
         for o in self.outputs:
@@ -391,9 +398,11 @@ class CaptionWriter:
         try:
             for path in todo:
                 if path in self.refused:
-                    self._record(path, ImageError(f"{path}: {self.refused[path]}; refused"))
-            for path, res in caption([p for p in todo if p not in self.refused]):
-                self._record(path, res)
+                    self._record(path, ImageError(f"{path}: {self.refused[path]}"))
+            readable = [p for p in todo if p not in self.refused]
+            if readable:  # else no model is loaded at all
+                for path, res in caption(readable):
+                    self._record(path, res)
         except _StdoutClosed:
             return EXIT_STDOUT_CLOSED
         finally:
@@ -430,7 +439,7 @@ class CaptionWriter:
         try:
             print(line, flush=True)
         except BrokenPipeError:
-            _silence_stdout()
+            silence_stdout()
             self.stdout_closed = True
             if not (self.json_out or self.attention):  # nothing else to write: end quietly
                 raise _StdoutClosed from None
