@@ -314,6 +314,9 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--dataset", required=True, help="a Flickr8k or Kaggle folder, a Karpathy or COCO JSON file, or a title CSV")
     e.add_argument("--images", help="image folder of a JSON or CSV dataset")
     e.add_argument("--split", default="test", help="the split to caption and score (default test)")
+    e.add_argument("--max-images", type=positive_int, metavar="N",
+                   help="caption and score only the split's first N images (a quick look; scores on part of "
+                        "a split are not comparable to the whole split's)")
     e.add_argument("--beam", type=positive_int, default=3, help="beam width (1: greedy; default 3)")
     e.add_argument("--out", help="write scores and every caption to this JSON")
     e.add_argument("--batch-size", type=int, default=16, help="images captioned together (default 16)")
@@ -330,13 +333,17 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
                  tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str,
                  image_column: str, title_column: str, image_suffix: str, overwrite: bool = False,
                  weights: list[float] | None = None, rerank: str | None = None, nbest: int | None = None,
-                 tta: str | None = None, device: str = "auto", precision: str = "auto", workers: int = 2) -> int:
+                 tta: str | None = None, device: str = "auto", precision: str = "auto", workers: int = 2,
+                 max_images: int | None = None) -> int:
     _check_targets(out, overwrite=overwrite)  # before torch, the dataset and the model load
     from ..scoring.evaluation import score_captions
 
     _check_models(model, weights, rerank, nbest)
+    _check_model_folders(model)
     where, precision = _device(device, precision)
     items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
+    split_size = len(items)
+    items = items[:max_images] if max_images else items  # the split's order: the same N every time
     cap = _load_captioner(model, weights, tta, where, precision)
     captions = _caption_split(cap, items, split, beam=beam, batch_size=batch_size, length_penalty=length_penalty,
                               nbest=_nbest(rerank, nbest), rerank=rerank, workers=workers)
@@ -345,7 +352,9 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
                          **_score_opts(tokenizer, meteor, no_brevity_penalty, metrics))
     lp = cap.length_penalty_or(length_penalty)
     mbr = _nbest(rerank, nbest)
-    print(f"{split} split, {len(items)} images, beam {beam}, length penalty {lp:g}"
+    scored = f"{len(items)} of its {split_size} images (--max-images)" if len(items) < split_size else \
+        f"{len(items)} images"
+    print(f"{split} split, {scored}, beam {beam}, length penalty {lp:g}"
           + (f", MBR over the {mbr} best beams" if mbr else "") + (f", test-time {cap.tta}" if cap.tta else ""))
     _print_report(rep)
     if out:
@@ -353,7 +362,9 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
                           "beam": beam, "length_penalty": lp, "mbr_nbest": mbr, "tta": cap.tta, "scale": "x100",
                           "scores": {k: round(100 * v, 4) for k, v in rep.scores.items()},
                           "implementation": rep.implementation, "tokenizer": rep.tokenizer,
-                          "empty_captions": len(rep.empty), "notes": rep.notes, "captions": captions})
+                          "empty_captions": len(rep.empty), "notes": rep.notes, "captions": captions,
+                          **({"max_images": max_images, "images": len(items), "split_images": split_size}
+                             if max_images else {})})
     return 0
 
 
