@@ -88,8 +88,64 @@ def figure_names(keys: Iterable[str]) -> dict[str, str]:
     return names
 
 
-def _label(setting: str) -> str:
-    return "the prompt (--prompts/--template)" if setting == "prompt" else "--" + setting.replace("_", "-")
+# the order in which a resume refusal looks for the setting that differs: the options a user
+# types before the ones they imply (--rerank mbr implies --nbest 5; --model or --onnx, one of them)
+SETTINGS_ORDER = ("command", "model", "rerank", "nbest", "tta", "beam", "length_penalty", "prompt",
+                  "max_new_tokens", "dtype")
+# what a setting's absence means, said as the user would (None recorded: the option was not given)
+ABSENT = {"length_penalty": "the model's length penalty (no --length-penalty)"}
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _typed(value) -> str:
+    """A recorded value as it is typed on the command line (no JSON quotes, nulls or lists)."""
+    import shlex
+
+    if isinstance(value, bool):
+        return "" if value else "no"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_typed(v) for v in value)
+    return shlex.quote(str(value))
+
+
+def _as_given(name: str, value, settings: dict) -> str:
+    """A setting of ``settings`` as the options that gave it: ``--beam 3``, ``--model a --model b
+    --weights 1,2``, ``--onnx DIR``, ``no --rerank``."""
+    if name == "model":
+        if value is None and settings.get("onnx"):
+            return f"--onnx {_typed(settings['onnx'])}"
+        if isinstance(value, dict):  # an ensemble named by several --model
+            given = " ".join(f"--model {_typed(m)}" for m in value.get("members", []))
+            return given + (f" --weights {_typed(value['weights'])}" if value.get("weights") else "")
+    if name == "command":
+        return f"captionkit {value}"
+    if name == "prompt":
+        text = str(value)
+        return "the prompt (--prompts/--template) " + repr(text if len(text) <= 60 else text[:57] + "...")
+    if value is None:
+        return ABSENT.get(name, f"no {_option(name)}")
+    return f"{_option(name)} {_typed(value)}".rstrip()
+
+
+def settings_difference(recorded: dict, settings: dict) -> str | None:
+    """The first setting in which ``settings`` (this run's) differs from ``recorded`` (a file's),
+    said in the user's options: "with --rerank mbr, this run has no --rerank"; None if none."""
+    names = [k for k in SETTINGS_ORDER if k in recorded or k in settings]
+    names += sorted((set(recorded) | set(settings)) - set(names) - {"onnx"})  # onnx: said with model
+    for k in names:
+        if k == "model":
+            differs = (recorded.get("model"), recorded.get("onnx")) != (settings.get("model"), settings.get("onnx"))
+        else:
+            differs = recorded.get(k) != settings.get(k)
+        if differs:
+            before, now = _as_given(k, recorded.get(k), recorded), _as_given(k, settings.get(k), settings)
+            return f"by {before}, this run is {now}" if k == "command" else f"with {before}, this run has {now}"
+    return None
 
 
 def _read_meta(path: Path) -> dict | None:
@@ -143,12 +199,10 @@ class _Output:
         self.unrecorded = bool(self.records) and recorded is None
         if self.unrecorded or not self.records:
             return
-        for k in sorted(set(recorded) | set(self.settings)):
-            if recorded.get(k) != self.settings.get(k):
-                raise OutputError(
-                    f"{self.path}: was written with {_label(k)} {json.dumps(recorded.get(k))}, this run has "
-                    f"{_label(k)} {json.dumps(self.settings.get(k))} (see {self.meta_path.name}); use the same "
-                    f"options to resume it, --overwrite to start it again, or write to another file")
+        difference = settings_difference(recorded, self.settings)
+        if difference:
+            raise OutputError(f"{self.path}: was written {difference} (see {self.meta_path.name}); use the same "
+                              f"options to resume it, --overwrite to start it again, or write to another file")
 
     def open(self, retry: set[str]) -> None:
         """Start the file (fresh), or resume it: drop a torn last line, remove the failed lines
