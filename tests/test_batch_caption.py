@@ -283,3 +283,17 @@ def test_attention_figure_names_never_collide(tiny_run, tmp_path, capsys):
     assert _run(d, tiny_run / "best", "--attention", str(mine), "--overwrite") == 2
     assert "was not written by captionkit" in capsys.readouterr().err
     assert [p.name for p in mine.iterdir()] == ["holiday.png"]
+
+
+def test_a_folder_does_not_caption_the_attention_figures_an_earlier_run_wrote(tiny_run, tmp_path, capsys):
+    """Issue 29, item 16: `caption .` after `caption . --attention figs` captioned the figures."""
+    d = _photos(tmp_path / "in", ["a.jpg", "b.jpg"])
+    assert _run(d, tiny_run / "best", "--attention", str(d / "figs")) == 0
+    assert sorted(p.name for p in (d / "figs").glob("*.png")) == ["a.jpg.png", "b.jpg.png"]
+    capsys.readouterr()
+    assert _run(d, tiny_run / "best", "--json", str(tmp_path / "caps.json")) == 0
+    assert sorted(json.loads((tmp_path / "caps.json").read_text())) == ["a.jpg", "b.jpg"]
+    assert f"{d / 'figs'} (attention figures captionkit wrote (not captioned))" in capsys.readouterr().err
+    # named itself, the folder is captioned: the user asked for it
+    assert _run(d / "figs", tiny_run / "best", "--json", str(tmp_path / "figs.json")) == 0
+    assert sorted(json.loads((tmp_path / "figs.json").read_text())) == ["a.jpg.png", "b.jpg.png"]

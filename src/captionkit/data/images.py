@@ -15,6 +15,7 @@ import numpy as np
 from PIL import Image, ImageFile
 
 from ..core.errors import ImageError
+from ..core.outputs import MARKER, owner_kind
 
 if TYPE_CHECKING:  # imported where a tensor is made: scanning and reading photos need no torch
     import torch
@@ -290,9 +291,18 @@ def _classify(path: Path) -> str | None:
     return None
 
 
-def _walk(folder: Path, scan: Scan, exclude: set[Path]) -> list[Path]:
+def _marked(folder: Path, kinds: tuple[str, ...]) -> str | None:
+    """The kind of ``folder`` when captionkit marked it as one of ``kinds`` (core.outputs.MARKER)."""
+    if not kinds or not (folder / MARKER).is_file():  # one stat for most folders
+        return None
+    kind = owner_kind(folder)
+    return kind if kind in kinds else None
+
+
+def _walk(folder: Path, scan: Scan, exclude: set[Path], skip_kinds: tuple[str, ...] = ()) -> list[Path]:
     """Image files under ``folder`` (recursively, sorted); everything else goes to scan.skipped.
-    Symbolic links to folders are not followed (as Path.rglob does not), and are named."""
+    Symbolic links to folders are not followed (as Path.rglob does not), and are named; so are
+    the folders captionkit marked as one of ``skip_kinds``, which are not entered."""
     found: list[Path] = []
 
     def unlistable(e: OSError) -> None:
@@ -300,13 +310,18 @@ def _walk(folder: Path, scan: Scan, exclude: set[Path]) -> list[Path]:
 
     for top, dirs, files in os.walk(folder, onerror=unlistable):
         here = Path(top)
+        entered = []
         for d in sorted(dirs):
             sub = here / d
             if sub.is_symlink():
                 scan.skipped.append(Skipped(sub, "symbolic link to a folder (not followed)"))
             elif sub.resolve() in exclude:
                 scan.skipped.append(Skipped(sub, "an output folder of this command"))
-        dirs[:] = [d for d in dirs if not (here / d).is_symlink() and (here / d).resolve() not in exclude]
+            elif kind := _marked(sub, skip_kinds):
+                scan.skipped.append(Skipped(sub, f"{kind} figures captionkit wrote (not captioned)"))
+            else:
+                entered.append(d)
+        dirs[:] = entered
         for name in files:
             path = here / name
             why = _classify(path)
@@ -317,7 +332,7 @@ def _walk(folder: Path, scan: Scan, exclude: set[Path]) -> list[Path]:
     return sorted(found)
 
 
-def scan_images(paths: list[str | Path], exclude: list[str | Path] = ()) -> Scan:
+def scan_images(paths: list[str | Path], exclude: list[str | Path] = (), skip_kinds: tuple[str, ...] = ()) -> Scan:
     """Expand folders (recursively, sorted) into image files, and say what was left out.
 
     A file named directly is kept whatever its extension (the user chose it); a missing one is
@@ -325,13 +340,15 @@ def scan_images(paths: list[str | Path], exclude: list[str | Path] = ()) -> Scan
     regular file (a FIFO, a device), since reading it could block forever. Inside folders, only
     regular files (or links to them) with an image extension are kept; every other entry is
     listed in ``skipped`` with its reason. Folders in ``exclude`` (a command's own output
-    folder) are not entered. A path given twice is captioned once."""
+    folder) are not entered, nor the folders inside them that captionkit marked as one of
+    ``skip_kinds`` (an earlier run's attention figures; a folder named directly is scanned).
+    A path given twice is captioned once."""
     scan = Scan()
     excluded = {Path(p).resolve() for p in exclude}
     seen: set[Path] = set()
     for p in map(Path, paths):
         if p.is_dir():
-            found = _walk(p, scan, excluded)
+            found = _walk(p, scan, excluded, skip_kinds)
         else:
             try:
                 why = _not_regular(p.stat().st_mode)

@@ -405,7 +405,7 @@ class CaptionWriter:
         resuming = any(o.records for o in self.outputs)  # its figures so far are this run's too
         if self.attention:
             check_folder_target(self.attention, overwrite=self.overwrite or resuming, kinds=(FIGURES_KIND,))
-        scan = scan_images(self.paths, exclude=[self.attention] if self.attention else [])
+        scan = scan_images(self.paths, exclude=[self.attention] if self.attention else [], skip_kinds=(FIGURES_KIND,))
         self.refused = {s.path: s.reason for s in scan.refused}
         self.keys, clashes = image_keys(scan.images + list(self.refused))
         self._report_skipped(scan.skipped + [Skipped(p, why) for p, why in clashes])
