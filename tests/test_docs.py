@@ -1,7 +1,9 @@
 """The documentation's own checks: every relative link in README.md, docs/*.md and the model
 cards (src/captionkit/pretrained/*/README.md) leads to a file that exists (and, for a link to a
 heading of a Markdown file, to a heading that exists), every captionkit name the pages give (a
-module, or a name in one: the deep imports they promise) imports, and the README stays short."""
+module, or a name in one: the deep imports they promise) imports, every `captionkit` command they
+give has the options they give it, `captionkit models`' example and the README's table of shipped
+models are what the package ships, and the README stays short."""
 
 from __future__ import annotations
 
