@@ -40,7 +40,7 @@ $(WEB_VENDOR): web/package.json web/package-lock.json web/build.mjs
 web: $(WEB_VENDOR)
 
 demo: $(STAMP)
-	$(BIN)/captionkit caption samples --beam 3 --json demo-out/captions.json --attention demo-out/attention --overwrite
+	$(BIN)/captionkit caption samples/*.jpg --beam 3 --json demo-out/captions.json --attention demo-out/attention --overwrite
 	@echo "attention figures: demo-out/attention/"
 
 test: $(STAMP)

@@ -150,20 +150,42 @@ def test_resuming_with_other_settings_is_refused_and_names_the_option(tiny_run, 
     before = out.read_bytes()
     capsys.readouterr()
     for extra, named in ((["--beam", "3"], "--beam 2, this run has --beam 3"),
-                         (["--length-penalty", "0.5"], "--length-penalty null, this run has --length-penalty 0.5")):
+                         (["--length-penalty", "0.5"],
+                          "with the model's length penalty (no --length-penalty), this run has --length-penalty 0.5")):
         assert main(["caption", str(d), "--model", str(tiny_run / "best"), "--beam", "2", "--jsonl", str(out),
                      *extra]) == 2
         err = capsys.readouterr().err
         assert named in err and err.count("\n") == 1 and out.read_bytes() == before
     assert _run(d, tiny_run / "last", "--jsonl", str(out)) == 2
     err = capsys.readouterr().err
-    assert f"caps.jsonl: was written with --model \"{(tiny_run / 'best').resolve()}\"" in err
+    assert (f"caps.jsonl: was written with --model {(tiny_run / 'best').resolve()}, "
+            f"this run has --model {(tiny_run / 'last').resolve()} (see caps.jsonl.meta.json)") in err
     # the same model spelt another way resumes; --overwrite starts again with the new settings
     assert _run(d, Path(os.path.relpath(tiny_run / "best")), "--jsonl", str(out)) == 0
     assert out.read_bytes() == before
     assert _run(d, tiny_run / "last", "--jsonl", str(out), "--overwrite") == 0
     assert len(_jsonl(out)) == 2
     assert json.loads((tmp_path / "caps.jsonl.meta.json").read_text())["settings"]["model"].endswith("last")
+
+
+def test_a_resume_refusal_names_the_options_the_user_typed(tiny_run, tmp_path, capsys):
+    """Issue 29, item 15: `--rerank mbr` was refused as `--nbest null, this run has --nbest 5`
+    (an option the user never typed, in JSON); `--tta flip` as `--tta null`."""
+    d = _photos(tmp_path / "in", ["a.jpg", "b.jpg"])
+    out = tmp_path / "caps.jsonl"
+    assert _run(d, tiny_run / "best", "--jsonl", str(out)) == 0
+    capsys.readouterr()
+    for extra, named in ((["--rerank", "mbr"], "was written with no --rerank, this run has --rerank mbr"),
+                         (["--tta", "flip"], "was written with no --tta, this run has --tta flip")):
+        assert _run(d, tiny_run / "best", "--jsonl", str(out), *extra) == 2
+        err = capsys.readouterr().err
+        assert f"caps.jsonl: {named} (see caps.jsonl.meta.json)" in err and err.count("\n") == 1, err
+        assert "null" not in err and "--nbest" not in err
+    rerank = tmp_path / "rerank.jsonl"
+    assert _run(d, tiny_run / "best", "--jsonl", str(rerank), "--rerank", "mbr") == 0
+    capsys.readouterr()
+    assert _run(d, tiny_run / "best", "--jsonl", str(rerank)) == 2
+    assert "was written with --rerank mbr, this run has no --rerank" in capsys.readouterr().err
 
 
 def test_a_file_from_before_settings_were_recorded_resumes_and_records_them(tiny_run, tmp_path, capsys):
@@ -261,3 +283,17 @@ def test_attention_figure_names_never_collide(tiny_run, tmp_path, capsys):
     assert _run(d, tiny_run / "best", "--attention", str(mine), "--overwrite") == 2
     assert "was not written by captionkit" in capsys.readouterr().err
     assert [p.name for p in mine.iterdir()] == ["holiday.png"]
+
+
+def test_a_folder_does_not_caption_the_attention_figures_an_earlier_run_wrote(tiny_run, tmp_path, capsys):
+    """Issue 29, item 16: `caption .` after `caption . --attention figs` captioned the figures."""
+    d = _photos(tmp_path / "in", ["a.jpg", "b.jpg"])
+    assert _run(d, tiny_run / "best", "--attention", str(d / "figs")) == 0
+    assert sorted(p.name for p in (d / "figs").glob("*.png")) == ["a.jpg.png", "b.jpg.png"]
+    capsys.readouterr()
+    assert _run(d, tiny_run / "best", "--json", str(tmp_path / "caps.json")) == 0
+    assert sorted(json.loads((tmp_path / "caps.json").read_text())) == ["a.jpg", "b.jpg"]
+    assert f"{d / 'figs'} (attention figures captionkit wrote (not captioned))" in capsys.readouterr().err
+    # named itself, the folder is captioned: the user asked for it
+    assert _run(d / "figs", tiny_run / "best", "--json", str(tmp_path / "figs.json")) == 0
+    assert sorted(json.loads((tmp_path / "figs.json").read_text())) == ["a.jpg.png", "b.jpg.png"]

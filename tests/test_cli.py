@@ -214,3 +214,26 @@ def test_a_closed_stdout_ends_the_command_quietly(tiny_run, photo_dir):
     os.close(w)
     assert p.returncode == 141  # 128 + SIGPIPE, what a shell shows for a command ended by its pipe
     assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr and "Exception ignored" not in p.stderr
+
+
+def test_evaluate_max_images_and_score_subset_say_how_many_were_scored(tiny_run, flickr_dir, tmp_path, capsys):
+    """Issue 29, item 9: evaluate --max-images N scores the split's first N images; score
+    --subset scores captions that cover part of a split, and both say how many."""
+    fast = ["--tokenizer", "python", "--meteor", "none", "--metrics", "bleu,cider"]
+    out = tmp_path / "eval.json"
+    assert main(["evaluate", "--model", str(tiny_run / "best"), "--dataset", str(flickr_dir), "--beam", "1",
+                 "--max-images", "2", "--out", str(out), *fast]) == 0
+    assert capsys.readouterr().out.startswith("test split, 2 of its 3 images (--max-images), beam 1")
+    doc = json.loads(out.read_text())
+    assert list(doc["captions"]) == ["img012.jpg", "img013.jpg"]  # the split's first two, in its order
+    assert (doc["max_images"], doc["images"], doc["split_images"]) == (2, 2, 3)
+    caps = tmp_path / "caps.json"
+    caps.write_text(json.dumps(doc["captions"]))
+    score = ["score", "--captions", str(caps), "--dataset", str(flickr_dir), "--split", "test", *fast]
+    assert main(score) == 2
+    assert capsys.readouterr().err == (f"captionkit score: error: {caps}: captions 2 of the 3 images of {flickr_dir} "
+                                       f"(test split); give --subset to score those 2\n")
+    assert main([*score, "--subset", "--json", str(tmp_path / "s.json")]) == 0
+    assert capsys.readouterr().out.startswith(f"2 of the 3 images of {flickr_dir} (test split) (--subset)\n")
+    scored = json.loads((tmp_path / "s.json").read_text())
+    assert {k: scored[k] for k in doc["scores"]} == doc["scores"] and scored["subset"] == {"images": 2, "of": 3}

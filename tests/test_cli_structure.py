@@ -68,10 +68,32 @@ def test_models_lists_the_pretrained_folder(capsys):
     assert "ensemble-lite2-flickr8k" in names  # an ensemble folder is a shipped model too
     assert main(["models"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines] == names and "(the default)" in lines[0]
+    assert [line.split()[0] for line in lines[1:-1]] == names and lines[1].endswith("(the default)")
     helps = {n: a.help for n, a in _walk(build_parser()) if "--model" in a.option_strings}
-    for command in ("captionkit caption", "captionkit export onnx", "captionkit serve"):
+    for command in ("captionkit caption", "captionkit serve"):
         assert all(name in helps[command] for name in names), command
+    # export takes one model: its help lists the single ones and names one default, its own
+    singles = [n for n in names if not (SHIPPED / n / "ensemble.json").is_file()]
+    assert singles and all(name in helps["captionkit export onnx"] for name in singles)
+    assert "ensemble-lite2-flickr8k" not in helps["captionkit export onnx"]
+    assert helps["captionkit export onnx"].count("default") == 1
+
+
+def test_models_is_a_table_with_each_model_s_test_scores(capsys):
+    """Issue 29, item 16: the lines were not aligned and showed no scores."""
+    assert main(["models"]) == 0
+    header, *rows, note = capsys.readouterr().out.splitlines()
+    assert header.split() == ["model", "family", "encoder", "size", "BLEU-4", "METEOR", "CIDEr-D"]
+    assert note.startswith("scores: Flickr8k test split (1,000 images), beam 3")
+    # the text columns start where their header does, the size and the scores end where theirs does
+    for label in ("family", "encoder"):
+        at = header.index(label)
+        assert all(row[at - 2:at] == "  " and row[at] != " " for row in rows), label
+    for label in ("size", "BLEU-4", "METEOR", "CIDEr-D"):
+        end = header.index(label) + len(label)
+        assert all(row[end - 1] != " " and row[end:end + 1] in ("", " ") for row in rows), label
+    default = next(row for row in rows if row.startswith("ensemble-lite2-flickr8k"))
+    assert default.split()[-6:] == ["MB", "24.20", "21.31", "61.29", "(the", "default)"]
 
 
 def test_a_users_mistake_is_one_line(tmp_path, capsys):
@@ -116,7 +138,7 @@ def test_export_hf_refuses_a_folder_it_did_not_write_before_loading(tmp_path, ca
     for command in ("export hf", "merge-lora"):
         assert main([*command.split(), "--model", "no-such-model", "--out", str(victim), "--overwrite"]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"captionkit {command.split()[0]}: error: {victim}: was not written by captionkit")
+        assert err.startswith(f"captionkit {command}: error: {victim}: was not written by captionkit")
         assert err.count("\n") == 1
     assert [p.name for p in victim.iterdir()] == ["mine.txt"]
 

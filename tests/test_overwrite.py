@@ -153,7 +153,7 @@ def test_exports_refuse_an_unrelated_folder_before_loading_the_model(command, vi
     before = snapshot(victim)
     for extra in ([], ["--overwrite"]):
         assert main([*command, "--out", str(victim), *extra]) == 2
-        err = one_line_error(capsys, command[0])
+        err = one_line_error(capsys, " ".join(command[:2]) if command[0] == "export" else command[0])
         assert "victim: " in err and "no-such-model" not in err
     assert snapshot(victim) == before
 

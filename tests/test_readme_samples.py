@@ -54,3 +54,29 @@ def test_default_model_prints_the_readme_sample_captions(capsys):
     assert main(["caption", *paths, *demo_arguments(), "--precision", "fp32"]) == 0
     printed = dict(line.split("\t", 1) for line in capsys.readouterr().out.splitlines())
     assert printed == want
+
+
+def test_make_demo_names_only_the_photos():
+    """Issue 29, item 16: `make demo` opened with "skipped 1 file that is not an image to
+    caption: samples/LICENSE.md"; its recipe now names the photos, so the writer has nothing to
+    say before the captions (the recipe's paths expanded as the shell does)."""
+    import glob
+    import io
+    import shlex
+    from contextlib import redirect_stderr
+
+    from captionkit.inference.writer import CaptionWriter
+
+    recipe = re.search(r"^demo:.*\n\t(.*)$", (ROOT / "Makefile").read_text(), flags=re.M)[1]
+    words = shlex.split(recipe)
+    paths = []
+    for word in words[words.index("caption") + 1:]:
+        if word.startswith("-"):
+            break
+        paths += sorted(glob.glob(str(ROOT / word))) or [str(ROOT / word)]
+    err = io.StringIO()
+    with redirect_stderr(err):
+        writer = CaptionWriter("caption", paths, {})
+    assert err.getvalue() == ""
+    photos = sorted(p.name for p in (ROOT / "samples").iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
+    assert sorted(p.name for p in writer.keys) == photos == sorted(readme_samples())

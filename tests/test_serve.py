@@ -433,6 +433,17 @@ def test_rate_limit_answers_429_with_retry_after(shipped):
         assert c.get("/healthz").status_code == 200  # only /v1/ is limited
 
 
+def test_wrong_api_keys_count_toward_the_rate_limit(shipped):
+    """Issue 29, item 16: 401 answers did not count toward --rate-limit, so keys could be
+    guessed as fast as the server answers."""
+    app = create_app({"m": shipped}, ServeConfig(rate_limit=2, api_key=KEY))
+    with TestClient(app) as c:
+        wrong = {"Authorization": "Bearer not-the-key"}
+        assert [c.get("/v1/models", headers=wrong).status_code for _ in range(2)] == [401, 401]
+        assert c.get("/v1/models", headers=wrong).status_code == 429
+        assert c.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 429  # same client
+
+
 def test_rate_limit_bucket_refills_and_forgets_idle_clients():
     from captionkit.serve.guards import RateLimit
     now = [0.0]
@@ -511,7 +522,7 @@ def test_every_serve_option_reaches_the_server(monkeypatch, tmp_path):
     monkeypatch.setattr(Captioner, "load", classmethod(lambda *a, **k: pytest.fail("a model was loaded")))
     monkeypatch.setattr(serve_app, "serve", lambda model, sock, cfg, **kw: started.append((model, sock, cfg, kw)))
     monkeypatch.delenv("CAPTIONKIT_API_KEY", raising=False)
-    (tmp_path / "manifest.json").write_text("{}")
+    (tmp_path / "manifest.json").write_text('{"format": "captionkit-onnx"}')
     given = {"max_upload_bytes": 3 * 2 ** 20, "queue_size": 5, "max_batch": 2, "onnx_dir": str(tmp_path),
              "api_key": KEY, "rate_limit": 30.0, "max_pixels": 1000, "decode_workers": 3,
              "max_decode_bytes": 64 * 2 ** 20, "decode_queue": 4, "max_connections": 7, "header_timeout": 2.0,

@@ -58,3 +58,17 @@ def test_the_prefix_lm_ships_only_what_it_trained():
         counts[param_group(name)] += tensor.numel()
     assert set(counts) == {"projector", "lora"}
     assert {k: cfg["trained_parameters"][k] for k in counts} == counts
+
+
+def test_the_command_line_s_torch_free_folder_rule_is_the_captioner_s(tmp_path, monkeypatch):
+    """captionkit.inference.shipped.model_folder (what the command line checks --model with,
+    before torch loads) and captionkit.inference.captioner.model_folder (what loads) agree."""
+    from captionkit.inference import shipped
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sat-lite2-flickr8k").mkdir()
+    for typed in (None, "transformer-lite2-flickr8k", "sat-lite2-flickr8k", "no-such-model", "runs/x/best",
+                  str(tmp_path)):
+        assert shipped.model_folder(typed) == model_folder(typed), typed
+    with pytest.raises(CheckpointError, match="no-such-model: no such model folder"):
+        shipped.existing_model_folder("no-such-model")

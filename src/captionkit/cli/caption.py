@@ -35,7 +35,7 @@ def _caption_writer(command: str, paths: list[str], settings: dict, **outputs):
 def _model_setting(model: str | None) -> str:
     """A checkpoint as recorded beside resumable outputs: a shipped model by its name, any
     other folder by its absolute path (so `runs/x` and `./runs/x/` compare equal)."""
-    from ..inference.captioner import SHIPPED, model_folder
+    from ..inference.shipped import SHIPPED, model_folder
 
     folder = model_folder(model)
     return folder.name if folder.parent == SHIPPED else str(folder.resolve())
@@ -59,6 +59,15 @@ def _check_models(models: list[str] | None, weights: list[float] | None, rerank:
                          "writes: give one of them")
     if candidates and not (rerank or nbest):
         raise UsageError("--candidates writes the n best beams: give --nbest N (or --rerank mbr)")
+
+
+def _check_model_folders(models: list[str] | None) -> None:
+    """Each --model (or the default) is a folder or a shipped name: one line otherwise, before
+    torch loads."""
+    from ..inference.shipped import existing_model_folder
+
+    for m in models or [None]:
+        existing_model_folder(m)
 
 
 def _load_captioner(models: list[str] | None, weights: list[float] | None, tta: str | None = None,
@@ -105,13 +114,14 @@ def _caption_settings(model: list[str] | None, weights: list[float] | None, onnx
     return settings
 
 
-def _caption_with_candidates(writer, cap, candidates: Path | None, **options) -> int:
-    """Run the writer on a PyTorch captioner; with ``candidates``, also write each image's
-    n best beams there ({key: [caption, ...]}) at the end."""
+def _caption_with_candidates(writer, load, candidates: Path | None, **options) -> int:
+    """Run the writer on the PyTorch captioner ``load()`` returns (called only when there are
+    images to caption); with ``candidates``, also write each image's n best beams there
+    ({key: [caption, ...]}) at the end."""
     lists: dict[str, list[str]] = {}
 
     def results(files: list[Path]):
-        for path, res in cap.caption_files(files, **options):
+        for path, res in load().caption_files(files, **options):
             if not isinstance(res, ImageError) and res.candidates is not None:
                 lists[writer.keys[path]] = res.candidates
             yield path, res
@@ -131,6 +141,16 @@ def _listed_paths(listing: str | None) -> list[str]:
     except OSError as e:
         raise UsageError(f"{listing}: cannot read the list of images ({e.strerror})") from None
     return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _check_sources(paths: list[str]) -> None:
+    """What caption and zero-shot read must be local files or folders: a URL is refused with
+    one line (the one place to change when URLs are read)."""
+    import re
+
+    urls = [p for p in paths if re.match(r"[a-z][a-z0-9+.-]*://", p, re.I)]
+    if urls:
+        raise UsageError(f"{urls[0]}: URLs are not supported yet; download the image and give its file")
 
 
 def _check_ray_caption(out: str | None, **unsupported) -> None:
@@ -158,7 +178,7 @@ def _caption_ray(writer, model: list[str] | None, weights: list[float] | None, b
     shard_settings = {**writer.settings, "shard_size": opts.shard_size}
     ray_engine.check_caption_shards(folder, shard_settings, overwrite)
     preprocess = _load_captioner(model, weights).encoder.preprocess  # decode tasks need it; ~1 s
-    readable = [p for p in writer.keys if p not in writer.refused]
+    readable = writer.readable
     load = partial(_load_captioner, model, weights)
     return writer.run(lambda todo: ray_engine.caption_with_ray(
         readable, todo, folder, shard_settings, overwrite, retry_failed, load, preprocess, beam, length_penalty,
@@ -234,30 +254,43 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
                 device: str = "auto", precision: str = "auto") -> int:
     from ..core.outputs import check_file_target
 
+    # everything the user gave is checked before torch is imported (seconds), and the photos
+    # are found before the model loads: a mistake costs nothing
     paths = [*paths, *_listed_paths(paths_from)]
     if not paths:
         raise UsageError("give image files or folders to caption, or --paths-from FILE")
+    _check_sources(paths)
     if engine == "ray":
         _check_ray_caption(jsonl or csv_out, onnx=onnx, attention=attention, rerank=rerank, nbest=nbest,
                            candidates=candidates, tta=tta)
     _check_caption_sources(model, onnx, weights, rerank, nbest, candidates, tta)
     if onnx and (device not in ("auto", "cpu") or precision != "auto"):
         raise UsageError("--device and --precision apply to PyTorch models; --onnx runs on onnxruntime's CPU")
-    where, precision = _device("cpu" if onnx else device, precision)
+    if onnx:
+        from ..export.checks import check_onnx_extra, read_manifest
+        read_manifest(onnx)
+        check_onnx_extra("--onnx", ("onnxruntime",))
     settings = _caption_settings(model, weights, onnx, beam, length_penalty, rerank, nbest, tta)
     candidates_path = check_file_target(candidates, overwrite=overwrite) if candidates else None
     writer = _caption_writer("caption", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
                              attention=attention, overwrite=overwrite, retry_failed=retry_failed, verbose=verbose)
+    if not onnx:
+        _check_model_folders(model)
+    if writer.readable or device != "auto" or precision != "auto":  # an explicit device is checked anyway
+        where, precision = _device("cpu" if onnx else device, precision)
+    if not writer.readable:  # every path given is missing or refused: said without torch or a model
+        return writer.run(lambda files: iter(()))
     if engine == "ray":
         return _caption_ray(writer, model, weights, beam, length_penalty, overwrite, retry_failed, jsonl or csv_out,
                             _ray_options(address, replicas, gpus_per_replica, batch_size, shard_size))
     options = {"beam": beam, "batch_size": batch_size, "length_penalty": length_penalty, "workers": workers}
     if onnx:
-        from ..export.onnx_runtime import load_onnx_captioner
-        cap = load_onnx_captioner(onnx)
-        return writer.run(lambda files: cap.caption_files(files, **options))
-    return _caption_with_candidates(writer, _load_captioner(model, weights, tta, where, precision), candidates_path,
-                                    nbest=_nbest(rerank, nbest), rerank=rerank, **options)
+        def onnx_results(files: list[Path]):
+            from ..export.onnx_runtime import load_onnx_captioner
+            yield from load_onnx_captioner(onnx).caption_files(files, **options)
+        return writer.run(onnx_results)
+    return _caption_with_candidates(writer, lambda: _load_captioner(model, weights, tta, where, precision),
+                                    candidates_path, nbest=_nbest(rerank, nbest), rerank=rerank, **options)
 
 
 def _caption_split(cap, items: list, split: str, **options) -> dict[str, str]:
@@ -281,6 +314,9 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--dataset", required=True, help="a Flickr8k or Kaggle folder, a Karpathy or COCO JSON file, or a title CSV")
     e.add_argument("--images", help="image folder of a JSON or CSV dataset")
     e.add_argument("--split", default="test", help="the split to caption and score (default test)")
+    e.add_argument("--max-images", type=positive_int, metavar="N",
+                   help="caption and score only the split's first N images (a quick look; scores on part of "
+                        "a split are not comparable to the whole split's)")
     e.add_argument("--beam", type=positive_int, default=3, help="beam width (1: greedy; default 3)")
     e.add_argument("--out", help="write scores and every caption to this JSON")
     e.add_argument("--batch-size", type=int, default=16, help="images captioned together (default 16)")
@@ -297,13 +333,17 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
                  tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str,
                  image_column: str, title_column: str, image_suffix: str, overwrite: bool = False,
                  weights: list[float] | None = None, rerank: str | None = None, nbest: int | None = None,
-                 tta: str | None = None, device: str = "auto", precision: str = "auto", workers: int = 2) -> int:
+                 tta: str | None = None, device: str = "auto", precision: str = "auto", workers: int = 2,
+                 max_images: int | None = None) -> int:
     _check_targets(out, overwrite=overwrite)  # before torch, the dataset and the model load
     from ..scoring.evaluation import score_captions
 
     _check_models(model, weights, rerank, nbest)
+    _check_model_folders(model)
     where, precision = _device(device, precision)
     items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
+    split_size = len(items)
+    items = items[:max_images] if max_images else items  # the split's order: the same N every time
     cap = _load_captioner(model, weights, tta, where, precision)
     captions = _caption_split(cap, items, split, beam=beam, batch_size=batch_size, length_penalty=length_penalty,
                               nbest=_nbest(rerank, nbest), rerank=rerank, workers=workers)
@@ -312,7 +352,9 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
                          **_score_opts(tokenizer, meteor, no_brevity_penalty, metrics))
     lp = cap.length_penalty_or(length_penalty)
     mbr = _nbest(rerank, nbest)
-    print(f"{split} split, {len(items)} images, beam {beam}, length penalty {lp:g}"
+    scored = f"{len(items)} of its {split_size} images (--max-images)" if len(items) < split_size else \
+        f"{len(items)} images"
+    print(f"{split} split, {scored}, beam {beam}, length penalty {lp:g}"
           + (f", MBR over the {mbr} best beams" if mbr else "") + (f", test-time {cap.tta}" if cap.tta else ""))
     _print_report(rep)
     if out:
@@ -320,7 +362,9 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
                           "beam": beam, "length_penalty": lp, "mbr_nbest": mbr, "tta": cap.tta, "scale": "x100",
                           "scores": {k: round(100 * v, 4) for k, v in rep.scores.items()},
                           "implementation": rep.implementation, "tokenizer": rep.tokenizer,
-                          "empty_captions": len(rep.empty), "notes": rep.notes, "captions": captions})
+                          "empty_captions": len(rep.empty), "notes": rep.notes, "captions": captions,
+                          **({"max_images": max_images, "images": len(items), "split_images": split_size}
+                             if max_images else {})})
     return 0
 
 
@@ -349,15 +393,16 @@ def cmd_zero_shot(paths: list[str], model: str, prompts: str | None, template: s
                   retry_failed: bool = False, verbose: bool = False, device: str = "auto") -> int:
     from ..inference.zero_shot import ZeroShotCaptioner, load_prompts
 
+    _check_sources(paths)
     where, _ = _device(device)
     prompt = load_prompts(prompts).get(template)
     settings = {"model": str(Path(model).resolve()) if Path(model).is_dir() else model, "prompt": prompt,
                 "max_new_tokens": max_new_tokens, "dtype": dtype}
     writer = _caption_writer("zero-shot", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
                              overwrite=overwrite, retry_failed=retry_failed, verbose=verbose)
-    cap = ZeroShotCaptioner.load(model, download=download, dtype=dtype, device=where)
 
-    def answers(files: list[Path]):
+    def answers(files: list[Path]):  # the model loads only when there are photos to answer
+        cap = ZeroShotCaptioner.load(model, download=download, dtype=dtype, device=where)
         for path, res in cap.caption_files(files, prompt, batch_size=batch_size, max_new_tokens=max_new_tokens):
             if not isinstance(res, ImageError) and not res.text:
                 print(f"warning: {writer.keys[path]}: nothing left of the answer {res.raw!r} after cleaning",
@@ -372,12 +417,27 @@ def add_models(sub: argparse._SubParsersAction) -> None:
     o.set_defaults(func=cmd_models)
 
 
-def cmd_models() -> int:
-    """The shipped models, one line each: name, family, encoder (read from their config.json)."""
-    from ..inference.shipped import describe_shipped_model
+MODELS_SCORES = (("Bleu_4", "BLEU-4"), ("METEOR", "METEOR"), ("CIDEr", "CIDEr-D"))  # captionkit models' columns
 
-    for name in list_shipped_models():
-        print(describe_shipped_model(name))
+
+def cmd_models() -> int:
+    """The shipped models as a table: name, family, encoder, size and Flickr8k test scores
+    (read from each folder: config.json or ensemble.json, and scores.json)."""
+    from ..inference.shipped import shipped_model_facts
+
+    facts = [shipped_model_facts(name) for name in list_shipped_models()]
+    rows = [["model", "family", "encoder", "size", *(label for _, label in MODELS_SCORES), ""]]
+    for f in facts:
+        scores = [f"{f['scores'][k]:.2f}" if k in f["scores"] else "-" for k, _ in MODELS_SCORES]
+        rows.append([f["name"], f["family"], f["encoder"], f"{f['size_mb']:.1f} MB", *scores,
+                     "(the default)" if f["default"] else ""])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    numeric = range(3, 3 + 1 + len(MODELS_SCORES))  # size and the scores: right-aligned
+    for row in rows:
+        cells = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        print("  ".join(cells).rstrip())
+    print("scores: Flickr8k test split (1,000 images), beam 3, coco-caption scorers, x100; "
+          "each model's card has the commands that reproduce them")
     return 0
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..inference.shipped import FAST_MODEL, shipped_models_text
+from ..inference.shipped import FAST_MODEL, single_models
 from .argtypes import positive_int
 from .common import UsageError, _add_overwrite
 
@@ -20,28 +20,28 @@ def add_export(sub: argparse._SubParsersAction) -> None:
 
 def _check_onnx_export(model: str | None, out: str, web: bool, check: list[str] | None,
                        overwrite: bool) -> tuple[str, list[Path]]:
-    """export onnx's inputs and target, refused before the model loads; -> the model to export
-    (--model, or the fast single model: the default captioner is an ensemble) and the --check
-    photos."""
+    """export onnx's inputs and target, refused before torch is imported and the model loads;
+    -> the model to export (--model, or the fast single model: the default captioner is an
+    ensemble) and the --check photos."""
     from ..core.outputs import check_folder_target
-    from ..data.images import find_images
-    from ..export.exporters import web_demo_source
-    from ..inference.captioner import model_folder
-    from ..inference.ensemble import is_ensemble_folder
+    from ..data.images import scan_images
+    from ..export.checks import check_onnx_extra, web_demo_source
+    from ..inference.shipped import existing_model_folder, is_ensemble
 
-    model = model or FAST_MODEL.name
-    if is_ensemble_folder(model_folder(model)):
-        raise UsageError(f"{model}: is an ensemble; ONNX export takes one model: export a member")
+    check_onnx_extra("ONNX export")
     check_folder_target(out, overwrite=overwrite, kinds=("onnx",))
+    model = model or FAST_MODEL.name
+    if is_ensemble(existing_model_folder(model)):
+        raise UsageError(f"{model}: is an ensemble; ONNX export takes one model: export a member")
     if web:
-        try:
-            web_demo_source()
-        except FileNotFoundError as e:
-            raise UsageError(str(e)) from None
-    files = find_images(check) if check else []
-    if check and not files:
+        web_demo_source()
+    scan = scan_images(check or [])
+    if scan.refused:
+        first = scan.refused[0]
+        raise UsageError(f"--check: {first.path}: {first.reason}")
+    if check and not scan.images:
         raise UsageError(f"no image files found in {' '.join(check)}")
-    return model, files
+    return model, scan.images
 
 
 def _print_parity(rep: dict, variant: str, check_beam: int) -> None:
@@ -58,28 +58,26 @@ def _print_parity(rep: dict, variant: str, check_beam: int) -> None:
 def _add_export_onnx(xf: argparse._SubParsersAction) -> None:
     x = xf.add_parser("onnx", help="ONNX graphs and a manifest, for onnxruntime and the in-browser demo")
     x.set_defaults(func=cmd_export_onnx)
-    x.add_argument("--model", help=f"checkpoint folder, or a shipped model by name (default {FAST_MODEL.name}: "
-                                   f"export takes one model, not the default ensemble): {shipped_models_text()}")
+    x.add_argument("--model", help=f"checkpoint folder, or a shipped single model by name: {', '.join(single_models())} "
+                                   f"(default {FAST_MODEL.name}; export takes one model, not an ensemble)")
     x.add_argument("--out", required=True, help="folder for manifest.json and the graphs")
     x.add_argument("--int8", action="store_true", help="also write dynamically int8-quantised decoder graphs")
     x.add_argument("--int8-encoder", action="store_true", help="quantise the encoder's convolutions too")
     x.add_argument("--check", nargs="+", metavar="PATH",
                    help="photos or folders to caption with PyTorch and onnxruntime and compare")
     x.add_argument("--check-beam", type=positive_int, default=3, help="beam width of the --check captions")
-    x.add_argument("--web", action="store_true", help="copy the in-browser demo page into OUT")
+    x.add_argument("--web", action="store_true", help="copy the in-browser demo page into OUT (its onnxruntime-web "
+                                                      "files come from `make web` in a clone of the repository)")
     _add_overwrite(x, "replace OUT if it is an ONNX export captionkit wrote")
 
 
 def cmd_export_onnx(model: str | None, out: str, int8: bool, int8_encoder: bool,
                     check: list[str] | None, check_beam: int, web: bool, overwrite: bool) -> int:
-    try:
-        from ..export.exporters import export_onnx
-        from ..export.onnx_runtime import parity_check
-    except ImportError as e:
-        raise UsageError(f"ONNX export needs the onnx extra: pip install 'captionkit[onnx]' ({e})") from None
+    model, files = _check_onnx_export(model, out, web, check, overwrite)  # before torch
+    from ..export.exporters import export_onnx
+    from ..export.onnx_runtime import parity_check
     from ..inference.captioner import Captioner
 
-    model, files = _check_onnx_export(model, out, web, check, overwrite)
     cap = Captioner.load(model)
     manifest = export_onnx(cap, out, int8=int8 or int8_encoder, int8_encoder=int8_encoder,
                            model_name=Path(model).name, overwrite=overwrite, web=web)

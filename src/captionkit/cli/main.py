@@ -13,6 +13,7 @@ import os
 import sys
 
 from ..core.errors import UserError, WeightsUnavailable
+from ..inference.writer import EXIT_STDOUT_CLOSED, silence_stdout
 from . import caption, experiments, export, score, serve, training
 
 # the order of captionkit --help's commands: each function adds one command's parser and options
@@ -67,9 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     tune_allocator()
     command, func = args.pop("command"), args.pop("func")
-    args.pop("subcommand", None)  # export's format: its func already says which
+    sub = args.pop("subcommand", None)  # export's format: its func already says which; errors name it
+    command = f"{command} {sub}" if sub else command
     try:
-        return func(**args)
+        code = func(**args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
+    except BrokenPipeError:  # stdout closed early (`captionkit models | head -1`): end quietly, as Unix tools do
+        silence_stdout()
+        return EXIT_STDOUT_CLOSED
     except (UserError, WeightsUnavailable) as e:
         if os.environ.get("CAPTIONKIT_DEBUG"):
             raise

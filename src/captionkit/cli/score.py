@@ -50,6 +50,8 @@ def add_score(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
                    help="paired bootstrap test: does system A beat system B?")
     s.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resampling")
+    s.add_argument("--subset", action="store_true",
+                   help="captions of only some of the references' images: score those images (said how many)")
     _add_overwrite(s, "replace the --json and --per-image files if they exist")
     _add_score_opts(s)
     _add_csv_opts(s)
@@ -58,25 +60,47 @@ def add_score(sub: argparse._SubParsersAction) -> None:
 def cmd_score(captions: str | None, refs: str | None, dataset: str | None, images: str | None, split: str,
               out: str | None, per_image: str | None, bootstrap: int, compare: list[str] | None,
               tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str, seed: int,
-              image_column: str, title_column: str, image_suffix: str, overwrite: bool = False) -> int:
+              image_column: str, title_column: str, image_suffix: str, overwrite: bool = False,
+              subset: bool = False) -> int:
     _check_score_inputs(captions, compare, per_image, refs, dataset, bootstrap)
     _check_targets(out, per_image, overwrite=overwrite)
     ref, refs_source = _references(refs, dataset, images, split, image_column, title_column, image_suffix)
     opts = {**_score_opts(tokenizer, meteor, no_brevity_penalty, metrics), "refs_source": refs_source}
     if compare:
-        return _score_compare(compare, ref, opts, bootstrap or 1000, seed, out)
-    return _score_one(captions, ref, opts, bootstrap, seed, out, per_image)
+        return _score_compare(compare, ref, opts, bootstrap or 1000, seed, out, subset)
+    return _score_one(captions, ref, opts, bootstrap, seed, out, per_image, subset)
 
 
-def _score_compare(compare: list[str], ref: dict, opts: dict, rounds: int, seed: int, out: str | None) -> int:
-    """score --compare A B: a paired bootstrap test of two systems on the same references."""
+def _covered(cand: dict, ref: dict, source: str, refs_source: str, subset: bool) -> tuple[dict, str]:
+    """The references of the images ``cand`` captions and how to say so: all of ``ref``; with
+    --subset, those of the images the captions cover (a caption of an image the references do
+    not have is still refused, by score_captions). Captions of part of the references without
+    --subset: one line naming --subset."""
+    covered = {k: v for k, v in ref.items() if k in cand}
+    if len(covered) == len(ref):
+        return ref, f"{len(ref)} images"
+    if not subset:
+        if len(covered) == len(cand):  # a strict part: what --subset is for
+            raise UsageError(f"{source}: captions {len(cand):,} of the {len(ref):,} images of {refs_source}; "
+                             f"give --subset to score those {len(cand):,}")
+        return ref, f"{len(ref)} images"  # strays: score_captions names them
+    if not covered:
+        raise UsageError(f"{source}: captions none of the images of {refs_source}")
+    return covered, f"{len(covered):,} of the {len(ref):,} images of {refs_source} (--subset)"
+
+
+def _score_compare(compare: list[str], ref: dict, opts: dict, rounds: int, seed: int, out: str | None,
+                   subset: bool = False) -> int:
+    """score --compare A B: a paired bootstrap test of two systems on the same references (with
+    --subset, those of the images A captions; B must caption the same)."""
     from ..scoring.evaluation import paired_bootstrap, score_captions
     from ..scoring.score_inputs import read_captions
 
     systems = [read_captions(path) for path in compare]  # both files checked before scoring either
+    ref, scored = _covered(systems[0], ref, compare[0], opts["refs_source"], subset)
     reps = [score_captions(c, ref, source=path, **opts) for c, path in zip(systems, compare)]
     result = paired_bootstrap(reps[0], reps[1], rounds=rounds, seed=seed)
-    print(f"A = {compare[0]}, B = {compare[1]}: {len(ref)} images, paired bootstrap, {rounds} resamples; x100")
+    print(f"A = {compare[0]}, B = {compare[1]}: {scored}, paired bootstrap, {rounds} resamples; x100")
     for k, r in result.items():
         verdict = ("A beats B" if r["p_A_not_better"] < 0.05 else
                    "B beats A" if r["p_B_not_better"] < 0.05 else "no significant difference")
@@ -94,23 +118,26 @@ def _score_compare(compare: list[str], ref: dict, opts: dict, rounds: int, seed:
 
 
 def _score_one(captions: str, ref: dict, opts: dict, bootstrap: int, seed: int, out: str | None,
-               per_image: str | None) -> int:
+               per_image: str | None, subset: bool = False) -> int:
     """score --captions C: one system's scores, with bootstrap intervals when asked."""
     from ..scoring.evaluation import bootstrap as run_bootstrap
     from ..scoring.evaluation import score_captions
     from ..scoring.score_inputs import read_captions
 
     cand = read_captions(captions)
+    total = len(ref)
+    ref, scored = _covered(cand, ref, captions, opts["refs_source"], subset)
     rep = score_captions(cand, ref, source=captions, **opts)
     ci = run_bootstrap(rep, rounds=bootstrap, seed=seed) if bootstrap else None
-    print(f"{len(cand)} images" + (f", bootstrap {bootstrap} resamples" if bootstrap else ""))
+    print(scored + (f", bootstrap {bootstrap} resamples" if bootstrap else ""))
     _print_report(rep, ci)
     if out:
         doc = {k: round(100 * v, 4) for k, v in rep.scores.items()}
         if ci:
             doc["ci95"] = {k: [round(100 * lo, 4), round(100 * hi, 4)] for k, (lo, hi) in ci.items()}
         _write_json(out, {**doc, "implementation": rep.implementation, "tokenizer": rep.tokenizer,
-                          "empty_captions": len(rep.empty), "notes": rep.notes})
+                          "empty_captions": len(rep.empty), "notes": rep.notes,
+                          **({"subset": {"images": len(ref), "of": total}} if len(ref) < total else {})})
     if per_image:
         _write_per_image(per_image, rep, cand)
     return 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from ..inference.shipped import shipped_models_text
 from .common import UsageError, _add_device_opts, _device
@@ -83,8 +82,9 @@ def cmd_serve(model: list[str] | None, host: str, port: int, max_upload_mb: floa
                         decode_memory_mb=decode_memory_mb, decode_queue=decode_queue, max_connections=max_connections,
                         header_timeout=header_timeout, body_timeout=body_timeout)
     api_key = _serve_api_key(api_key)
-    if onnx and not (Path(onnx) / "manifest.json").exists():
-        raise UsageError(f"{onnx}: no manifest.json (make one with captionkit export onnx --out {onnx})")
+    if onnx:
+        from ..export.checks import read_manifest
+        read_manifest(onnx)
     where, precision = _device(device, precision)
     sock = _listen(host, port, api_key)  # before anything heavy: a bad --host or --port fails at once
     try:

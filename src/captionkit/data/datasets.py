@@ -4,7 +4,8 @@
 Every reader returns a :class:`CaptionDataset`: per split, a list of :class:`ImageItem` with
 the image's path and its reference captions (raw text, and words in one of
 :data:`WORD_STYLES`). Captions whose image file is missing are skipped and counted in one
-line on stderr; a malformed line is reported as ``file:line``.
+line on stderr (per split; an image that is in no split is left out silently, missing or
+not); a malformed line is reported as ``file:line``.
 """
 
 from __future__ import annotations
@@ -123,19 +124,30 @@ def _is_file(path: Path) -> bool:
         return False
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
 def _drop_missing(name: str, captions: dict[str, list[str]], folder: Path,
-                  paths: dict[str, Path] | None = None) -> dict[str, ImageItem]:
-    """Items whose image file exists (at ``paths[img]``, else ``folder / img``)."""
-    items, n_caps, n_imgs = {}, 0, 0
+                  paths: dict[str, Path] | None = None, split_of: dict[str, str] | None = None) -> dict[str, ImageItem]:
+    """Items whose image file exists (at ``paths[img]``, else ``folder / img``); the captions
+    of the others are skipped and counted in one line. ``split_of``: each image's split, where
+    the layout lists them: a missing image that is in no split is left out without a word (it
+    would be in no split if it were there: Flickr8k's 91 unlisted images and its bogus key),
+    and the line counts the missing ones per split."""
+    items, n_caps, per_split = {}, 0, Counter()
     for img, caps in captions.items():
         path = paths[img] if paths else folder / img
         if _is_file(path):
             items[img] = ImageItem(img, path, caps)
-        else:
+        elif split_of is None or img in split_of:
             n_caps += len(caps)
-            n_imgs += 1
+            per_split[split_of[img] if split_of else None] += 1
     if n_caps:
-        _warn(f"{name}: skipped {n_caps} captions of {n_imgs} images whose files are missing under {folder}")
+        n_imgs = sum(per_split.values())
+        where = ", ".join(f"{split} {n:,}" for split, n in per_split.items() if split is not None)
+        _warn(f"{name}: skipped {_plural(n_caps, 'caption')} of {_plural(n_imgs, 'image')} whose "
+              f"{'file is' if n_imgs == 1 else 'files are'} missing under {folder}" + (f" ({where})" if where else ""))
     return items
 
 
@@ -179,17 +191,20 @@ def read_flickr8k(root: str | Path) -> CaptionDataset:
             continue
         captions[img].append(caption.strip())
     bad.summary()
-    return _flickr8k_splits(root, _drop_missing("flickr8k", captions, folder))
+    return _flickr8k_splits(root, "flickr8k", captions, folder)
 
 
-def _flickr8k_splits(root: Path, items: dict[str, ImageItem]) -> CaptionDataset:
-    """Splits from the official Flickr_8k.{train,dev,test}Images.txt beside the captions,
-    or a seeded split when there are none."""
+def _flickr8k_splits(root: Path, name: str, captions: dict[str, list[str]], folder: Path) -> CaptionDataset:
+    """The images whose files are there, in the splits of the official
+    Flickr_8k.{train,dev,test}Images.txt beside the captions, or of a seeded split when there
+    are none (then every missing image counts as missing from a split)."""
     lists = {}
     for split in ("train", "dev", "test"):
         f = root / f"Flickr_8k.{split}Images.txt"
         if f.is_file():
             lists[split] = [ln.strip() for ln in _read_text(f).splitlines() if ln.strip()]
+    split_of = {img: split for split, names in lists.items() for img in names} if lists else None
+    items = _drop_missing(name, captions, folder, split_of=split_of)
     return CaptionDataset("flickr8k", _assign_splits(items, lists or _deterministic_splits(list(items))))
 
 
@@ -217,7 +232,7 @@ def read_kaggle_flickr(root: str | Path) -> CaptionDataset:
     except csv.Error as e:  # e.g. a field over csv's size limit (an unclosed quote)
         raise DatasetError(f"{cap_file}:{reader.line_num}: not a readable CSV row ({e})") from None
     bad.summary()
-    return _flickr8k_splits(root, _drop_missing("flickr8k (kaggle)", captions, folder))
+    return _flickr8k_splits(root, "flickr8k (kaggle)", captions, folder)
 
 
 def _load_json(path: Path) -> dict:
@@ -249,7 +264,7 @@ def read_karpathy(json_path: str | Path, images: str | Path, doc: dict | None = 
         split_of[name] = {"restval": "train", "val": "dev"}.get(split, split)
         captions[name] = [x["raw"] for x in sentences]
     corpus = doc["dataset"] if isinstance(doc.get("dataset"), str) else json_path.stem
-    items = _drop_missing(corpus, captions, images, paths)
+    items = _drop_missing(corpus, captions, images, paths, split_of)
     splits: dict[str, list[ImageItem]] = defaultdict(list)
     for name, item in items.items():
         splits[split_of[name]].append(item)

@@ -9,12 +9,16 @@ import stat
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from PIL import Image, ImageFile
 
 from ..core.errors import ImageError
+from ..core.outputs import MARKER, owner_kind
+
+if TYPE_CHECKING:  # imported where a tensor is made: scanning and reading photos need no torch
+    import torch
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 MAX_PIXELS = 89_478_485  # Pillow's own default bomb threshold (about 9459 x 9459)
@@ -232,6 +236,8 @@ _RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.B
 
 def to_tensor(im: Image.Image, pre: Preprocess) -> torch.Tensor:
     """RGB PIL image -> normalised (3, S, S) float tensor."""
+    import torch
+
     im = im.resize((pre.size, pre.size), _RESAMPLE[pre.resample])
     x = torch.from_numpy(np.asarray(im, dtype=np.float32).copy()).permute(2, 0, 1) / 255.0
     mean = torch.tensor(pre.mean).view(3, 1, 1)
@@ -249,8 +255,9 @@ class Skipped:
 @dataclass
 class Scan:
     """What :func:`scan_images` found: the files to caption, in order; the files inside the
-    given folders that were left out; and the paths named on the command line that are refused
-    (a FIFO or device would block or stream forever when read)."""
+    given folders that were left out; and the paths named on the command line that are refused,
+    each with the rest of its one-line error after ``path: `` (a missing file; a FIFO or device,
+    which would block or stream forever when read)."""
     images: list[Path] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     refused: list[Skipped] = field(default_factory=list)
@@ -284,9 +291,18 @@ def _classify(path: Path) -> str | None:
     return None
 
 
-def _walk(folder: Path, scan: Scan, exclude: set[Path]) -> list[Path]:
+def _marked(folder: Path, kinds: tuple[str, ...]) -> str | None:
+    """The kind of ``folder`` when captionkit marked it as one of ``kinds`` (core.outputs.MARKER)."""
+    if not kinds or not (folder / MARKER).is_file():  # one stat for most folders
+        return None
+    kind = owner_kind(folder)
+    return kind if kind in kinds else None
+
+
+def _walk(folder: Path, scan: Scan, exclude: set[Path], skip_kinds: tuple[str, ...] = ()) -> list[Path]:
     """Image files under ``folder`` (recursively, sorted); everything else goes to scan.skipped.
-    Symbolic links to folders are not followed (as Path.rglob does not), and are named."""
+    Symbolic links to folders are not followed (as Path.rglob does not), and are named; so are
+    the folders captionkit marked as one of ``skip_kinds``, which are not entered."""
     found: list[Path] = []
 
     def unlistable(e: OSError) -> None:
@@ -294,13 +310,18 @@ def _walk(folder: Path, scan: Scan, exclude: set[Path]) -> list[Path]:
 
     for top, dirs, files in os.walk(folder, onerror=unlistable):
         here = Path(top)
+        entered = []
         for d in sorted(dirs):
             sub = here / d
             if sub.is_symlink():
                 scan.skipped.append(Skipped(sub, "symbolic link to a folder (not followed)"))
             elif sub.resolve() in exclude:
                 scan.skipped.append(Skipped(sub, "an output folder of this command"))
-        dirs[:] = [d for d in dirs if not (here / d).is_symlink() and (here / d).resolve() not in exclude]
+            elif kind := _marked(sub, skip_kinds):
+                scan.skipped.append(Skipped(sub, f"{kind} figures captionkit wrote (not captioned)"))
+            else:
+                entered.append(d)
+        dirs[:] = entered
         for name in files:
             path = here / name
             why = _classify(path)
@@ -311,25 +332,30 @@ def _walk(folder: Path, scan: Scan, exclude: set[Path]) -> list[Path]:
     return sorted(found)
 
 
-def scan_images(paths: list[str | Path], exclude: list[str | Path] = ()) -> Scan:
+def scan_images(paths: list[str | Path], exclude: list[str | Path] = (), skip_kinds: tuple[str, ...] = ()) -> Scan:
     """Expand folders (recursively, sorted) into image files, and say what was left out.
 
-    A file named directly is kept whatever its extension (the user chose it) and a missing one
-    is kept too, so it is reported when it is read; but one that is not a regular file (a FIFO,
-    a device) is refused here, since reading it could block forever. Inside folders, only
+    A file named directly is kept whatever its extension (the user chose it); a missing one is
+    refused here, so that it is reported before any model loads, and so is one that is not a
+    regular file (a FIFO, a device), since reading it could block forever. Inside folders, only
     regular files (or links to them) with an image extension are kept; every other entry is
     listed in ``skipped`` with its reason. Folders in ``exclude`` (a command's own output
-    folder) are not entered. A path given twice is captioned once."""
+    folder) are not entered, nor the folders inside them that captionkit marked as one of
+    ``skip_kinds`` (an earlier run's attention figures; a folder named directly is scanned).
+    A path given twice is captioned once."""
     scan = Scan()
     excluded = {Path(p).resolve() for p in exclude}
     seen: set[Path] = set()
     for p in map(Path, paths):
         if p.is_dir():
-            found = _walk(p, scan, excluded)
+            found = _walk(p, scan, excluded, skip_kinds)
         else:
             try:
                 why = _not_regular(p.stat().st_mode)
-            except OSError:  # missing, a dangling link, unreadable: load_rgb names it
+                why = why and f"{why}; refused"
+            except FileNotFoundError:  # said now, before a model loads for it
+                why = "dangling symbolic link" if p.is_symlink() else "no such file"
+            except OSError:  # unreadable: load_rgb names it when it reads it
                 why = None
             if why:
                 scan.refused.append(Skipped(p, why))

@@ -45,6 +45,7 @@ from ..data.vocab import Vocab
 from ..inference.captioner import Captioner
 from ..kernels import plain_pytorch
 from ..models.base import DecoderExport
+from .checks import check_onnx_extra, web_demo_source
 
 FORMAT = ONNX_FORMAT
 VERSION = 1
@@ -89,8 +90,7 @@ def export_onnx(captioner, out: str | Path, int8: bool = False, int8_encoder: bo
     ``*.int8.onnx`` graphs with ``int8``; the in-browser demo page with ``web``) to the folder
     ``out``; returns the manifest path. ``out`` must be missing or empty, or with ``overwrite``
     an ONNX export captionkit wrote (captionkit.core.outputs); it is written atomically and marked."""
-    import onnx  # noqa: F401  (a clear ImportError before any work)
-
+    check_onnx_extra("ONNX export")  # one line before any work
     out = check_folder_target(out, overwrite=overwrite, kinds=("onnx",))
     if web:
         web_demo_source()
@@ -212,17 +212,6 @@ def quantize_int8(out: Path, encoder: bool = False, log: Callable[[str], None] =
     finally:
         root.setLevel(level)
     return files
-
-
-def web_demo_source() -> Path:
-    """The in-browser demo page's folder in the package; FileNotFoundError when its
-    onnxruntime-web files were not built."""
-    from importlib.resources import files
-    src = Path(str(files("captionkit") / "web"))
-    vendor = src / "vendor" / "ort"
-    if not (vendor / "ort.wasm.min.mjs").exists():
-        raise FileNotFoundError(f"{vendor}: onnxruntime-web is not built; run `make web` first")
-    return src
 
 
 def copy_web_demo(out: str | Path) -> None:

@@ -7,7 +7,6 @@ The ONNX graphs are wrapped in the decoder step contract (``prepare``, ``init_st
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,7 @@ from ..data.images import Preprocess
 from ..data.tokenizers import load_tokenizer
 from ..data.vocab import Vocab
 from ..inference.captioner import Captioner
-from .exporters import FORMAT
+from .checks import check_onnx_extra, read_manifest
 
 
 def _session(path: Path, threads: int | None):
@@ -95,21 +94,11 @@ class OrtEncoder:
         return self(pixels.cpu())
 
 
-def read_manifest(folder: str | Path) -> dict:
-    path = Path(folder) / "manifest.json"
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no ONNX export here (run `captionkit export onnx --out {folder}`)") from None
-    if manifest.get("format") != FORMAT:
-        raise UserError(f"{path}: not a captionkit ONNX export")
-    return manifest
-
-
 def load_onnx_captioner(folder: str | Path, variant: str = "float32", threads: int | None = None) -> Captioner:
     """A :class:`Captioner` whose encoder and decoder are the exported graphs."""
     folder = Path(folder)
     manifest = read_manifest(folder)
+    check_onnx_extra("captioning with an ONNX export", ("onnxruntime",))
     if variant not in manifest["graphs"]:
         raise UserError(f"{folder}: no {variant} graphs (have {', '.join(manifest['graphs'])})")
     cfg = manifest["config"]

@@ -30,17 +30,65 @@ def shipped_models_text() -> str:
     return ", ".join(f"{n} (the default)" if n == DEFAULT_MODEL.name else n for n in list_shipped_models())
 
 
-def describe_shipped_model(name: str) -> str:
-    """One line about a shipped model, read from its folder: name, family, encoder, size."""
+SCORES_FILE = "scores.json"  # a shipped model's Flickr8k test scores (x100), as its card's table gives them
+
+
+def model_folder(path: str | Path | None) -> Path:
+    """A checkpoint folder from what a user typed: a path, the name of a shipped model, or
+    nothing (the default model). A folder of that name in the working directory wins. (The
+    rule of captionkit.inference.captioner.model_folder, here without torch, so the command
+    line checks --model before torch loads.)"""
+    if path is None:
+        return DEFAULT_MODEL
+    path = Path(path)
+    if not path.exists() and len(path.parts) == 1 and (SHIPPED / path).is_dir():
+        return SHIPPED / path
+    return path
+
+
+def existing_model_folder(path: str | Path | None) -> Path:
+    """:func:`model_folder`, refused with one line (listing the shipped models) if missing."""
+    from ..core.errors import CheckpointError
+
+    folder = model_folder(path)
+    if not folder.exists():
+        raise CheckpointError(f"{folder}: no such model folder (shipped models: {shipped_models_text()})")
+    return folder
+
+
+def is_ensemble(folder: Path) -> bool:
+    return (folder / ENSEMBLE_FILE).is_file()
+
+
+def single_models() -> list[str]:
+    """The shipped models that are one checkpoint (not an ensemble): what ONNX export takes."""
+    return [n for n in list_shipped_models() if not is_ensemble(SHIPPED / n)]
+
+
+def shipped_model_facts(name: str) -> dict:
+    """What ``captionkit models`` shows of a shipped model, read from its folder: its family,
+    encoder, size in MB, whether it is the default, and its Flickr8k test scores (x100; {}
+    when the folder records none)."""
     import json
 
     folder = SHIPPED / name
     size = sum(f.stat().st_size for f in folder.rglob("*.safetensors")) / 1e6
-    default = "  (the default)" if name == DEFAULT_MODEL.name else ""
-    if (folder / ENSEMBLE_FILE).exists():
+    if is_ensemble(folder):
         spec = json.loads((folder / ENSEMBLE_FILE).read_text())
         members = [json.loads((folder / m["path"] / "config.json").read_text()) for m in spec["members"]]
-        what = " + ".join(m["family"] for m in members) + f" ensemble on {members[0]['encoder']['name']}"
-        return f"{name}  {what}, {size:.1f} MB{default}"
-    cfg = json.loads((folder / "config.json").read_text())
-    return f"{name}  {cfg['family']} on {cfg['encoder']['name']}, {size:.1f} MB{default}"
+        family = " + ".join(m["family"] for m in members) + " ensemble"
+        encoder = members[0]["encoder"]["name"]
+    else:
+        cfg = json.loads((folder / "config.json").read_text())
+        family, encoder = cfg["family"], cfg["encoder"]["name"]
+    scores_file = folder / SCORES_FILE
+    scores = json.loads(scores_file.read_text())["scores"] if scores_file.is_file() else {}
+    return {"name": name, "family": family, "encoder": encoder, "size_mb": size,
+            "default": name == DEFAULT_MODEL.name, "scores": scores}
+
+
+def describe_shipped_model(name: str) -> str:
+    """One line about a shipped model: name, family, encoder, size."""
+    f = shipped_model_facts(name)
+    default = "  (the default)" if f["default"] else ""
+    return f"{name}  {f['family']} on {f['encoder']}, {f['size_mb']:.1f} MB{default}"

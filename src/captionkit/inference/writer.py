@@ -88,8 +88,64 @@ def figure_names(keys: Iterable[str]) -> dict[str, str]:
     return names
 
 
-def _label(setting: str) -> str:
-    return "the prompt (--prompts/--template)" if setting == "prompt" else "--" + setting.replace("_", "-")
+# the order in which a resume refusal looks for the setting that differs: the options a user
+# types before the ones they imply (--rerank mbr implies --nbest 5; --model or --onnx, one of them)
+SETTINGS_ORDER = ("command", "model", "rerank", "nbest", "tta", "beam", "length_penalty", "prompt",
+                  "max_new_tokens", "dtype")
+# what a setting's absence means, said as the user would (None recorded: the option was not given)
+ABSENT = {"length_penalty": "the model's length penalty (no --length-penalty)"}
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _typed(value) -> str:
+    """A recorded value as it is typed on the command line (no JSON quotes, nulls or lists)."""
+    import shlex
+
+    if isinstance(value, bool):
+        return "" if value else "no"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_typed(v) for v in value)
+    return shlex.quote(str(value))
+
+
+def _as_given(name: str, value, settings: dict) -> str:
+    """A setting of ``settings`` as the options that gave it: ``--beam 3``, ``--model a --model b
+    --weights 1,2``, ``--onnx DIR``, ``no --rerank``."""
+    if name == "model":
+        if value is None and settings.get("onnx"):
+            return f"--onnx {_typed(settings['onnx'])}"
+        if isinstance(value, dict):  # an ensemble named by several --model
+            given = " ".join(f"--model {_typed(m)}" for m in value.get("members", []))
+            return given + (f" --weights {_typed(value['weights'])}" if value.get("weights") else "")
+    if name == "command":
+        return f"captionkit {value}"
+    if name == "prompt":
+        text = str(value)
+        return "the prompt (--prompts/--template) " + repr(text if len(text) <= 60 else text[:57] + "...")
+    if value is None:
+        return ABSENT.get(name, f"no {_option(name)}")
+    return f"{_option(name)} {_typed(value)}".rstrip()
+
+
+def settings_difference(recorded: dict, settings: dict) -> str | None:
+    """The first setting in which ``settings`` (this run's) differs from ``recorded`` (a file's),
+    said in the user's options: "with --rerank mbr, this run has no --rerank"; None if none."""
+    names = [k for k in SETTINGS_ORDER if k in recorded or k in settings]
+    names += sorted((set(recorded) | set(settings)) - set(names) - {"onnx"})  # onnx: said with model
+    for k in names:
+        if k == "model":
+            differs = (recorded.get("model"), recorded.get("onnx")) != (settings.get("model"), settings.get("onnx"))
+        else:
+            differs = recorded.get(k) != settings.get(k)
+        if differs:
+            before, now = _as_given(k, recorded.get(k), recorded), _as_given(k, settings.get(k), settings)
+            return f"by {before}, this run is {now}" if k == "command" else f"with {before}, this run has {now}"
+    return None
 
 
 def _read_meta(path: Path) -> dict | None:
@@ -143,12 +199,10 @@ class _Output:
         self.unrecorded = bool(self.records) and recorded is None
         if self.unrecorded or not self.records:
             return
-        for k in sorted(set(recorded) | set(self.settings)):
-            if recorded.get(k) != self.settings.get(k):
-                raise OutputError(
-                    f"{self.path}: was written with {_label(k)} {json.dumps(recorded.get(k))}, this run has "
-                    f"{_label(k)} {json.dumps(self.settings.get(k))} (see {self.meta_path.name}); use the same "
-                    f"options to resume it, --overwrite to start it again, or write to another file")
+        difference = settings_difference(recorded, self.settings)
+        if difference:
+            raise OutputError(f"{self.path}: was written {difference} (see {self.meta_path.name}); use the same "
+                              f"options to resume it, --overwrite to start it again, or write to another file")
 
     def open(self, retry: set[str]) -> None:
         """Start the file (fresh), or resume it: drop a torn last line, remove the failed lines
@@ -310,7 +364,7 @@ class _StdoutClosed(Exception):
     """stdout was closed (``| head``) and nothing else is being written: stop."""
 
 
-def _silence_stdout() -> None:
+def silence_stdout() -> None:
     """Point stdout at /dev/null, so neither later prints nor the flush at exit meet the
     closed pipe again (a BrokenPipeError traceback at shutdown otherwise)."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -351,7 +405,7 @@ class CaptionWriter:
         resuming = any(o.records for o in self.outputs)  # its figures so far are this run's too
         if self.attention:
             check_folder_target(self.attention, overwrite=self.overwrite or resuming, kinds=(FIGURES_KIND,))
-        scan = scan_images(self.paths, exclude=[self.attention] if self.attention else [])
+        scan = scan_images(self.paths, exclude=[self.attention] if self.attention else [], skip_kinds=(FIGURES_KIND,))
         self.refused = {s.path: s.reason for s in scan.refused}
         self.keys, clashes = image_keys(scan.images + list(self.refused))
         self._report_skipped(scan.skipped + [Skipped(p, why) for p, why in clashes])
@@ -376,9 +430,16 @@ class CaptionWriter:
     def total(self) -> int:
         return len(self.keys)
 
+    @property
+    def readable(self) -> list[Path]:
+        """The images found that were not refused (some may still fail to decode)."""
+        return [p for p in self.keys if p not in self.refused]
+
     def run(self, caption: Callable[[list[Path]], Iterator[tuple[Path, object]]]) -> int:
         """Caption the images not yet in the outputs with ``caption(paths)`` -> (path, result
-        or ImageError) and write each as it comes; the exit status (0, 1 if any image is
+        or ImageError) and write each as it comes: the refused ones (missing files, FIFOs)
+        first, and ``caption`` is not called when no other is left (so a caller that loads its
+        model inside ``caption`` loads none); the exit status (0, 1 if any image is
         recorded as failed, EXIT_STDOUT_CLOSED if stdout closed with nothing else to write)."""
         retry = set(self.keys.values()) if self.retry_failed else set()
         for o in self.outputs:
@@ -391,9 +452,11 @@ class CaptionWriter:
         try:
             for path in todo:
                 if path in self.refused:
-                    self._record(path, ImageError(f"{path}: {self.refused[path]}; refused"))
-            for path, res in caption([p for p in todo if p not in self.refused]):
-                self._record(path, res)
+                    self._record(path, ImageError(f"{path}: {self.refused[path]}"))
+            readable = [p for p in todo if p not in self.refused]
+            if readable:  # else no model is loaded at all
+                for path, res in caption(readable):
+                    self._record(path, res)
         except _StdoutClosed:
             return EXIT_STDOUT_CLOSED
         finally:
@@ -430,7 +493,7 @@ class CaptionWriter:
         try:
             print(line, flush=True)
         except BrokenPipeError:
-            _silence_stdout()
+            silence_stdout()
             self.stdout_closed = True
             if not (self.json_out or self.attention):  # nothing else to write: end quietly
                 raise _StdoutClosed from None

@@ -402,12 +402,13 @@ def create_app(models: dict[str, Captioner], config: ServeConfig | None = None) 
     if config.onnx_dir:
         app.mount("/onnx-model", StaticFiles(directory=config.onnx_dir), name="onnx-model")
 
-    # the last added runs first: key, then rate, then size
+    # the last added runs first: rate, then key, then size; so a request with a wrong key spends
+    # its client's rate too, and --rate-limit bounds how fast keys can be guessed
     app.add_middleware(BodyLimit, limit=config.max_upload_bytes, drain_limit=config.drain_limit)
-    if config.rate_limit:
-        app.add_middleware(RateLimit, per_minute=config.rate_limit)
     if config.api_key is not None:
         app.add_middleware(ApiKey, key=config.api_key)
+    if config.rate_limit:
+        app.add_middleware(RateLimit, per_minute=config.rate_limit)
     return app
 
 
