@@ -27,20 +27,25 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--nproc", type=positive_int, default=1,
                    help="train with DDP in this many processes on this machine (torchrun's launcher; "
                         "see docs/distributed-training.md)")
+    t.add_argument("--threads", type=positive_int,
+                   help="torch threads per process (default: torch's, one per core; on a machine other "
+                        "work keeps busy, fewer run faster: see docs/training.md)")
 
 
 def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool, init: str | None,
-              overwrite: bool, tensorboard: str | None = None, device: str | None = None, nproc: int = 1) -> int:
+              overwrite: bool, tensorboard: str | None = None, device: str | None = None, nproc: int = 1,
+              threads: int | None = None) -> int:
     if nproc > 1:  # the same command in nproc processes under torchrun (DDP); see docs/distributed-training.md
         from ..training.distributed import launch
         from ..training.run import check_run
         check_run(config, out, max_steps, resume, init, overwrite, device, nproc)  # one line here, not one per process
-        flags = {"--out": out, "--max-steps": max_steps, "--init": init, "--tensorboard": tensorboard, "--device": device}
+        flags = {"--out": out, "--max-steps": max_steps, "--init": init, "--tensorboard": tensorboard, "--device": device,
+                 "--threads": threads}
         args = ["train", "--config", config, *[x for k, v in flags.items() if v is not None for x in (k, str(v))]]
         return launch(nproc, args + ["--resume"] * resume + ["--overwrite"] * overwrite)
     from ..training.run import train
     train(config, out=out, max_steps=max_steps, resume=resume, init=init, overwrite=overwrite,
-          tensorboard=tensorboard, device=device)
+          tensorboard=tensorboard, device=device, threads=threads)
     return 0
 
 

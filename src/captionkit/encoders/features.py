@@ -213,7 +213,7 @@ def _folder_for(root: Path, encoder: Encoder, paths: list[Path], flip: bool = Fa
 
 def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None,
                    batch_size: int = 16, progress: bool = True, workers: int = 2,
-                   flip: bool = False) -> FeatureStore | ShardedFeatureStore:
+                   flip: bool = False, only: list[Path] | None = None) -> FeatureStore | ShardedFeatureStore:
     """Encode every image of ``paths`` once (resuming a partial build) and return the store:
     the complete sharded store of these images when ``--engine ray`` wrote one, else the
     single memory-mapped file (built here). ``flip``: encode each image's horizontal mirror
@@ -223,7 +223,12 @@ def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None
     The encoder runs where it is (``encoder.to(device)`` first), in float32 on every device:
     the cache is shared by every later run whatever device it is on. ``workers`` processes
     decode the images (0: this process; captionkit.encoders.image_batches). Unreadable images are
-    reported on stderr and left out of the store."""
+    reported on stderr and left out of the store.
+
+    ``only``: encode just these images of ``paths`` (a run on part of a dataset, e.g.
+    train.train_max_images). The store is still the one of all ``paths`` (the same folder), with
+    the other rows left unwritten (``done`` False: never read, and not in the store's index), so
+    a later call for more of ``paths`` fills in the rest of the same cache."""
     root = check_writable_folder(root or default_cache_root())
     sharded = sharded_folder_for(root, encoder, paths)
     if not flip and (sharded / "manifest.json").exists() and (store := ShardedFeatureStore(sharded)).complete:
@@ -245,7 +250,15 @@ def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None
         atomic_write_text(meta_path, json.dumps(meta))
     feats = np.load(feats_path, mmap_mode="r+")
     done = np.load(done_path)
-    todo = [i for i in range(len(paths)) if not done[i]]
+    wanted = range(len(paths))
+    if only is not None:
+        position = {p: i for i, p in enumerate(paths)}
+        strangers = [p for p in only if p not in position]
+        if strangers:  # a caller's bug: these rows could never be written
+            raise ValueError(f"{len(strangers)} of the images to encode are not in the store's list, "
+                             f"e.g. {strangers[0]}")
+        wanted = sorted({position[p] for p in only})
+    todo = [i for i in wanted if not done[i]]
     failed: list[str] = []
     t0, n_done = time.time(), 0
     for start, batch in zip(range(0, len(todo), batch_size),
