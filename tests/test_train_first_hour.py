@@ -41,6 +41,19 @@ def test_train_threads_sets_torchs_thread_count(tiny_config, tmp_path, monkeypat
     assert asked == []  # no --threads: torch's default stays
 
 
+@pytest.mark.parametrize("load,threads,warned", [(3.0, 2, True), (0.2, 2, False), (3.0, 1, False)])
+def test_a_loaded_machine_is_named_with_the_threads_option(monkeypatch, capsys, load, threads, warned):
+    """Two torch threads on two cores that other work keeps busy ran 10x slower than one."""
+    from captionkit.training.run import warn_busy_cores
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    warn_busy_cores()
+    err = capsys.readouterr().err
+    assert ("--threads 1" in err and err.startswith("warning: ") and err.count("\n") == 1) if warned else err == ""
+
+
 def test_train_threads_must_be_positive(tiny_config, tmp_path, capsys, no_expensive_work):
     with pytest.raises(SystemExit):
         main(["train", "--config", str(tiny_config), "--out", str(tmp_path / "run"), "--threads", "0"])

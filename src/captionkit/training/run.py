@@ -158,6 +158,8 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise UserError(f"threads must be a positive integer, got {threads!r}")
         torch.set_num_threads(threads)
+    if world.main and not world.distributed and run_device.type == "cpu":
+        warn_busy_cores()
     run_device = device_for(world, run_device)
     tensorboard = tensorboard or cfg.train.tensorboard
     if tensorboard and world.main:  # its package is checked before the expensive work
@@ -199,6 +201,24 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
         if tensorboard and world.main:
             tb.close()
     return state
+
+
+def warn_busy_cores() -> None:
+    """One line when other work keeps the cores torch's threads need busy: each step then waits
+    for its slowest thread (measured on 2 loaded cores: 12-14 captions/s on 2 threads against
+    123-188 on one, docs/training.md#threads). A warning, not a default that follows the load:
+    the thread count changes a run's numbers, and one command should give one model."""
+    import os
+
+    cpus, threads = os.cpu_count() or 1, torch.get_num_threads()
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not every system has it
+        return
+    if threads > 1 and load > cpus - threads + 0.5:
+        print(f"warning: the load on this machine ({load:.1f} on {cpus} cores) leaves fewer than {threads} cores to "
+              f"this run's {threads} torch threads, which can make it many times slower; --threads 1 (or fewer) "
+              f"runs faster then", file=sys.stderr)
 
 
 def end_of_run(cfg: RunConfig, out: Path, state: TrainState, max_steps: int | None, progress: bool = False) -> str:
