@@ -54,6 +54,18 @@ def test_a_loaded_machine_is_named_with_the_threads_option(monkeypatch, capsys, 
     assert ("--threads 1" in err and err.startswith("warning: ") and err.count("\n") == 1) if warned else err == ""
 
 
+def test_the_command_warns_on_a_loaded_machine_and_the_python_api_does_not(tiny_config, tmp_path, monkeypatch,
+                                                                           capsys):
+    """A sweep's trials (train() from Python) share the cores by design: the line is the command's."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (6.0, 6.0, 6.0))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert main(["train", "--config", str(tiny_config), "--out", str(tmp_path / "cli"), "--max-steps", "1"]) == 0
+    assert capsys.readouterr().err.startswith("warning: the load on this machine (6.0 on 2 cores) leaves fewer than 2 ")
+    train(tiny_config, out=tmp_path / "api", max_steps=1, progress=False)
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_train_threads_must_be_positive(tiny_config, tmp_path, capsys, no_expensive_work):
     with pytest.raises(SystemExit):
         main(["train", "--config", str(tiny_config), "--out", str(tmp_path / "run"), "--threads", "0"])

@@ -45,7 +45,7 @@ def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool,
         return launch(nproc, args + ["--resume"] * resume + ["--overwrite"] * overwrite)
     from ..training.run import train
     train(config, out=out, max_steps=max_steps, resume=resume, init=init, overwrite=overwrite,
-          tensorboard=tensorboard, device=device, threads=threads)
+          tensorboard=tensorboard, device=device, threads=threads, busy_warning=True)
     return 0
 
 

@@ -143,13 +143,15 @@ def start_run_folder(out: Path, replace: bool) -> None:
 def train(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,
           resume: bool = False, progress: bool = True, init: str | None = None, overwrite: bool = False,
           on_epoch: Callable[[dict], None] | None = None, tensorboard: str | None = None,
-          device: str | None = None, threads: int | None = None) -> TrainState:
+          device: str | None = None, threads: int | None = None, busy_warning: bool = False) -> TrainState:
     """Train from a TOML config into the run folder ``out`` (default runs/<config name>).
     Everything the user gave is checked first (the config, the folder, the files it names);
     ``resume`` continues the run in ``out``, ``overwrite`` replaces a run there. ``on_epoch``:
     see Trainer.fit; ``tensorboard``: a folder for event files (replaces train.tensorboard);
     ``device`` replaces train.device; ``threads``: torch's CPU threads for this process (None:
-    torch's default; set for the whole process, as the feature extraction uses them too).
+    torch's default; set for the whole process, as the feature extraction uses them too);
+    ``busy_warning``: one line when other work leaves fewer free cores than torch has threads
+    (:func:`warn_busy_cores`; the command line's, not a sweep's trials, which share cores by design).
     Under torchrun (RANK/WORLD_SIZE in the environment) this process is one rank of a DDP run
     (see captionkit.training.distributed)."""
     world = world_from_env()
@@ -158,7 +160,7 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise UserError(f"threads must be a positive integer, got {threads!r}")
         torch.set_num_threads(threads)
-    if world.main and not world.distributed and run_device.type == "cpu":
+    if busy_warning and not world.distributed and run_device.type == "cpu":
         warn_busy_cores()
     run_device = device_for(world, run_device)
     tensorboard = tensorboard or cfg.train.tensorboard
