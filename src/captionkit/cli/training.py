@@ -16,7 +16,10 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=cmd_train)
     t.add_argument("--config", required=True, help="the run's TOML config (configs/ has examples)")
     t.add_argument("--out", help="run folder (default runs/<config name>); a new run needs a new or empty one")
-    t.add_argument("--max-steps", type=positive_int, help="stop after this many optimizer steps (a quick check)")
+    t.add_argument("--max-steps", type=positive_int,
+                   help="stop after this many optimizer steps, counted from the run's start (the features of "
+                        "every image the config uses are computed first; a quick start from nothing: "
+                        "configs/quickstart.toml)")
     t.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/last")
     t.add_argument("--init", metavar="DIR", help="start from this checkpoint (replaces the config's train.init)")
     _add_overwrite(t, "start the run in OUT again, replacing the run captionkit wrote there")
