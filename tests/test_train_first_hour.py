@@ -41,17 +41,22 @@ def test_train_threads_sets_torchs_thread_count(tiny_config, tmp_path, monkeypat
     assert asked == []  # no --threads: torch's default stays
 
 
-@pytest.mark.parametrize("load,threads,warned", [(3.0, 2, True), (0.2, 2, False), (3.0, 1, False)])
-def test_a_loaded_machine_is_named_with_the_threads_option(monkeypatch, capsys, load, threads, warned):
+@pytest.mark.parametrize("cpus,load,threads,advice", [(2, 3.0, 2, "--threads 1"), (2, 0.2, 2, None),
+                                                      (2, 3.0, 1, None), (16, 6.2, 16, "--threads 10"),
+                                                      (16, 15.8, 16, "--threads 1"), (16, 2.0, 16, "--threads 14")])
+def test_a_loaded_machine_is_named_with_the_threads_option(monkeypatch, capsys, cpus, load, threads, advice):
     """Two torch threads on two cores that other work keeps busy ran 10x slower than one."""
     from captionkit.training.run import warn_busy_cores
 
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
     monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     warn_busy_cores()
     err = capsys.readouterr().err
-    assert ("--threads 1" in err and err.startswith("warning: ") and err.count("\n") == 1) if warned else err == ""
+    if advice is None:
+        assert err == ""
+    else:
+        assert err.startswith("warning: ") and err.endswith(f"; {advice} runs faster then\n") and err.count("\n") == 1
 
 
 def test_the_command_warns_on_a_loaded_machine_and_the_python_api_does_not(tiny_config, tmp_path, monkeypatch,

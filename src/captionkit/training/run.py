@@ -218,8 +218,9 @@ def warn_busy_cores() -> None:
     except OSError:  # not every system has it
         return
     if threads > 1 and load > cpus - threads + 0.5:
+        free = max(1, min(threads - 1, int(cpus - load + 0.5)))  # the cores the load leaves, at least one
         print(f"warning: the load on this machine ({load:.1f} on {cpus} cores) leaves fewer than {threads} cores to "
-              f"this run's {threads} torch threads, which can make it many times slower; --threads 1 (or fewer) "
+              f"this run's {threads} torch threads, which can make it many times slower; --threads {free} "
               f"runs faster then", file=sys.stderr)
 
 
