@@ -41,6 +41,7 @@ from ..core.checkpoint import (
     save_checkpoint,
 )
 from ..core.collectives import summed_over
+from ..core.errors import TrainingDiverged
 from ..core.outputs import atomic_write_text
 from ..core.precision import autocast, grad_scaler, resolve_precision
 from ..data.tokenizers import Tokenizer
@@ -367,7 +368,9 @@ class Trainer:
         prog = self.state.epoch_progress
         for (step, *_), values in zip(unread, mean_figures(self.world, rows)):
             if not math.isfinite(values[-1]):  # (summed over the processes: any one's)
-                raise FloatingPointError(f"loss became {values[-1]} at step {step}")
+                raise TrainingDiverged(f"loss became {values[-1]} at step {step}: training diverged (lower train.lr, "
+                                       "keep train.grad_clip on, or use train.precision fp32); the checkpoints "
+                                       "saved before it are kept")
             for k, v in zip(keys, values):  # means over this epoch so far
                 prog.sums[k] = prog.sums.get(k, 0.0) + v
 
