@@ -162,8 +162,9 @@ def test_training_shows_epoch_and_validation_bars_and_trains_the_same(flickr_dir
     for name in ("last/model.safetensors", "last/optimizer.safetensors", "best/model.safetensors"):
         a, b = (load_file(tmp_path / run / name) for run in ("plain", "shown"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    chosen = [json.loads((tmp_path / run / "best" / "config.json").read_text())["decoding"] for run in ("plain", "shown")]
-    assert chosen[0] == chosen[1]
+    chosen = [json.loads((tmp_path / run / "best" / "config.json").read_text())["decoding"]
+              for run in ("plain", "shown")]
+    assert chosen[0] == chosen[1]  # the length penalty tuned on dev
     history = [[{k: v for k, v in json.loads(line).items() if k != "seconds"}
                 for line in (tmp_path / run / "history.jsonl").read_text().splitlines()] for run in ("plain", "shown")]
     assert history[0] == history[1]

@@ -3,9 +3,9 @@ captioning, evaluate, training epochs and validation, sweeps).
 
 A bar is drawn only where someone watches it: stderr is a terminal, this process is rank 0 of a
 DDP run (or no DDP run), and ``CAPTIONKIT_PROGRESS`` does not say otherwise (``0``: never, ``1``:
-always, even into a pipe or a log file; any other value: as if unset). A log file or CI output (not a terminal) gets no bar
-characters at all; what a step prints as a result (a summary line, an epoch's dev scores) it
-prints itself, bar or not.
+always, even into a pipe or a log file; any other value: as if unset). A log file or CI output
+(not a terminal) gets no bar characters at all; what a step prints as a result (a summary line,
+an epoch's dev scores) it prints itself, bar or not.
 """
 
 from __future__ import annotations
@@ -79,6 +79,9 @@ class _AboveBars(io.TextIOBase):
     @property
     def encoding(self):
         return getattr(self.under, "encoding", "utf-8")
+
+    def __getattr__(self, name: str):  # the rest (buffer, errors, ...) as the stream beneath has them
+        return getattr(self.under, name)
 
 
 @contextmanager
