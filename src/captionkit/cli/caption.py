@@ -295,8 +295,11 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
 
 def _caption_split(cap, items: list, split: str, **options) -> dict[str, str]:
     """{image name: caption} of a dataset split; one line if any of its images cannot be read."""
+    from ..core.progress import progress
+
     captions, failed = {}, []
-    for path, res in cap.caption_files([it.path for it in items], **options):
+    results = cap.caption_files([it.path for it in items], **options)
+    for path, res in progress(results, total=len(items), desc=f"evaluate {split}", unit="image"):
         if isinstance(res, ImageError):
             failed.append(str(res))
         else:
