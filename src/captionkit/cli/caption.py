@@ -467,7 +467,8 @@ def cmd_ensemble(model: list[str], weights: list[float] | None, length_penalty: 
 
     _check_models(model, weights)
     target = check_folder_target(out, overwrite=overwrite, kinds=(KIND,))
-    cap = Captioner.load_ensemble(model, weights, length_penalty=length_penalty, combine=combine, with_encoder=False)
+    cap = Captioner.load_ensemble(model, weights, length_penalty=length_penalty, combine=combine, with_encoder=False,
+                                  device="cpu")  # loaded only to check the members fit
     members = [member_entry(Path(p), target, SHIPPED) for p in cap.config["ensemble"]["members"]]
     path = write_ensemble(target, members, cap.decoder.weights, cap.length_penalty, cap.max_len, combine, tta)
     print(f"wrote {path}: {len(members)} members, weights "

@@ -66,7 +66,7 @@ def caption_split(run: Run, items, shown: set[str], beam: int, batch_size: int =
     from ..core.errors import ImageError
     from ..inference.captioner import Captioner
 
-    cap = Captioner.load(run.checkpoint)
+    cap = Captioner.load(run.checkpoint, device="cpu")  # the report is made on the CPU, as before load() took "auto"
     res = RunResult(run, {})
     for path, out in cap.caption_files([it.path for it in items], beam=beam, batch_size=batch_size):
         if isinstance(out, ImageError):
