@@ -48,7 +48,7 @@ def read_input(item, label: str, max_bytes: int | None = None, timeout: float | 
         return array_to_rgb(item, f"{label} (numpy array)")
     kind = type(item).__qualname__ if type(item).__module__ == "builtins" else \
         f"{type(item).__module__}.{type(item).__qualname__}"
-    raise ImageError(f"{label}: cannot caption a {kind}; give {KINDS}")
+    raise ImageError(f"{label}: cannot caption a value of type {kind}; give {KINDS}")
 
 
 def _check_size(w: int, h: int, name: str) -> None:
