@@ -202,3 +202,16 @@ def test_options_that_make_no_sense_are_refused(cap, photos):
     for options in ({"batch_size": 0}, {"workers": 0}):
         with pytest.raises(captionkit.UserError, match="batch_size and workers must be at least 1"):
             cap(photos[0], **options)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (torch sees none)")
+def test_on_a_gpu_load_goes_there_and_calls_caption_as_caption_files(picky_models, photos):
+    """"auto" is the GPU where there is one; cap(images) encodes and decodes there, giving what
+    caption_files gives on it (float32: the picky decoder's captions flip under bf16 rounding)."""
+    cap = captionkit.load(str(picky_models[0]), precision="fp32")
+    assert cap.device.type == "cuda"
+    want = {p.name: r.text for p, r in cap.caption_files(photos, workers=0)}
+    results = cap([*photos, "missing.jpg"], batch_size=5, attention=True)
+    assert [r.text for r in results[:-1]] == [want[p.name] for p in photos] and not results[-1].ok
+    assert all(r.attention.device.type == "cpu" for r in results[:-1])  # results live on the host

@@ -40,6 +40,19 @@ def test_caption_a_url_as_its_file(picky_models, photos, server, tmp_path, capsy
     capsys.readouterr()
     assert main(["caption", urls[1], *model]) == 0
     assert capsys.readouterr().out == f"{urls[1]}\t{want[photos[1].name]}\n"
+    (tmp_path / "list.txt").write_text(f"# photos\n{urls[2]}\n{photos[0]}\n")
+    assert cli_captions(tmp_path, ["caption", "--paths-from", str(tmp_path / "list.txt"), *model]) == {
+        urls[2]: want[photos[2].name], photos[0].name: want[photos[0].name]}
+
+
+def test_downloads_go_to_a_temporary_folder_removed_at_the_end(picky_models, photos, server, tmp_path, monkeypatch):
+    import tempfile
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    url = server.url(f"/{photos[0].name}")
+    assert main(["caption", url, server.url("/gone.png"), "--model", str(picky_models[0])]) == 1
+    assert list((tmp_path / "tmp").iterdir()) == []
 
 
 def test_a_failed_download_is_its_images_error_line(picky_models, photos, server, tmp_path, capsys, monkeypatch):
