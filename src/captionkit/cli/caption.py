@@ -182,7 +182,7 @@ def _url_writer():
             given = {}
             for p in self.paths:
                 if is_url(p) and p not in given:  # a URL given twice is captioned once, as a file is
-                    given[p] = Path(self.folder.name) / str(len(given))
+                    given[p] = Path(self.folder.name) / f"url-{len(given)}"
                     given[p].touch()
                     self.urls[given[p]] = p
             self.paths = [str(given[p]) if p in given else p for p in self.paths]
