@@ -67,7 +67,7 @@ def caption_split(run: Run, items, shown: set[str], beam: int, batch_size: int =
     from ..core.progress import progress
     from ..inference.captioner import Captioner
 
-    cap = Captioner.load(run.checkpoint)
+    cap = Captioner.load(run.checkpoint, device="cpu")  # the report is made on the CPU, as before load() took "auto"
     res = RunResult(run, {})
     results = cap.caption_files([it.path for it in items], beam=beam, batch_size=batch_size)
     for path, out in progress(results, total=len(items), desc=run.label, unit="image"):
