@@ -66,7 +66,7 @@ def main() -> int:
 
     # 1. one image at a time, in this process
     tune_allocator()
-    cap = Captioner.load()
+    cap = Captioner.load(device="cpu")
     loop = images[:args.loop_n]
     t0 = time.perf_counter()
     for p in loop:

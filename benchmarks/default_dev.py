@@ -54,9 +54,10 @@ def parse_system(text: str) -> dict:
 def load(spec: dict):
     from captionkit.inference.captioner import Captioner
     if len(spec["models"]) == 1 and spec["weights"] is None:
-        return Captioner.load(spec["models"][0], with_encoder=False, tta="flip" if spec["flip"] else None)
+        return Captioner.load(spec["models"][0], with_encoder=False, tta="flip" if spec["flip"] else None,
+                               device="cpu")
     return Captioner.load_ensemble(spec["models"], spec["weights"], length_penalty=spec["lp"],
-                                   with_encoder=False, tta="flip" if spec["flip"] else None)
+                                   with_encoder=False, tta="flip" if spec["flip"] else None, device="cpu")
 
 
 def run(cap, spec: dict, stores: list, names: list[str], beam: int) -> tuple[dict[str, str], float]:

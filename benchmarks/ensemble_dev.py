@@ -142,12 +142,13 @@ def main() -> int:
     items = load_dataset(args.dataset).split("dev")[:args.limit]
     names = [it.name for it in items]
     refs = {it.name: it.raw for it in items}
-    t_model, t_sat = (Captioner.load(m, with_encoder=False) for m in MODELS)
+    t_model, t_sat = (Captioner.load(m, with_encoder=False, device="cpu") for m in MODELS)
     store = feature_store(t_model.config["encoder"]["cache_key"], names)
     metrics = ("bleu", "cider") if args.no_meteor else ("bleu", "meteor", "cider")
     n, k = args.nbest, args.beam
-    loglinear = Captioner.load_ensemble(MODELS, [0.5, 0.5], with_encoder=False)
-    linear = Captioner.load_ensemble(MODELS, [0.5, 0.5], combine="linear", with_encoder=False)
+    loglinear = Captioner.load_ensemble(MODELS, [0.5, 0.5], with_encoder=False, device="cpu")
+    linear = Captioner.load_ensemble(MODELS, [0.5, 0.5], combine="linear", with_encoder=False,
+                                    device="cpu")
     both = [NBest(t_model, store, n), NBest(t_sat, store, n)]
     ens_nbest = NBest(loglinear, store, n, 1.5)
     systems = {f"{MODELS[0]} alone, lp {t_model.length_penalty:g}": beam(t_model, store, t_model.length_penalty, k),

@@ -93,7 +93,7 @@ def main() -> None:
 
     # Sampling cost depends on how long the captions are, so this one uses the shipped model
     # on the sample photos (an untrained model would babble to the length limit).
-    cap = Captioner.load(FAST_MODEL)  # one decoder to sample from (the default is an ensemble)
+    cap = Captioner.load(FAST_MODEL, device="cpu")  # one decoder to sample from (the default is an ensemble)
     photos = sorted((ROOT / "samples").glob("*.jpg"))
     n_img = 16
     x = torch.stack([to_tensor(load_rgb(photos[i % len(photos)]), cap.encoder.preprocess) for i in range(n_img)])

@@ -51,7 +51,7 @@ def main() -> None:
     items = load_dataset(args.dataset).split(args.split)[:args.n]
     refs = {it.name: it.raw for it in items}
     paths = [it.path for it in items]
-    ref_cap = Captioner.load(FAST_MODEL)  # ONNX export takes one model (the default is an ensemble)
+    ref_cap = Captioner.load(FAST_MODEL, device="cpu")  # ONNX export takes one model (the default is an ensemble)
     folder = Path(args.onnx) if args.onnx else Path(tempfile.mkdtemp(prefix="captionkit-onnx-"))
     if not args.onnx:
         export_onnx(ref_cap, folder, int8=True, model_name="sat-lite2-flickr8k")

@@ -43,7 +43,7 @@ def main() -> int:
     ap.add_argument("--images", default=str(ROOT / "samples"), help="a photo folder, or the Flickr8k folder")
     ap.add_argument("--beam", type=int, default=3)
     args = ap.parse_args()
-    cap = Captioner.load()
+    cap = Captioner.load(device="cpu")
     pre = cap.encoder.preprocess
     paths = photos(Path(args.images), args.n)
     captions, worst, examples = {}, {"JPEG": 0.0, "PNG": 0.0}, []

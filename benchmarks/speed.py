@@ -119,7 +119,7 @@ def bench_captioning(n: int, beam: int = 3, model: str | None = None) -> dict:
     from captionkit.data.images import load_rgb, to_tensor
     from captionkit.inference.captioner import Captioner
 
-    cap = Captioner.load(model)
+    cap = Captioner.load(model, device="cpu")
     paths = sample_photos(n)
     t = time.perf_counter()
     results = list(cap.caption_files(paths, beam=beam, batch_size=16))

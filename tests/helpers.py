@@ -363,3 +363,94 @@ def show_gpus(mp: pytest.MonkeyPatch, real: CudaView) -> None:
         mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         mp.setenv("CUDA_VISIBLE_DEVICES", real.visible)
+
+
+# ---- a local HTTP server (URLs in the Python API and the command line) -------------------------------
+class LocalServer:
+    """An HTTP server on 127.0.0.1 in a thread of this process, answering each path in
+    ``routes`` with its handler (``handler(request)``, a BaseHTTPRequestHandler) and any other
+    with 404; ``hits`` counts the requests per path. A context manager: serving inside."""
+
+    def __init__(self, routes: dict):
+        import http.server
+        import threading
+        from collections import Counter
+
+        self.routes, self.hits = routes, Counter()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                server.hits[self.path] += 1
+                route = server.routes.get(self.path)
+                if route is None:
+                    self.send_error(404)
+                    return
+                try:
+                    route(self)
+                except OSError:  # the client hung up (a refused or timed-out download): expected
+                    pass
+
+            def log_message(self, *args):  # quiet
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}{path}"
+
+    def __enter__(self) -> "LocalServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def http_body(data: bytes, length: bool = True, status: int = 200):
+    """A route answering ``data`` (without a Content-Length header when ``length`` is False:
+    the client learns the size only by reading)."""
+    def route(request):
+        request.send_response(status)
+        if length:
+            request.send_header("Content-Length", str(len(data)))
+        request.send_header("Connection", "close")
+        request.end_headers()
+        request.wfile.write(data)
+    return route
+
+
+def http_trickle(data: bytes, every: float):
+    """A route sending ``data`` one byte every ``every`` seconds (a server too slow to finish)."""
+    import time
+
+    def route(request):
+        request.send_response(200)
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        for i in range(len(data)):
+            request.wfile.write(data[i:i + 1])
+            request.wfile.flush()
+            time.sleep(every)
+    return route
+
+
+def http_silent(seconds: float):
+    """A route that answers nothing for ``seconds`` (a server that accepted and hangs)."""
+    import time
+
+    def route(request):
+        time.sleep(seconds)
+    return route
+
+
+def http_redirect(location: str):
+    def route(request):
+        request.send_response(302)
+        request.send_header("Location", location)
+        request.send_header("Content-Length", "0")
+        request.end_headers()
+    return route

@@ -73,9 +73,10 @@ class Report:
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    """One thread, this checkout's captionkit, and no kill hook but the one asked for."""
+    """One thread, this checkout's captionkit, no kill hook but the one asked for, and progress
+    bars although stderr is a pipe (where_it_was reads them)."""
     env = {k: v for k, v in os.environ.items() if k != KILL_ENV}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", CAPTIONKIT_PROGRESS="1", **extra)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
     return env
 
@@ -111,17 +112,21 @@ class Launch:
 
 
 def where_it_was(err: str, epochs: int) -> str:
-    """Where a timer kill landed, from the last thing the run printed (a run of ``epochs``)."""
+    """Where a timer kill landed, from the last thing the run printed (a run of ``epochs``):
+    its progress bars (captionkit.core.progress: ``epoch E/N: ...`` over an epoch's steps, kept
+    with a newline when it ends; ``validating: ...`` over the dev images, cleared) and lines."""
     if re.search(rf"resuming from .* \(epoch {epochs}, ", err):
         return "timer: saving or tuning"  # resumed after its last epoch: only the tuning is left
-    tail = err.replace("\r", "\n").rstrip(" ").split("\n")
-    last = tail[-1] if tail[-1] else "\n"
-    if re.match(r"epoch \d+/\d+ ", last):
+    shown = [c for c in re.split(r"[\r\n]", err) if c.strip()]  # each drawing of a bar, each line
+    last = shown[-1] if shown else ""
+    before = next((c for c in reversed(shown) if not c.startswith("validating")), "")
+    epoch_bar = re.match(r"epoch \d+/\d+: ", last)
+    if epoch_bar and not err.endswith("\n"):
         return "timer: inside an epoch"
-    before = next((ln for ln in reversed(tail) if ln.strip()), "")
-    if last == "\n" and re.match(r"epoch \d+/\d+ ", before):
-        return "timer: validating"  # an epoch's last progress line ended, its dev scores not yet out
-    if re.match(r"epoch \d+: ", before):
+    if epoch_bar or last.startswith("validating"):
+        # after an epoch's bar: its validation; after its dev scores: the final tuning's
+        return "timer: validating" if re.match(r"epoch \d+/\d+: ", before) else "timer: saving or tuning"
+    if re.match(r"epoch \d+: ", last):
         return "timer: saving or tuning"
     return "timer: before its first report"  # set up (or resumed), no step reported yet
 

@@ -26,6 +26,7 @@ def gpu_host(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)  # resolve_device makes cuda:N current
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert resolve_device("auto") == torch.device("cuda", 0)  # the fake is a GPU host to captionkit
 

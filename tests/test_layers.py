@@ -109,10 +109,11 @@ def test_score_reads_files_and_names_them_in_errors(tmp_path):
 
 
 def test_public_face_names():
-    assert set(captionkit.__all__) == {"Captioner", "UserError", "__version__", "load", "score"}
+    assert set(captionkit.__all__) == {"CaptionResult", "Captioner", "UserError", "__version__", "load", "score"}
     from captionkit.core.errors import UserError
-    from captionkit.inference.captioner import Captioner
+    from captionkit.inference.captioner import CaptionResult, Captioner
     assert captionkit.Captioner is Captioner and captionkit.UserError is UserError
+    assert captionkit.CaptionResult is CaptionResult
     with pytest.raises(AttributeError, match="no_such_name"):
         captionkit.no_such_name  # noqa: B018
 

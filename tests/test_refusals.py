@@ -121,11 +121,12 @@ def test_a_missing_photo_among_others_is_reported_before_the_model_loads(tiny_ru
     assert err.endswith("1 of 2 images could not be captioned\n")
 
 
-def test_a_url_is_one_line_saying_urls_are_not_read_yet(tmp_path):
-    """Was `https:/example.com/a.jpg: no such file`, after the model loaded."""
-    rc, err, _ = run_cli(["caption", "https://example.com/a.jpg"])
-    assert rc == 2 and err == ("captionkit caption: error: https://example.com/a.jpg: URLs are not supported yet; "
-                               "download the image and give its file\n")
+def test_a_url_captionkit_does_not_download_is_one_line_before_torch(tmp_path):
+    """Was `https:/example.com/a.jpg: no such file`, after the model loaded; http(s) URLs are
+    downloaded now (tests/test_urls.py), any other scheme is refused before torch."""
+    rc, err, _ = run_cli(["caption", "ftp://example.com/a.jpg"])
+    assert rc == 2 and err == ("captionkit caption: error: ftp://example.com/a.jpg: only http:// and https:// URLs "
+                               "are downloaded, not ftp://\n")
 
 
 @pytest.mark.parametrize("extra,expect", [

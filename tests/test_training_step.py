@@ -28,6 +28,7 @@ import captionkit.training.scst as scst_module
 import captionkit.training.trainer as trainer_module
 from captionkit.core import precision
 from captionkit.core.collectives import summed_over
+from captionkit.core.errors import UserError
 from captionkit.data.vocab import Vocab
 from captionkit.inference.captioner import Captioner
 from captionkit.models import create_model
@@ -382,10 +383,11 @@ def test_a_non_finite_loss_stops_training_naming_its_step(tiny_config, tmp_path,
         return (loss * float("nan") if len(calls) == 3 else loss), ce
 
     monkeypatch.setattr(trainer.model, "training_loss", poisoned)
-    with pytest.raises(FloatingPointError, match=r"^loss became nan at step 2$"):
+    with pytest.raises(FloatingPointError, match=r"^loss became nan at step 2: training diverged") as caught:
         trainer.fit(progress=False)
     assert 2 < trainer.state.step <= 2 + LOG_EVERY
     assert not (tmp_path / "run" / "last").exists()
+    assert isinstance(caught.value, UserError)  # the command prints it as one line, no traceback
 
 
 # ---- prefetching the host work ------------------------------------------------------------------

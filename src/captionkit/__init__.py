@@ -5,12 +5,12 @@ The public face, for scripts and notebooks::
     import captionkit
 
     cap = captionkit.load()                          # the shipped default model (or a folder, a name)
-    for path, result in cap.caption_files(["photo.jpg"]):
-        print(path, result.text)
+    for r in cap(["photo.jpg", "https://example.org/x.jpg"]):   # paths, URLs, PIL images, arrays, bytes
+        print(r.source, r.text if r.ok else f"error: {r.error}")
     report = captionkit.score({"img1": "a dog runs"}, {"img1": ["a dog is running", "a brown dog"]})
     print(report.scores)
 
-``Captioner``, ``load`` and ``score`` are imported when first used, so ``import captionkit`` (and
+docs/python-api.md is the guide. ``Captioner``, ``load`` and ``score`` are imported when first used, so ``import captionkit`` (and
 ``captionkit.scoring``, which never needs torch) stays cheap. The wings below are the library's
 layers (docs/architecture.md): ``core``, ``data``, ``encoders``, ``models``, ``kernels``,
 ``scoring``, ``inference``, ``training``, ``experiments``, ``export``, ``serve``, ``cli``.
@@ -23,19 +23,20 @@ from typing import TYPE_CHECKING
 from .core.version import __version__
 
 if TYPE_CHECKING:
-    from .inference.captioner import Captioner
+    from .inference.captioner import CaptionResult, Captioner
     from .scoring.evaluation import Report
 
-__all__ = ["Captioner", "UserError", "__version__", "load", "score"]
+__all__ = ["CaptionResult", "Captioner", "UserError", "__version__", "load", "score"]
 
 
-def load(model=None, *, device: str = "cpu", precision: str = "auto", tta: str | None = None,
+def load(model=None, *, device: str = "auto", precision: str = "auto", tta: str | None = None,
          weights=None) -> "Captioner":
-    """A :class:`Captioner` ready to caption: ``model`` is a checkpoint or ensemble folder, a
-    shipped model's name (``captionkit models`` lists them) or None for the default one; a list of
-    several is decoded as one ensemble (``weights``: one per member). ``device`` is a name as
-    ``--device`` takes it (``cpu``, ``cuda``, ``cuda:1``, ``mps``, ``auto``); ``precision`` and
-    ``tta`` as the command line's ``--precision`` and ``--tta``."""
+    """A :class:`Captioner` ready to caption (call it: ``cap(images)``): ``model`` is a checkpoint
+    or ensemble folder, a shipped model's name (``captionkit models`` lists them) or None for the
+    default one; a list of several is decoded as one ensemble (``weights``: one per member).
+    ``device`` is a name as ``--device`` takes it (``auto``, the default as on the command line:
+    the first CUDA GPU, else Apple's MPS, else the CPU; ``cpu``, ``cuda``, ``cuda:1``, ``mps``);
+    ``precision`` and ``tta`` as the command line's ``--precision`` and ``--tta``."""
     from .inference.captioner import Captioner
 
     place = {"tta": tta, "device": device, "precision": precision}
@@ -66,9 +67,9 @@ def score(captions, references, **options) -> "Report":
 
 def __getattr__(name: str):
     # PEP 562: the heavy names are imported on first use, so `import captionkit` needs no torch
-    if name == "Captioner":
-        from .inference.captioner import Captioner
-        return Captioner
+    if name in ("Captioner", "CaptionResult"):
+        from .inference import captioner
+        return getattr(captioner, name)
     if name == "UserError":
         from .core.errors import UserError
         return UserError

@@ -21,12 +21,15 @@ DEFAULT_NBEST = 5  # beams --rerank mbr chooses among when --nbest is not given
 
 def _caption_writer(command: str, paths: list[str], settings: dict, **outputs):
     """The writer both captioning commands share (captionkit.inference.writer.CaptionWriter): every output
-    target checked and the images found before the model loads."""
+    target checked and the images found before the model loads; with http(s) URLs among
+    ``paths``, one that downloads them (:func:`_url_writer`)."""
+    from ..data.fetch import is_url
     from ..inference.writer import CaptionWriter
 
     if outputs.get("retry_failed") and not (outputs.get("jsonl") or outputs.get("csv_out")):
         raise UsageError("--retry-failed retries the images a --jsonl or --csv file lists as failed: give one")
-    writer = CaptionWriter(command, paths, settings, **outputs)
+    kind = _url_writer() if any(is_url(p) for p in paths) else CaptionWriter
+    writer = kind(command, paths, settings, **outputs)
     if not writer.total:
         raise UsageError(f"no image files found in {' '.join(paths)}")
     return writer
@@ -143,14 +146,74 @@ def _listed_paths(listing: str | None) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
-def _check_sources(paths: list[str]) -> None:
-    """What caption and zero-shot read must be local files or folders: a URL is refused with
-    one line (the one place to change when URLs are read)."""
-    import re
+def _check_sources(paths: list[str], engine: str = "local") -> None:
+    """What caption and zero-shot read are local files or folders, or http(s) URLs: another
+    scheme (ftp://, file://), a URL for --engine ray (whose tasks read local files), or a bad
+    CAPTIONKIT_URL_* limit is refused with one line, before torch."""
+    from ..data.fetch import check_url, is_url, url_limits
 
-    urls = [p for p in paths if re.match(r"[a-z][a-z0-9+.-]*://", p, re.I)]
+    for p in paths:
+        check_url(p)
+    urls = [p for p in paths if is_url(p)]
+    if urls and engine == "ray":
+        raise UsageError(f"{urls[0]}: --engine ray reads local files; download the images first, or use the "
+                         f"local engine")
     if urls:
-        raise UsageError(f"{urls[0]}: URLs are not supported yet; download the image and give its file")
+        url_limits()
+
+
+def _url_writer():
+    """The CaptionWriter of a command given http(s) URLs (captionkit.data.fetch): each URL stands
+    in the writer as an empty file in a temporary folder, is written under its URL (stdout,
+    JSON keys, --jsonl/--csv lines, so a resumed run knows it), and is downloaded into that
+    file only when it is to be captioned -- after the outputs are checked and a resumed run
+    has dropped what is done, before the model loads; a download that fails is that image's
+    error line, naming the URL, and the others go on."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..data.fetch import fetch_url, is_url
+    from ..inference.writer import CaptionWriter, figure_names
+
+    class UrlCaptionWriter(CaptionWriter):
+        def __post_init__(self) -> None:
+            self.folder = tempfile.TemporaryDirectory(prefix="captionkit-urls-")
+            self.urls: dict[Path, str] = {}  # placeholder file -> its URL
+            given = {}
+            for p in self.paths:
+                if is_url(p) and p not in given:  # a URL given twice is captioned once, as a file is
+                    given[p] = Path(self.folder.name) / f"url-{len(given)}"
+                    given[p].touch()
+                    self.urls[given[p]] = p
+            self.paths = [str(given[p]) if p in given else p for p in self.paths]
+            super().__post_init__()
+            self.keys.update({f: u for f, u in self.urls.items() if f in self.keys})
+            if self.attention:
+                self.figures = figure_names(self.keys.values())
+
+        def run(self, caption) -> int:
+            try:
+                return super().run(lambda files: self._downloading(caption, files))
+            finally:
+                self.folder.cleanup()
+
+        def _downloading(self, caption, files: list[Path]):
+            def fetch(f: Path) -> ImageError | None:
+                try:
+                    f.write_bytes(fetch_url(self.urls[f]))
+                except ImageError as e:
+                    return e
+                return None
+
+            wanted = [f for f in files if f in self.urls]
+            with ThreadPoolExecutor(max_workers=4) as pool:  # downloads overlap; four at most at a time
+                failed = {f: e for f, e in zip(wanted, pool.map(fetch, wanted)) if e is not None}
+            good = [f for f in files if f not in failed]
+            results = iter(caption(good) if good else ())  # the model loads only for something to caption
+            for f in files:
+                yield (f, failed[f]) if f in failed else next(results)
+
+    return UrlCaptionWriter
 
 
 def _check_ray_caption(out: str | None, **unsupported) -> None:
@@ -225,8 +288,10 @@ def add_caption(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("caption", help="caption image files or folders (docs/captioning.md)")
     c.set_defaults(func=cmd_caption)
     c.add_argument("paths", nargs="*", metavar="PATH",
-                   help="image files, or folders to caption every image in (or none, with --paths-from)")
-    c.add_argument("--paths-from", metavar="FILE", help="also caption the images this file lists, one path a line")
+                   help="image files, folders to caption every image in, or http(s) URLs (downloaded with a "
+                        "size limit and a timeout, docs/captioning.md) (or none, with --paths-from)")
+    c.add_argument("--paths-from", metavar="FILE",
+                   help="also caption the images this file lists, one path or URL a line")
     c.add_argument("--model", action="append",
                    help=f"checkpoint or ensemble folder, or a shipped model by name: {shipped_models_text()}; "
                         "repeat for an ensemble (docs/ensembles.md)")
@@ -259,7 +324,7 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
     paths = [*paths, *_listed_paths(paths_from)]
     if not paths:
         raise UsageError("give image files or folders to caption, or --paths-from FILE")
-    _check_sources(paths)
+    _check_sources(paths, engine)
     if engine == "ray":
         _check_ray_caption(jsonl or csv_out, onnx=onnx, attention=attention, rerank=rerank, nbest=nbest,
                            candidates=candidates, tta=tta)
@@ -300,8 +365,11 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
 
 def _caption_split(cap, items: list, split: str, **options) -> dict[str, str]:
     """{image name: caption} of a dataset split; one line if any of its images cannot be read."""
+    from ..core.progress import progress
+
     captions, failed = {}, []
-    for path, res in cap.caption_files([it.path for it in items], **options):
+    results = cap.caption_files([it.path for it in items], **options)
+    for path, res in progress(results, total=len(items), desc=f"evaluate {split}", unit="image"):
         if isinstance(res, ImageError):
             failed.append(str(res))
         else:
@@ -376,7 +444,8 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
 def add_zero_shot(sub: argparse._SubParsersAction) -> None:
     z = sub.add_parser("zero-shot", help="caption photos with an instruction-tuned vision-language model")
     z.set_defaults(func=cmd_zero_shot)
-    z.add_argument("paths", nargs="+", metavar="PATH", help="image files, or folders to caption every image in")
+    z.add_argument("paths", nargs="+", metavar="PATH",
+                   help="image files, folders to caption every image in, or http(s) URLs")
     z.add_argument("--model", default=DEFAULT_VLM,
                    help=f"a transformers model: Hub name or folder (default {DEFAULT_VLM})")
     z.add_argument("--prompts",
@@ -472,7 +541,8 @@ def cmd_ensemble(model: list[str], weights: list[float] | None, length_penalty: 
 
     _check_models(model, weights)
     target = check_folder_target(out, overwrite=overwrite, kinds=(KIND,))
-    cap = Captioner.load_ensemble(model, weights, length_penalty=length_penalty, combine=combine, with_encoder=False)
+    cap = Captioner.load_ensemble(model, weights, length_penalty=length_penalty, combine=combine, with_encoder=False,
+                                  device="cpu")  # loaded only to check the members fit
     members = [member_entry(Path(p), target, SHIPPED) for p in cap.config["ensemble"]["members"]]
     path = write_ensemble(target, members, cap.decoder.weights, cap.length_penalty, cap.max_len, combine, tta)
     print(f"wrote {path}: {len(members)} members, weights "

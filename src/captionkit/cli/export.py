@@ -78,7 +78,7 @@ def cmd_export_onnx(model: str | None, out: str, int8: bool, int8_encoder: bool,
     from ..export.onnx_runtime import parity_check
     from ..inference.captioner import Captioner
 
-    cap = Captioner.load(model)
+    cap = Captioner.load(model, device="cpu")  # traced and parity-checked on the CPU, as onnxruntime runs
     manifest = export_onnx(cap, out, int8=int8 or int8_encoder, int8_encoder=int8_encoder,
                            model_name=Path(model).name, overwrite=overwrite, web=web)
     print(f"wrote {manifest.parent}: " + ", ".join(

@@ -12,6 +12,11 @@ class UserError(ValueError):
     ``ValueError`` so that library callers catching ``ValueError`` keep working."""
 
 
+class TrainingDiverged(UserError, FloatingPointError):
+    """A training loss that stopped being finite: too high a learning rate, or fp16 overflowing,
+    not a bug to trace. A ``FloatingPointError`` too, for callers that catch that."""
+
+
 class ImageError(UserError):
     """A file that cannot be used as a photo; the message names the file."""
 

@@ -26,7 +26,6 @@ import hashlib
 import io
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +34,7 @@ import torch
 from ..core.cache import cache_root
 from ..core.errors import OutputError
 from ..core.outputs import atomic_write_bytes, atomic_write_text, check_writable_folder, owner_kind, write_marker
+from ..core.progress import progress as progress_bar
 from .base import Encoder, module_device
 from .image_batches import image_batches
 
@@ -260,7 +260,8 @@ def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None
         wanted = sorted({position[p] for p in only})
     todo = [i for i in wanted if not done[i]]
     failed: list[str] = []
-    t0, n_done = time.time(), 0
+    # (closed below, or by its finalizer when an error ends the loop)
+    bar = progress_bar(total=len(todo), desc=f"features {encoder.name}", unit="image", show=progress and bool(todo))
     for start, batch in zip(range(0, len(todo), batch_size),
                             image_batches([paths[i] for i in todo], encoder.preprocess, batch_size, workers,
                                           module_device(encoder))):
@@ -272,17 +273,11 @@ def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None
             for k, row in zip(batch.good, out):
                 feats[rows[k]] = row
                 done[rows[k]] = True
-        n_done += len(rows)
+        bar.update(len(rows))
         if start // batch_size % 20 == 0 or start + batch_size >= len(todo):
             feats.flush()
             np.save(done_path, done)
-            if progress:
-                rate = n_done / max(time.time() - t0, 1e-9)
-                eta = (len(todo) - n_done) / max(rate, 1e-9)
-                print(f"\rfeatures {encoder.name}: {n_done}/{len(todo)} "
-                      f"{rate:.1f} img/s, ETA {eta / 60:.1f} min", end="", file=sys.stderr, flush=True)
-    if progress and todo:
-        print(file=sys.stderr)
+    bar.close()
     for msg in failed:
         print(f"skipped: {msg}", file=sys.stderr)
     return FeatureStore(folder)

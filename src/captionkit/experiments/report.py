@@ -64,11 +64,13 @@ def _attention(result, keep: bool) -> dict:
 def caption_split(run: Run, items, shown: set[str], beam: int, batch_size: int = 16) -> RunResult:
     """Caption every image of the split with the run's best checkpoint (its own length penalty)."""
     from ..core.errors import ImageError
+    from ..core.progress import progress
     from ..inference.captioner import Captioner
 
-    cap = Captioner.load(run.checkpoint)
+    cap = Captioner.load(run.checkpoint, device="cpu")  # the report is made on the CPU, as before load() took "auto"
     res = RunResult(run, {})
-    for path, out in cap.caption_files([it.path for it in items], beam=beam, batch_size=batch_size):
+    results = cap.caption_files([it.path for it in items], beam=beam, batch_size=batch_size)
+    for path, out in progress(results, total=len(items), desc=run.label, unit="image"):
         if isinstance(out, ImageError):
             raise out
         res.captions[path.name] = out.text

@@ -35,6 +35,8 @@ from typing import Any
 
 from ..core.errors import OutputError, UserError
 from ..core.outputs import atomic_write_text, check_folder_target, owner_kind, write_marker
+from ..core.progress import lines_above_bars
+from ..core.progress import progress as progress_bar
 from ..scoring.evaluation import METRICS
 from .runs import (
     LOSS_METRIC,
@@ -409,10 +411,16 @@ def run_local(sweep: Sweep, progress: bool = True) -> list[dict]:
     if done:
         print(f"{sweep.folder}: {done} of {len(sweep.trials)} trials already done; "
               f"{len(todo)} to run", file=sys.stderr)
-    for i, name in enumerate(todo):
-        print(f"trial {name} ({done + i + 1}/{len(sweep.trials)})", file=sys.stderr)
-        run_trial(sweep, name, progress=progress)
-        summarize(sweep)
+    # the trials' own bars (features, epochs) and lines (dev scores) go beneath and above this one
+    bar = progress_bar(total=len(sweep.trials), initial=done, desc="sweep", unit="trial", show=progress)
+    with bar, lines_above_bars():
+        for i, name in enumerate(todo):
+            # (kept without bars too: it heads the trial's lines in a log)
+            print(f"trial {name} ({done + i + 1}/{len(sweep.trials)})", file=sys.stderr)
+            bar.set_postfix_str(name)
+            run_trial(sweep, name, progress=progress)
+            summarize(sweep)
+            bar.update()
     return summarize(sweep)
 
 

@@ -169,7 +169,7 @@ def export_transformers(checkpoint: str | Path, out: str | Path, overwrite: bool
     missing or empty, or with ``overwrite`` a transformers export captionkit wrote
     (captionkit.core.outputs). Atomic: written under a temporary name, then renamed. -> the folder."""
     out = check_folder_target(out, overwrite=overwrite, kinds=("transformers",)).resolve()
-    cap = Captioner.load(checkpoint, with_encoder=False)
+    cap = Captioner.load(checkpoint, with_encoder=False, device="cpu")  # exported from CPU tensors
     cfg = cap.config
     if cfg["family"] not in EXPORTERS["transformers"]:
         raise CheckpointError(f"{checkpoint}: a {cfg['family']} model; transformers exports exist for "

@@ -5,6 +5,7 @@ captions with any registered family."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -15,7 +16,8 @@ from ..core.checkpoint import CheckpointError, load_into, read_config, read_weig
 from ..core.devices import resolve_device, to_device, use_device
 from ..core.errors import UserError
 from ..core.precision import autocast, resolve_precision
-from ..data.images import ImageError
+from ..data.images import ImageError, to_tensor
+from ..data.inputs import input_label, read_input
 from ..data.tokenizers import Tokenizer, load_tokenizer
 from ..encoders import Encoder, create_encoder, load_finetuned
 from ..encoders.image_batches import image_batches
@@ -101,6 +103,31 @@ class Result:
         return " ".join(self.words)
 
 
+@dataclass
+class CaptionResult:
+    """One input's outcome in :meth:`Captioner.__call__`: its caption, or why there is none.
+
+    ``source``: the input as named (a path or URL as given; ``images[i]``, or ``image`` for a
+    single one, for a PIL image, an array or bytes). ``ok``: whether it was captioned; if not,
+    ``error`` is the one-line reason (naming ``source``) and the caption fields are None.
+    ``text``: the caption; ``words``: its words; ``logprob``: the sum of its tokens'
+    log-probabilities, <end> included (an ensemble's combined one), whatever length penalty
+    ranked the beams. ``attention`` (len(words), L) and ``grid`` (rows, columns of the L
+    locations): only when asked for (``attention=True``), else None."""
+
+    source: str
+    text: str | None = None
+    words: list[str] | None = None
+    logprob: float | None = None
+    attention: torch.Tensor | None = None
+    grid: tuple[int, int] | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
 class Captioner:
     def __init__(self, decoder: CaptionModel, vocab: Tokenizer, config: dict, encoder: Encoder | None = None,
                  tta: str | None = None):
@@ -148,10 +175,11 @@ class Captioner:
 
     @classmethod
     def load(cls, path: str | Path | None = None, with_encoder: bool = True,
-             encoder_weights: str | None = None, tta: str | None = None, device: str | torch.device = "cpu",
+             encoder_weights: str | None = None, tta: str | None = None, device: str | torch.device = "auto",
              precision: str = "auto") -> "Captioner":
         """Load a checkpoint folder, an ensemble folder (captionkit.inference.ensemble), or a shipped model
-        by name (the default one when ``path`` is None), onto ``device`` (see :meth:`place`).
+        by name (the default one when ``path`` is None), onto ``device`` (see :meth:`place`; "auto",
+        as the command line's --device: the first CUDA GPU, else MPS, else the CPU).
         ``tta``: see :class:`Captioner` (default: none, or what the ensemble folder says;
         "none" switches the folder's off)."""
         path = existing_model_folder(path)
@@ -170,13 +198,13 @@ class Captioner:
                       length_penalty: float | None = None, max_len: int | None = None,
                       combine: str = "loglinear", with_encoder: bool = True,
                       encoder_weights: str | None = None, source: Path | None = None,
-                      tta: str | None = None, device: str | torch.device = "cpu",
+                      tta: str | None = None, device: str | torch.device = "auto",
                       precision: str = "auto") -> "Captioner":
         """Several checkpoints (folders or shipped names) of one tokenizer and encoder, decoded
         as one model (captionkit.inference.ensemble). ``weights``: one per member (default equal);
         ``length_penalty`` and ``max_len``: the ensemble's (default the first member's).
         ``source``: the ensemble folder they were named in, if any (for its errors).
-        ``device``, ``precision``: see :meth:`place`."""
+        ``device``, ``precision``: see :meth:`load`."""
         normalised_weights(weights, len(paths))  # a wrong weight is refused before anything loads
         if combine not in COMBINE:
             raise UserError(f"unknown combine {combine!r} (known: {', '.join(COMBINE)})")
@@ -324,3 +352,51 @@ class Captioner:
                 if i in lists:
                     res.candidates = [self.text(c) for c in lists[i]]
                 yield p, res
+
+    def __call__(self, images, *, beam: int = 3, batch_size: int = 16, attention: bool = False,
+                 length_penalty: float | None = None, workers: int = 2, url_max_bytes: int | None = None,
+                 url_timeout: float | None = None) -> CaptionResult | list[CaptionResult]:
+        """Caption ``images``: one input, or a list (or tuple) of them. An input is a path (str
+        or Path), an http(s) URL, a PIL image, a numpy array (H, W, 3) of uint8 (also (H, W)
+        grey, (H, W, 4) RGBA) or the bytes of an image file (captionkit.data.inputs). One input
+        gives one :class:`CaptionResult`, a list a list of them in its order. An input that
+        cannot be read (a missing file, bytes that are no image, a URL that fails, an array of
+        the wrong shape) gives a result with ``ok`` False and ``error`` its one-line reason;
+        the others are captioned as usual. ``batch_size`` inputs are read (by ``workers``
+        threads, so downloads overlap) and captioned together on this captioner's device;
+        ``attention=True`` keeps each word's attention. ``url_max_bytes``, ``url_timeout``:
+        a URL's limits (default 20 MiB and 30 s; captionkit.data.fetch)."""
+        if self.encoder is None:
+            raise RuntimeError("this Captioner was loaded without its encoder")
+        if batch_size < 1 or workers < 1:
+            raise UserError(f"batch_size and workers must be at least 1, not {batch_size} and {workers}")
+        single = not isinstance(images, (list, tuple))
+        items = [images] if single else list(images)
+        labels = [input_label(x, None if single else i) for i, x in enumerate(items)]
+        pre = self.encoder.preprocess
+
+        def pixels(k: int) -> torch.Tensor | ImageError:  # (3, S, S), or why not
+            try:
+                return to_tensor(read_input(items[k], labels[k], url_max_bytes, url_timeout), pre)
+            except ImageError as e:
+                return e
+
+        out: list[CaptionResult] = []
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for start in range(0, len(items), batch_size):
+                read = list(pool.map(pixels, range(start, min(start + batch_size, len(items)))))
+                good = [k for k, x in enumerate(read) if isinstance(x, torch.Tensor)]
+                caps = {}
+                if good:
+                    feats = self.encode(torch.stack([read[k] for k in good]))  # (G, L, D)
+                    caps = dict(zip(good, self.decode_features(feats, beam, length_penalty)))
+                for k, x in enumerate(read):
+                    out.append(self._call_result(labels[start + k], caps.get(k), x, attention))
+        return out[0] if single else out
+
+    def _call_result(self, source: str, cap: Caption | None, read, attention: bool) -> CaptionResult:
+        if cap is None:
+            return CaptionResult(source, error=str(read))
+        res = self.result(cap)
+        return CaptionResult(source, text=res.text, words=res.words, logprob=float(cap.logprob),
+                             attention=res.attention if attention else None, grid=res.grid if attention else None)

@@ -74,7 +74,7 @@ def init_ray(opts: RayOptions) -> None:
                  log_to_driver=False, configure_logging=False)
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # not a line per dataset executed
     ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False  # captionkit prints its own progress line
+    ctx.enable_progress_bars = False  # captionkit draws its own (captionkit.core.progress)
     ctx.print_on_execution_start = False
 
 
@@ -332,7 +332,7 @@ def build_features_ray(encoder_name: str, encoder_weights: str | None, paths: li
     grid = encoder.grid()
     shape = (grid[0] * grid[1], encoder.dim)
     load = partial(create_encoder, encoder_name, weights=encoder_weights)
-    progress = Progress(sum(len(ranges[s]) for s in missing))
+    progress = Progress(sum(len(ranges[s]) for s in missing), desc="features ray")
     skipped: list[str] = []
     for s, cols in run_shards(paths, missing, shard_size, encoder.preprocess, FeatureReplica,
                               {"load": load, "shape": shape}, opts):

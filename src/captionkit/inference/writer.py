@@ -42,6 +42,7 @@ from ..core.outputs import (
     check_folder_target,
     write_marker,
 )
+from ..core.progress import lines_above_bars, progress
 
 META_SUFFIX = ".meta.json"  # OUT.meta.json beside a --jsonl/--csv OUT: the settings it was written with
 META_KIND = "caption-settings"
@@ -318,48 +319,29 @@ class CsvOutput(_Output):
 
 
 class Progress:
-    """One status line on stderr: done/total, images/s, ETA. Redrawn in place on a terminal,
-    a new line every ``every`` seconds otherwise (logs)."""
+    """Captioning's progress: a bar on stderr where bars are drawn (captionkit.core.progress), and
+    at the end one summary line, bar or not (it is the run's result: done/total, images/s,
+    unreadable, already done, seconds)."""
 
-    def __init__(self, total: int, skipped: int = 0, every: float = 10.0, stream=None):
+    def __init__(self, total: int, skipped: int = 0, desc: str = "caption"):
         self.total, self.skipped, self.done, self.failed = total, skipped, 0, 0
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.every = 0.2 if self.tty else every
-        self.t0 = self.last = time.perf_counter()
+        self.t0 = time.perf_counter()
+        # cleared when done: the summary line below says it all
+        self.bar = progress(total=total, desc=desc, unit="image", leave=False, show=total > 0)
 
     def update(self, n: int = 1, failed: int = 0) -> None:
         self.done += n
         self.failed += failed
-        now = time.perf_counter()
-        if now - self.last >= self.every:
-            self.last = now
-            self._show(now)
-
-    def _line(self, now: float) -> str:
-        rate = self.done / max(now - self.t0, 1e-9)
-        left = self.total - self.done
-        eta = left / rate if rate > 0 else float("inf")
-        eta_s = "?" if eta == float("inf") else time.strftime("%H:%M:%S", time.gmtime(eta))
-        pct = 100 * self.done / self.total if self.total else 100.0
-        extra = f", {self.skipped} already done" if self.skipped else ""
-        return (f"{self.done}/{self.total} images ({pct:.1f}%), {rate:.1f} images/s, ETA {eta_s}"
-                f", {self.failed} unreadable{extra}")
-
-    def _show(self, now: float) -> None:
-        if self.tty:
-            self.stream.write("\r" + self._line(now) + "\x1b[K")
-        else:
-            self.stream.write(self._line(now) + "\n")
-        self.stream.flush()
+        if failed:
+            self.bar.set_postfix(unreadable=self.failed, refresh=False)
+        self.bar.update(n)
 
     def close(self) -> None:
-        now = time.perf_counter()
-        if self.tty:
-            self.stream.write("\r" + self._line(now) + "\x1b[K\n")
-        else:
-            self.stream.write(self._line(now) + f", {now - self.t0:.1f} s\n")
-        self.stream.flush()
+        self.bar.close()
+        seconds = time.perf_counter() - self.t0
+        extra = f", {self.skipped} already done" if self.skipped else ""
+        print(f"{self.done}/{self.total} images, {self.done / max(seconds, 1e-9):.1f} images/s, "
+              f"{self.failed} unreadable{extra}, {seconds:.1f} s", file=sys.stderr, flush=True)
 
 
 class _StdoutClosed(Exception):
@@ -466,13 +448,14 @@ class CaptionWriter:
         self.captions: dict[str, str] = {}
         self.failed, self.stdout_closed = 0, False
         try:
-            for path in todo:
-                if path in self.refused:
-                    self._record(path, ImageError(f"{path}: {self.refused[path]}"))
-            readable = [p for p in todo if p not in self.refused]
-            if readable:  # else no model is loaded at all
-                for path, res in caption(readable):
-                    self._record(path, res)
+            with lines_above_bars():  # (a warning while the bar is drawn goes above it, not into it)
+                for path in todo:
+                    if path in self.refused:
+                        self._record(path, ImageError(f"{path}: {self.refused[path]}"))
+                readable = [p for p in todo if p not in self.refused]
+                if readable:  # else no model is loaded at all
+                    for path, res in caption(readable):
+                        self._record(path, res)
         except _StdoutClosed:
             return EXIT_STDOUT_CLOSED
         finally:

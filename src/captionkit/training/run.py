@@ -186,7 +186,7 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
         barrier(world)  # the run folder exists before any rank goes on
         state = trainer.fit(max_steps=max_steps, progress=progress, on_epoch=on_epoch)
         if world.main:
-            print(end_of_run(cfg, out, state, max_steps, progress), file=sys.stderr, flush=True)
+            print(end_of_run(cfg, out, state, max_steps), file=sys.stderr, flush=True)
         stop(world)
     except BaseException as e:
         # Any rank's error ends the run on every rank, at once: no barrier here (see abort). The
@@ -224,15 +224,13 @@ def warn_busy_cores() -> None:
               f"runs faster then", file=sys.stderr)
 
 
-def end_of_run(cfg: RunConfig, out: Path, state: TrainState, max_steps: int | None, progress: bool = False) -> str:
+def end_of_run(cfg: RunConfig, out: Path, state: TrainState, max_steps: int | None) -> str:
     """The line a run ends with: why it stopped and what it saved where (a run that ended
     in silence left the user to guess both)."""
     tc = cfg.train
     last = f"{out / 'last'} (epoch {state.epoch}, step {state.step})"
     if state.epoch < tc.epochs and state.bad_epochs < tc.patience:  # fit returned before the end: max_steps
-        # (the trainer leaves its progress line open when it stops inside an epoch)
-        lead = "\n" if progress and state.batch_in_epoch else ""
-        return (f"{lead}stopped at --max-steps {max_steps}: saved {last}; "
+        return (f"stopped at --max-steps {max_steps}: saved {last}; "
                 f"continue it with --resume and a larger --max-steps, or without one to train to the end")
     why = (f"all {tc.epochs} epochs done" if state.bad_epochs < tc.patience
            else f"stopped early at epoch {state.epoch} (no {tc.val_metric} gain for {tc.patience} "

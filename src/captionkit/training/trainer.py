@@ -41,8 +41,10 @@ from ..core.checkpoint import (
     save_checkpoint,
 )
 from ..core.collectives import summed_over
+from ..core.errors import TrainingDiverged
 from ..core.outputs import atomic_write_text
 from ..core.precision import autocast, grad_scaler, resolve_precision
+from ..core.progress import progress as progress_bar
 from ..data.tokenizers import Tokenizer
 from ..data.vocab import Vocab
 from ..encoders import load_finetuned
@@ -55,8 +57,8 @@ from .scst import SelfCritical
 from .stages import CPU, BuiltModel, BuiltOptimizer, TrainData, decoder_weights, encode_captions
 
 _SCORER = {"METEOR": "meteor", "ROUGE_L": "rouge"}  # validation scores BLEU and CIDEr, and these when chosen
-# Steps between host reads of the training figures: the progress line (and the check that the
-# loss is finite) comes every LOG_EVERY steps; between them a step never waits for the device.
+# Steps between host reads of the training figures: the progress bar's figures (and the check
+# that the loss is finite) come every LOG_EVERY steps; between them a step never waits for the device.
 LOG_EVERY = 20
 PRECISION_NAMES = {"bf16": "bf16 mixed precision matmuls", "fp32": "float32 matmuls",
                    "fp16": "fp16 mixed precision matmuls with a gradient scaler"}
@@ -176,6 +178,7 @@ class Trainer:
         self.state = state or TrainState(lr=tc.lr)
         self.device, self.world = device, world
         self.unread: list[tuple] = []  # (step, share, loss, figures) of the steps since read_figures
+        self.bars = False  # progress bars (captionkit.core.progress): fit's progress=True, on rank 0
         self.precision = resolve_precision(tc.precision, device)  # "bf16", "fp16" or "fp32"
         self.scaler = grad_scaler(device, self.precision)  # enabled for fp16 only
         if world.main:
@@ -283,7 +286,7 @@ class Trainer:
         """Train to the end (or ``max_steps``). ``on_epoch`` is called with each epoch's history
         entry (dev scores and ``val_loss`` when validated) once it is logged and saved."""
         tc = self.cfg.train
-        progress = progress and self.world.main
+        self.bars = progress and self.world.main
         on_epoch = on_epoch if self.world.main else None
         self.set_lr(self.state.lr)
         if self.data.init and self.state.best_score is None:  # the starting point is the score to beat
@@ -295,8 +298,12 @@ class Trainer:
             if not st.batch_in_epoch or st.epoch_progress is None:
                 st.epoch_progress = EpochProgress()
             clock = _Clock(st.epoch_progress)
+            # counted in captions (images for scst); leave=None: kept, unless under a sweep's bar
+            bar = progress_bar(total=sum(map(len, batches)), initial=sum(map(len, batches[:st.batch_in_epoch])),
+                               desc=f"epoch {st.epoch + 1}/{tc.epochs}", unit=self.unit[:-1], leave=None,
+                               show=self.bars)
             # the coming batches' reads on a background thread (training.prefetch)
-            with Prefetcher(self.host_batch, batches[st.batch_in_epoch:]) as coming:
+            with bar, Prefetcher(self.host_batch, batches[st.batch_in_epoch:]) as coming:
                 for bi, batch in enumerate(coming, start=st.batch_in_epoch):
                     if max_steps is not None and st.step >= max_steps:
                         self.read_figures()
@@ -304,16 +311,16 @@ class Trainer:
                         return st
                     self.train_step(batch, bi, len(batches))
                     clock.tick()
+                    bar.update(batch.size)
                     shown = bi % LOG_EVERY == 0 or bi == len(batches) - 1  # (an epoch's last: always)
                     saved = tc.checkpoint_every and st.step % tc.checkpoint_every == 0
                     if shown or saved:  # on every process: under DDP the read is a collective
                         self.read_figures()
-                    if progress and shown:
-                        self.log(bi, len(batches), clock)
+                    if shown:  # the epoch's mean figures so far, as read
+                        prog = st.epoch_progress
+                        bar.set_postfix_str(" ".join(f"{k} {v / prog.batches:.3f}" for k, v in prog.sums.items()))
                     if saved:
                         self.save("last", with_optimizer=True)
-            if progress:
-                print(file=sys.stderr)
             self.end_epoch(clock, on_epoch)
             if self.state.bad_epochs >= tc.patience and self.world.main:
                 gain = f" above {100 * tc.min_delta:g} (x100)" if tc.min_delta else ""
@@ -367,7 +374,9 @@ class Trainer:
         prog = self.state.epoch_progress
         for (step, *_), values in zip(unread, mean_figures(self.world, rows)):
             if not math.isfinite(values[-1]):  # (summed over the processes: any one's)
-                raise FloatingPointError(f"loss became {values[-1]} at step {step}")
+                raise TrainingDiverged(f"loss became {values[-1]} at step {step}: training diverged (lower train.lr, "
+                                       "keep train.grad_clip on, or use train.precision fp32); the checkpoints "
+                                       "saved before it are kept")
             for k, v in zip(keys, values):  # means over this epoch so far
                 prog.sums[k] = prog.sums.get(k, 0.0) + v
 
@@ -386,13 +395,6 @@ class Trainer:
         tokens = [len(self.examples[i][1]) - 1 for i in batch]  # targets: the words and <end>
         share = sum(len(self.examples[i][1]) - 1 for i in part) / sum(tokens) if real else 0.0
         return Shard(part, real, share, share)
-
-    def log(self, bi: int, n_batches: int, clock: _Clock) -> None:
-        """The progress line: epoch, batch, the epoch's mean figures, this process's rate."""
-        prog = self.state.epoch_progress
-        shown = " ".join(f"{k} {v / prog.batches:.3f}" for k, v in prog.sums.items())
-        print(f"\repoch {self.state.epoch + 1}/{self.cfg.train.epochs} {bi + 1}/{n_batches} "
-              f"{shown} {clock.rate():.0f} {self.unit}/s", end="", file=sys.stderr, flush=True)  # a log file sees it too
 
     @property
     def unit(self) -> str:
@@ -480,12 +482,15 @@ class Trainer:
         # run's precision (the captioner's own default, "auto", would ignore train.precision)
         cap = Captioner(self.model, self.vocab, self.checkpoint_config()).place(self.device, self.precision)
         captions = {}
+        bar = progress_bar(total=len(data.val_items), desc="validating", unit="image", leave=False, show=self.bars)
         for i in range(0, len(data.val_items), 100):
             feats = self.to_device(data.val_feats[i:i + 100]).float()
             feats = data.tail(feats, data.source_grid) if tc.finetune_blocks else feats
             for it, c in zip(data.val_items[i:i + 100],
                              cap.decode_features(feats, beam=tc.val_beam, length_penalty=length_penalty)):
                 captions[it.name] = " ".join(self.vocab.decode(c.ids))
+            bar.update(len(feats))
+        bar.close()
         kill_point("validate")  # test-only: the kill-anywhere test stops a run here
         refs = {it.name: it.raw for it in data.val_items}
         return coco_scores(captions, refs, metrics=("bleu", "cider", _SCORER.get(tc.val_metric, "cider")), quiet=True)
@@ -646,13 +651,11 @@ class _BatchLoss(torch.nn.Module):
 
 
 class _Clock:
-    """An epoch's time so far (carried across a resume by its EpochProgress) and this
-    process's rate (what a resumed process shows is its own)."""
+    """An epoch's time so far (carried across a resume by its EpochProgress)."""
 
     def __init__(self, progress: EpochProgress):
         self.progress = progress
         self.t0 = time.time() - progress.seconds
-        self.since, self.seen_before = time.time(), progress.seen
 
     def tick(self) -> None:
         self.progress.seconds = round(time.time() - self.t0, 1)
@@ -660,5 +663,3 @@ class _Clock:
     def seconds(self) -> float:
         return round(time.time() - self.t0, 1)
 
-    def rate(self) -> float:
-        return (self.progress.seen - self.seen_before) / max(time.time() - self.since, 1e-9)
