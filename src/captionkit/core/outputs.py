@@ -21,6 +21,7 @@ import stat
 import tempfile
 from pathlib import Path
 
+from .diskspace import disk_errors
 from .errors import OutputError
 
 MARKER = ".captionkit.json"  # {"written_by": "captionkit", "kind": ...} in every folder captionkit writes
@@ -42,7 +43,16 @@ def _check_parent(path: Path) -> None:
     if not base.is_dir():
         raise OutputError(f"{path}: cannot write here: {base} is a file, not a folder")
     if not os.access(base, os.W_OK | os.X_OK):
+        if _read_only_fs(base):
+            raise OutputError(f"{path}: cannot write here: {base} is on a read-only file system")
         raise OutputError(f"{path}: cannot write here: {base} is not writable")
+
+
+def _read_only_fs(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def check_file_target(path: str | Path, *, overwrite: bool, flag: str = OVERWRITE_FLAG) -> Path:
@@ -150,25 +160,30 @@ def write_marker(folder: str | Path, kind: str) -> None:
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically: a temporary file beside it, fsynced, renamed over
-    it. The temporary file is removed if anything fails. Parent folders are created."""
+    it. The temporary file is removed if anything fails, and a full disk or a read-only folder
+    is one line (:class:`captionkit.core.diskspace.DiskFull` / ``ReadOnlyFolder``) naming the
+    path and the bytes. Parent folders are created."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; outputs are ordinary files
-        os.replace(tmp, path)
-    except BaseException:
+    kept = f"{path} is as it was" if path.exists() else "nothing was written"
+    # a full disk or a read-only folder: one line (captionkit.core.diskspace), after the cleanup
+    with disk_errors(path, len(data), kept):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; outputs are ordinary files
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
     return path
 
 
