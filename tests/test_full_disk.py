@@ -231,3 +231,19 @@ def test_caption_jsonl_on_a_real_read_only_mount(photos, tiny_run, tiny_fs, caps
     assert main(cmd) == 2
     _one_line(capsys.readouterr().err, f"{out}: cannot write here: {tiny_fs} is on a read-only file system")
     assert not out.exists()
+
+
+def test_a_folder_write_whose_library_hides_the_full_disk(tmp_path):
+    """atomic_folder (exports, pack, ensembles): a library's own error type that names the
+    system error in its text (safetensors, transformers' save_pretrained) is recognised too;
+    the message gives what had fitted as a lower bound."""
+    folder = tmp_path / "export"
+    with pytest.raises(DiskFull) as e:
+        with ckpt.atomic_folder(folder, kind="onnx") as tmp:
+            (tmp / "model.onnx").write_bytes(b"x" * 5000)
+            raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert str(e.value).startswith(f"{folder}: no space left on the device: the write needs more than 5.0 kB (5,000 bytes)")
+    assert not folder.exists() and _leftovers(folder) == []
+    with pytest.raises(ValueError, match="^unrelated$"):  # anything else stays as it is
+        with ckpt.atomic_folder(folder):
+            raise ValueError("unrelated")

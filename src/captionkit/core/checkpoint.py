@@ -14,7 +14,6 @@ import glob
 import hashlib
 import json
 import os
-import re
 import shutil
 import signal
 import sys
@@ -146,7 +145,7 @@ def atomic_folder(folder: str | Path, kind: str | None = None, replace: bool = F
             write_marker(tmp, kind)
         _ordinary_permissions(tmp)
         _publish(tmp, folder, replace)
-    except OSError as e:
+    except Exception as e:
         written = dir_bytes(tmp)  # what fitted before the disk filled: the folder needs more
         shutil.rmtree(tmp, ignore_errors=True)
         err = translate(e, folder, written, kept, at_least=True)
@@ -187,20 +186,6 @@ def checkpoint_bytes(weights: dict[str, torch.Tensor], config: dict,
     return data + headers + len(json.dumps(config, indent=1, default=str)) + 4096
 
 
-def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors' save_file, its I/O failures as the OSError they are: it reports them as its
-    own error type with "(os error N)" in the text, which diskspace could not recognise."""
-    try:
-        save_file(tensors, path)
-    except OSError:
-        raise
-    except Exception as e:
-        code = re.search(r"\(os error (\d+)\)", str(e))
-        if code is None:
-            raise
-        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from e
-
-
 def _kept(folder: Path) -> str:
     """What a failed write of ``folder`` leaves the user, for its message."""
     return f"{folder} is as it was" if resolve(folder).exists() else "nothing was written"
@@ -210,10 +195,10 @@ def _write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], config: di
                       optimizer: dict[str, torch.Tensor] | None) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        _save_tensors({k: v.detach().contiguous().cpu() for k, v in weights.items()}, tmp / "model.safetensors")
+        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, tmp / "model.safetensors")
         kill_point("save:model", folder)
         if optimizer:
-            _save_tensors({k: v.contiguous().cpu() for k, v in optimizer.items()}, tmp / "optimizer.safetensors")
+            save_file({k: v.contiguous().cpu() for k, v in optimizer.items()}, tmp / "optimizer.safetensors")
         digests = {f.name: file_sha256(f) for f in sorted(tmp.glob("*.safetensors"))}  # as written on disk
         # format, version and digests are ours, never a copy's (a re-saved config carries old ones)
         body = {k: v for k, v in config.items() if k not in ("format", "version", DIGESTS)}

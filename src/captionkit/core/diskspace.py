@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import OutputError
+from .errors import OutputError, UserError
 
 FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded"}
+CODES = (*FULL, errno.EROFS)
 
 
 class DiskFull(OutputError):
@@ -77,15 +79,37 @@ def disk_full(path: str | Path, needed: int | None, why: str = FULL[errno.ENOSPC
                     f"{kept}. Free some space or write elsewhere", path, needed, free)
 
 
-def translate(e: OSError, path: str | Path, needed: int | None = None,
-              kept: str = "nothing was replaced", at_least: bool = False) -> OSError | OutputError:
-    """The UserError for ``e`` if it is a full disk or a read-only folder, else ``e`` itself."""
-    if e.errno in FULL:
-        return disk_full(path, needed, FULL[e.errno], kept, at_least)
-    if e.errno == errno.EROFS:
+def disk_error_of(e: BaseException) -> OSError | None:
+    """The full disk or read-only folder behind ``e``, or None: ``e`` itself, an OSError it was
+    raised from, or a library's own error type that only says it in its text (safetensors: "...
+    (os error 28)"; torch and transformers pass the system's words on)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen and not isinstance(e, UserError):
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in CODES:
+            return e
+        text = str(e)
+        code = re.search(r"\(os error (\d+)\)", text)
+        found = [int(code.group(1))] if code else [c for c in CODES if os.strerror(c) in text]
+        if found and found[0] in CODES:
+            return OSError(found[0], os.strerror(found[0]))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def translate(e: BaseException, path: str | Path, needed: int | None = None,
+              kept: str = "nothing was replaced", at_least: bool = False) -> BaseException:
+    """The UserError for ``e`` if a full disk or a read-only folder is behind it
+    (:func:`disk_error_of`), else ``e`` itself."""
+    found = disk_error_of(e)
+    if found is None:
+        return e
+    if found.errno in FULL:
+        return disk_full(path, needed, FULL[found.errno], kept, at_least)
+    if found.errno == errno.EROFS:
         return ReadOnlyFolder(f"{path}: the folder is on a read-only file system; {kept}. "
                               f"Remount it read-write or write elsewhere")
-    return e
+    return e  # (not reached: disk_error_of finds only CODES)
 
 
 @contextmanager
@@ -94,7 +118,7 @@ def disk_errors(path: str | Path, needed: int | None = None, kept: str = "nothin
     (``needed``: the bytes the write needs, if known; ``kept``: what the user still has)."""
     try:
         yield
-    except OSError as e:
+    except Exception as e:
         err = translate(e, path, needed, kept)
         if err is e:
             raise
@@ -107,7 +131,7 @@ def check_free(folder: str | Path, needed: int, what: str) -> None:
     free = free_bytes(folder)
     if free is not None and needed > free:
         raise DiskFull(f"{folder}: not starting {what}: it needs {_size(needed)}, only {_size(free)} free "
-                       f"in {_existing(Path(folder))}; nothing was replaced. Free some space or write elsewhere",
+                       f"in {_existing(Path(folder))}; nothing was written. Free some space or write elsewhere",
                        Path(folder), needed, free)
 
 
