@@ -242,7 +242,8 @@ def test_a_folder_write_whose_library_hides_the_full_disk(tmp_path):
         with ckpt.atomic_folder(folder, kind="onnx") as tmp:
             (tmp / "model.onnx").write_bytes(b"x" * 5000)
             raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
-    assert str(e.value).startswith(f"{folder}: no space left on the device: the write needs more than 5.0 kB (5,000 bytes)")
+    assert str(e.value).startswith(f"{folder}: no space left on the device: "
+                                   f"the write needs more than 5.0 kB (5,000 bytes)")
     assert not folder.exists() and _leftovers(folder) == []
     with pytest.raises(ValueError, match="^unrelated$"):  # anything else stays as it is
         with ckpt.atomic_folder(folder):

@@ -9,6 +9,11 @@
   refused target costs nothing; the writes themselves go through :func:`atomic_write_bytes` /
   :func:`atomic_write_text` (a temporary file beside the target, fsynced, renamed into place), so a
   killed command leaves either the old file or the new one, never half of one and never a ``.tmp``.
+- A full disk, a full quota or a read-only folder met by a write is one line naming the path and
+  the bytes (captionkit.core.diskspace), with the old file in place; a folder to write into that
+  is on a read-only file system is refused as such by the checks.
+- Two processes never write one target at once: a run folder and a ``--jsonl``/``--csv`` file are
+  locked while written (captionkit.core.locks).
 
 Light on imports on purpose: ``captionkit score`` uses it without torch.
 """

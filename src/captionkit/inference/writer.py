@@ -285,8 +285,8 @@ class _Output:
                 os.ftruncate(self.fd, end)  # the part of the line that fitted goes: no torn line
             except OSError:
                 pass  # (a resume drops a torn last line anyway)
-            err = translate(e, self.path, len(text.encode()), f"the {len(self.done)} images written before it are whole "
-                            f"and a rerun resumes after them")
+            kept = f"the {len(self.done)} images written before it are whole and a rerun resumes after them"
+            err = translate(e, self.path, len(text.encode()), kept)
             if err is e:
                 raise
             raise err from None
