@@ -90,3 +90,15 @@ def test_released_when_the_block_fails(tmp_path):
             raise RuntimeError("boom")
     with hold_lock(target, "training"):
         pass
+
+
+def test_the_early_check_creates_nothing_and_sees_a_holder(tmp_path):
+    from captionkit.core.locks import check_unlocked
+
+    target = tmp_path / "new" / "out.jsonl"
+    check_unlocked(target)
+    assert not (tmp_path / "new").exists()
+    with hold_lock(target, "captioning"):
+        with pytest.raises(Locked, match=r"\(captioning\)"):
+            check_unlocked(target)
+    check_unlocked(target)

@@ -112,3 +112,20 @@ def test_two_captionings_into_one_file(many_photos, tiny_run, tmp_path, option):
     lines = out.read_text().splitlines()[header:]
     keys = [json.loads(line)["image"] if option == "--jsonl" else line.split(",")[0] for line in lines]
     assert sorted(keys) == [f"p{i:03d}.jpg" for i in range(40)]  # each image once
+
+
+def test_a_file_written_between_the_check_and_the_lock_is_read_again(tmp_path):
+    """Two runs that both passed the early check: the one that takes the lock second resumes
+    what the first wrote instead of starting the file again over it."""
+    from captionkit.inference.writer import JsonlOutput
+
+    out, settings = tmp_path / "caps.jsonl", {"command": "caption", "model": "m"}
+    late, early = JsonlOutput(out, settings, overwrite=False), JsonlOutput(out, settings, overwrite=False)
+    early.open(set())
+    early.write("a.jpg", "a red circle", None)
+    early.close()
+    late.open(set())  # it read a missing file when constructed; the file is there now
+    assert late.done == {"a.jpg"}  # so it resumes after the first one's line, not over it
+    late.write("b.jpg", "a blue square", None)
+    late.close()
+    assert [json.loads(line)["image"] for line in out.read_text().splitlines()] == ["a.jpg", "b.jpg"]
