@@ -248,3 +248,24 @@ def test_a_folder_write_whose_library_hides_the_full_disk(tmp_path):
     with pytest.raises(ValueError, match="^unrelated$"):  # anything else stays as it is
         with ckpt.atomic_folder(folder):
             raise ValueError("unrelated")
+
+
+def test_an_append_on_a_real_full_disk_keeps_whole_lines(tiny_fs):
+    """outputs.append_whole (a run's history.jsonl): the part of a line that fitted in the file's
+    last block is cut off again when the disk refuses the rest."""
+    from captionkit.core.outputs import append_whole
+
+    history = tiny_fs / "history.jsonl"
+    append_whole(history, b'{"epoch": 1}\n')
+    fd = os.open(tiny_fs / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 65536)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    line = b'{"epoch": 2, "pad": "' + b"x" * 6000 + b'"}\n'
+    with pytest.raises(DiskFull, match=f"^{history}: no space left on the device: the write needs 6.0 kB"):
+        append_whole(history, line)
+    assert history.read_bytes() == b'{"epoch": 1}\n'

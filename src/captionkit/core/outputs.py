@@ -194,3 +194,24 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def append_whole(path: str | Path, data: bytes) -> Path:
+    """Append ``data`` (a line, or lines) to ``path``, created if missing, all of it or none:
+    a write the disk has no room for is cut off again, so the file keeps only whole lines, and
+    is one line naming the path and the bytes (captionkit.core.diskspace)."""
+    path = Path(path)
+    with disk_errors(path, len(data), f"the lines before it in {path.name} are whole"):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            start, rest = os.fstat(fd).st_size, data
+            try:
+                while rest:
+                    rest = rest[os.write(fd, rest):]
+            except OSError:
+                os.ftruncate(fd, start)  # the part that fitted goes: no torn line
+                raise
+        finally:
+            os.close(fd)
+    return path
+
