@@ -269,3 +269,16 @@ def test_an_append_on_a_real_full_disk_keeps_whole_lines(tiny_fs):
     with pytest.raises(DiskFull, match=f"^{history}: no space left on the device: the write needs 6.0 kB"):
         append_whole(history, line)
     assert history.read_bytes() == b'{"epoch": 1}\n'
+
+
+def test_a_file_system_that_reports_no_size_is_not_refused(tmp_path, monkeypatch):
+    """Some FUSE/object-store mounts report 0 bytes total and free: the check lets the write try."""
+    from types import SimpleNamespace
+
+    import captionkit.core.diskspace as ds
+
+    monkeypatch.setattr(ds.shutil, "disk_usage", lambda p: SimpleNamespace(total=0, used=0, free=0))
+    ckpt.save_checkpoint(tmp_path / "last", _weights(10, 1.0), {})
+    monkeypatch.setattr(ds.shutil, "disk_usage", lambda p: SimpleNamespace(total=10**9, used=10**9, free=10))
+    with pytest.raises(DiskFull, match="only 10 bytes free"):
+        ckpt.save_checkpoint(tmp_path / "last", _weights(10, 2.0), {})

@@ -54,11 +54,14 @@ def _existing(path: Path) -> Path:
 
 def free_bytes(path: str | Path) -> int | None:
     """Bytes free to an unprivileged writer on the file system holding ``path`` (or the
-    nearest folder above it that exists); None where that cannot be known."""
+    nearest folder above it that exists); None where that cannot be known (and then
+    :func:`check_free` lets the write try)."""
     try:
-        return shutil.disk_usage(_existing(Path(path))).free
+        usage = shutil.disk_usage(_existing(Path(path)))
     except OSError:
         return None
+    # some FUSE and object-store mounts report a size of 0: they say nothing about their room
+    return usage.free if usage.total > 0 else None
 
 
 def _size(n: int | None) -> str:
