@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .diskspace import check_free, dir_bytes, disk_errors, translate
 from .errors import CheckpointError, OutputError
 from .outputs import CHECKPOINT_FORMAT, write_marker
 
@@ -134,14 +135,23 @@ def atomic_folder(folder: str | Path, kind: str | None = None, replace: bool = F
     ``--overwrite`` may replace it later. An existing empty ``folder`` is replaced; a full one
     only with ``replace``, after the caller checked it (``outputs.check_folder_target``)."""
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    kept = _kept(folder)
+    with disk_errors(folder, None, kept):
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         yield tmp
         if kind:
             write_marker(tmp, kind)
         _ordinary_permissions(tmp)
         _publish(tmp, folder, replace)
+    except Exception as e:
+        written = dir_bytes(tmp)  # what fitted before the disk filled: the folder needs more
+        shutil.rmtree(tmp, ignore_errors=True)
+        err = translate(e, folder, written, kept, at_least=True)
+        if err is e:
+            raise
+        raise err from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -151,9 +161,38 @@ def save_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], config
                     optimizer: dict[str, torch.Tensor] | None = None) -> Path:
     """Write a checkpoint folder atomically and fsynced, with the sha256 of each tensor file in
     its config.json (an existing folder of that name is replaced: callers check the target
-    first, see captionkit.core.outputs)."""
+    first, see captionkit.core.outputs). Refused before anything is written when the disk has
+    less room than the checkpoint needs (:func:`checkpoint_bytes`); a disk that fills anyway, or
+    a read-only folder, is one line (captionkit.core.diskspace) and the previous checkpoint of
+    that name stays as it was."""
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    needed = checkpoint_bytes(weights, config, optimizer)
+    kept = _kept(folder)
+    with disk_errors(folder, needed, kept):  # a full disk or a read-only folder: one line
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        # the previous checkpoint stays until the new one is whole: all of it must fit beside it
+        check_free(folder.parent, needed, f"the checkpoint {folder}")
+        _write_checkpoint(folder, weights, config, optimizer)
+    return folder
+
+
+def checkpoint_bytes(weights: dict[str, torch.Tensor], config: dict,
+                     optimizer: dict[str, torch.Tensor] | None = None) -> int:
+    """About the bytes :func:`save_checkpoint` writes: the tensors' (exact), their safetensors
+    headers and the JSON files (estimated a little high)."""
+    tensors = [*weights.items(), *(optimizer or {}).items()]
+    data = sum(v.numel() * v.element_size() for _, v in tensors)
+    headers = sum(len(k) + 96 for k, _ in tensors)  # {"NAME":{"dtype":..,"shape":[..],"data_offsets":[..]}}
+    return data + headers + len(json.dumps(config, indent=1, default=str)) + 4096
+
+
+def _kept(folder: Path) -> str:
+    """What a failed write of ``folder`` leaves the user, for its message."""
+    return f"{folder} is as it was" if resolve(folder).exists() else "nothing was written"
+
+
+def _write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], config: dict,
+                      optimizer: dict[str, torch.Tensor] | None) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, tmp / "model.safetensors")
@@ -175,7 +214,6 @@ def save_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], config
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return folder
 
 
 def remove_leftovers(folder: str | Path) -> None:

@@ -9,6 +9,11 @@
   refused target costs nothing; the writes themselves go through :func:`atomic_write_bytes` /
   :func:`atomic_write_text` (a temporary file beside the target, fsynced, renamed into place), so a
   killed command leaves either the old file or the new one, never half of one and never a ``.tmp``.
+- A full disk, a full quota or a read-only folder met by a write is one line naming the path and
+  the bytes (captionkit.core.diskspace), with the old file in place; a folder to write into that
+  is on a read-only file system is refused as such by the checks.
+- Two processes never write one target at once: a run folder and a ``--jsonl``/``--csv`` file are
+  locked while written (captionkit.core.locks).
 
 Light on imports on purpose: ``captionkit score`` uses it without torch.
 """
@@ -21,6 +26,7 @@ import stat
 import tempfile
 from pathlib import Path
 
+from .diskspace import disk_errors
 from .errors import OutputError
 
 MARKER = ".captionkit.json"  # {"written_by": "captionkit", "kind": ...} in every folder captionkit writes
@@ -42,7 +48,16 @@ def _check_parent(path: Path) -> None:
     if not base.is_dir():
         raise OutputError(f"{path}: cannot write here: {base} is a file, not a folder")
     if not os.access(base, os.W_OK | os.X_OK):
+        if _read_only_fs(base):
+            raise OutputError(f"{path}: cannot write here: {base} is on a read-only file system")
         raise OutputError(f"{path}: cannot write here: {base} is not writable")
+
+
+def _read_only_fs(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def check_file_target(path: str | Path, *, overwrite: bool, flag: str = OVERWRITE_FLAG) -> Path:
@@ -150,27 +165,53 @@ def write_marker(folder: str | Path, kind: str) -> None:
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically: a temporary file beside it, fsynced, renamed over
-    it. The temporary file is removed if anything fails. Parent folders are created."""
+    it. The temporary file is removed if anything fails, and a full disk or a read-only folder
+    is one line (:class:`captionkit.core.diskspace.DiskFull` / ``ReadOnlyFolder``) naming the
+    path and the bytes. Parent folders are created."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; outputs are ordinary files
-        os.replace(tmp, path)
-    except BaseException:
+    kept = f"{path} is as it was" if path.exists() else "nothing was written"
+    # a full disk or a read-only folder: one line (captionkit.core.diskspace), after the cleanup
+    with disk_errors(path, len(data), kept):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; outputs are ordinary files
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
     return path
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def append_whole(path: str | Path, data: bytes) -> Path:
+    """Append ``data`` (a line, or lines) to ``path``, created if missing, all of it or none:
+    a write the disk has no room for is cut off again, so the file keeps only whole lines, and
+    is one line naming the path and the bytes (captionkit.core.diskspace)."""
+    path = Path(path)
+    with disk_errors(path, len(data), f"the lines before it in {path.name} are whole"):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            start, rest = os.fstat(fd).st_size, data
+            try:
+                while rest:
+                    rest = rest[os.write(fd, rest):]
+            except OSError:
+                os.ftruncate(fd, start)  # the part that fitted goes: no torn line
+                raise
+        finally:
+            os.close(fd)
+    return path
+

@@ -29,11 +29,14 @@ import signal
 import sys
 import time
 from collections import Counter
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+from ..core.diskspace import disk_errors, translate
 from ..core.errors import ImageError, OutputError
+from ..core.locks import check_unlocked, hold_lock
 from ..core.outputs import (
     MARKER,
     atomic_write_bytes,
@@ -173,16 +176,36 @@ class _Record:
     line: str  # the line as it is written back when failed lines are removed
 
 
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class _Output:
     """A resumable line-per-image file. Constructed: checked and read, nothing written (so a
-    refused run changes nothing); :meth:`open`: repaired, prepared, opened for appending."""
+    refused run changes nothing); :meth:`open`: locked (captionkit.core.locks: a second process
+    writing it is refused), repaired, prepared, opened for appending; :meth:`close` unlocks."""
 
     def __init__(self, path: str | Path, settings: dict, overwrite: bool, late: tuple[str, ...] = ()):
         # a folder, a FIFO or a dangling link is refused; an existing file is resumed or replaced
         self.late = set(late)  # settings given later (CaptionWriter.add_settings): not compared yet
         self.path = check_file_target(path, overwrite=True)
         self.meta_path = self.path.with_name(self.path.name + META_SUFFIX)
-        self.settings, self.fresh = settings, overwrite or not self.path.exists()
+        self.settings, self.overwrite = settings, overwrite
+        check_unlocked(self.path)  # another run writing it now: one line, before any model loads
+        self._load()
+        self.fd: int | None = None
+        self._lock = ExitStack()
+
+    def _load(self) -> None:
+        """Read the file as it is now (the constructor; :meth:`open` again if another run
+        changed it in between)."""
+        overwrite = self.overwrite
+        self.seen = (_stamp(self.path), _stamp(self.meta_path))
+        self.fresh = overwrite or not self.path.exists()
         data = b"" if self.fresh else self.path.read_bytes()
         self.torn = len(data) - (data.rfind(b"\n") + 1)  # a last line without its newline
         self.records = self._read(data[:len(data) - self.torn])
@@ -196,7 +219,6 @@ class _Output:
             self._check_settings(_read_meta(self.meta_path))
         self.done = {r.key for r in self.records}
         self.failed = {r.key for r in self.records if r.failed} - {r.key for r in self.records if not r.failed}
-        self.fd: int | None = None
 
     def _check_settings(self, recorded: dict | None) -> None:
         self.unrecorded = bool(self.records) and recorded is None
@@ -209,13 +231,23 @@ class _Output:
 
     def open(self, retry: set[str]) -> None:
         """Start the file (fresh), or resume it: drop a torn last line, remove the failed lines
-        of the images in ``retry``, record the settings."""
+        of the images in ``retry``, record the settings. Locked until :meth:`close`."""
+        self._lock.enter_context(hold_lock(self.path, f"writing captions to {self.kind}"))
+        try:
+            if (_stamp(self.path), _stamp(self.meta_path)) != self.seen:
+                self._load()  # another run wrote it after this one read it: resume what it left
+            self._open(retry)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, retry: set[str]) -> None:
         if self.fresh:
             atomic_write_text(self.meta_path, self._meta_text())
             atomic_write_bytes(self.path, self.header().encode())
         else:
             if self.torn:
-                with open(self.path, "r+b") as f:
+                with disk_errors(self.path, None, "its lines are as they were"), open(self.path, "r+b") as f:
                     f.truncate(f.seek(0, os.SEEK_END) - self.torn)
                 print(f"{self.path}: dropped a torn last line ({self.torn} bytes) from an interrupted run",
                       file=sys.stderr)
@@ -232,7 +264,8 @@ class _Output:
                       f"recording this run's in {self.meta_path.name}", file=sys.stderr)
             if self.unrecorded or not self.records:
                 atomic_write_text(self.meta_path, self._meta_text())
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        with disk_errors(self.path, None, "its lines are as they were"):
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
 
     def _meta_text(self) -> str:
         from ..core.version import __version__
@@ -244,9 +277,21 @@ class _Output:
 
     def _write(self, text: str) -> None:
         data = text.encode()
-        while data:
-            n = os.write(self.fd, data)
-            data = data[n:]
+        end = os.fstat(self.fd).st_size  # where this line starts (the file is appended to)
+        try:
+            while data:
+                n = os.write(self.fd, data)
+                data = data[n:]
+        except OSError as e:
+            try:
+                os.ftruncate(self.fd, end)  # the part of the line that fitted goes: no torn line
+            except OSError:
+                pass  # (a resume drops a torn last line anyway)
+            kept = f"the {len(self.done)} images written before it are whole and a rerun resumes after them"
+            err = translate(e, self.path, len(text.encode()), kept)
+            if err is e:
+                raise
+            raise err from None
 
     def write(self, key: str, caption: str | None, error: str | None) -> None:
         if key in self.done:
@@ -260,6 +305,7 @@ class _Output:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        self._lock.close()
 
 
 class JsonlOutput(_Output):
@@ -440,8 +486,13 @@ class CaptionWriter:
         model inside ``caption`` loads none); the exit status (0, 1 if any image is
         recorded as failed, EXIT_STDOUT_CLOSED if stdout closed with nothing else to write)."""
         retry = set(self.keys.values()) if self.retry_failed else set()
-        for o in self.outputs:
-            o.open(retry)
+        try:
+            for o in self.outputs:
+                o.open(retry)
+        except BaseException:
+            for o in self.outputs:  # (the one that failed has closed itself)
+                o.close()
+            raise
         todo = [p for p, k in self.keys.items() if any(k not in o.done for o in self.outputs)] \
             if self.outputs else list(self.keys)
         self.progress = Progress(len(todo), skipped=self.total - len(todo)) if self.outputs else None

@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from ..core.checkpoint import CheckpointError, read_config, resolve
 from ..core.devices import resolve_device
 from ..core.errors import OutputError, UserError
+from ..core.locks import check_unlocked, hold_lock
 from ..core.outputs import MARKER, atomic_write_text, check_folder_target, write_marker
 from ..data.tokenizers import Tokenizer, load_tokenizer
 from .config import ConfigError, RunConfig
@@ -127,6 +129,16 @@ def check_inputs(cfg: RunConfig, config: str | Path) -> None:
                               f"{dim}-d vectors (leave embed_dim out to use the file's)")
 
 
+@contextmanager
+def lock_run_folder(out: Path, resume: bool, overwrite: bool) -> Iterator[None]:
+    """Hold the run folder's lock (captionkit.core.locks) for the run: a second ``train --out``
+    the same folder is refused in one line naming this process. The folder is checked again
+    under the lock: another run may have written it after :func:`check_run` looked."""
+    with hold_lock(out, "training"):
+        check_run_folder(out, resume, overwrite)
+        yield
+
+
 def start_run_folder(out: Path, replace: bool) -> None:
     """Make ``out`` the folder of a new run, marked as captionkit's; with ``replace``, first
     empty it of the previous run that :func:`check_run_folder` found there."""
@@ -168,8 +180,11 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
         from .tblog import TensorBoardLog
         tb = TensorBoardLog(tensorboard)
         on_epoch = tb.chain(on_epoch)
+    held = ExitStack()  # rank 0's lock of the run folder, released when the run ends in any way
     start(world, run_device)
     try:
+        if world.main:
+            held.enter_context(lock_run_folder(out, resume, overwrite))
         barrier(world)  # every rank has checked the folder before rank 0 writes into it
         if resume:
             saved = read_config(resolve(out / "last"))
@@ -200,6 +215,7 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
         print(lead + stopped, file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     finally:
+        held.close()
         if tensorboard and world.main:
             tb.close()
     return state
@@ -253,6 +269,7 @@ def check_run(config: str | Path, out: str | Path | None = None, max_steps: int 
     run_device = _training_device(cfg, config, device)
     check_gpus(nproc, run_device)
     out = Path(out) if out else Path("runs") / Path(config).stem
+    check_unlocked(out)  # a run writing it now: one line naming it (train takes the lock itself)
     check_run_folder(out, resume, overwrite)
     if resume:
         check_resumable(cfg, out, max_steps)

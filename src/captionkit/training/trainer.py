@@ -42,7 +42,7 @@ from ..core.checkpoint import (
 )
 from ..core.collectives import summed_over
 from ..core.errors import TrainingDiverged
-from ..core.outputs import atomic_write_text
+from ..core.outputs import append_whole, atomic_write_text
 from ..core.precision import autocast, grad_scaler, resolve_precision
 from ..core.progress import progress as progress_bar
 from ..data.tokenizers import Tokenizer
@@ -552,8 +552,8 @@ class Trainer:
     def log_history(self) -> None:
         """Append the newest epoch's figures and dev scores to history.jsonl."""
         self.out.mkdir(parents=True, exist_ok=True)  # an unscored first epoch comes before any save
-        with open(self.out / "history.jsonl", "a") as fh:
-            fh.write(json.dumps(self.state.history[-1]) + "\n")
+        # a full disk: one line naming it, the earlier epochs' lines whole (captionkit.core.outputs)
+        append_whole(self.out / "history.jsonl", (json.dumps(self.state.history[-1]) + "\n").encode())
 
     def checkpoint_config(self) -> dict:
         data = self.data
