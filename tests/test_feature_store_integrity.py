@@ -255,3 +255,16 @@ def test_second_builder_waits_then_uses_the_first_ones_store(flickr_dir, cache, 
     t0 = time.monotonic()
     build_features(enc, paths, root=cache, progress=False, workers=0)
     assert time.monotonic() - t0 < 1.0 and "waiting" not in capsys.readouterr().err
+
+
+def test_training_on_a_flipped_store_stops_in_one_line(tiny_config, flickr_dir, cache, tmp_path, capsys):
+    """End to end: the trainer's first batch meets the bad block; `train` says which file, exit 2."""
+    store = build_features(create_encoder("efficientnet_lite0", weights="random"), _paths(flickr_dir),
+                           progress=False, workers=0)  # the store tiny_config's run reads
+    _flip_byte(store.folder / "feats.npy", -7)
+    code = cli.main(["train", "--config", str(tiny_config), "--out", str(tmp_path / "run"), "--max-steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if "error" in line]  # (the run's set-up lines come before it)
+    assert code == 2 and errors == err[-1:], err
+    assert errors[0].startswith(f"captionkit train: error: {store.folder / 'feats.npy'}: corrupted (rows 0-14:")
+    assert "--verify" in errors[0]

@@ -18,6 +18,14 @@ shards among DDP ranks. See docs/scale.md for its size per encoder.
 The trainer reads a store through :class:`FeatureRows`: the rows of its images, in its order,
 read only when a batch asks for them (a COCO-sized store is never loaded whole, and the
 processes of a machine share the memory-mapped pages through the page cache).
+
+Integrity (docs/robustness.md, "Feature shards"): a shard's record holds its .npy's size and
+sha256, checked when a process first opens the shard; the single file's ``digests.json`` holds
+a sha256 per BLOCK_ROWS rows, checked when a process first reads a row of the block. A bad one
+is a :class:`CorruptFeatures` naming the file. Every build checks sizes and, with
+``verify`` (``captionkit features --verify``), digests, and computes a bad shard (block) again,
+alone. Stores from before digests are read unchecked. An entry is built under its lock
+(:func:`building`); a full disk leaves the store as it was, in one line.
 """
 
 from __future__ import annotations
@@ -175,7 +183,8 @@ class FeatureStore:
                 self._digests = now
                 self._verified.clear()
                 return self._verify(block) if now else None
-            raise CorruptFeatures(f"{self.folder / 'feats.npy'}: corrupted (rows {block * k}-{(block + 1) * k - 1}: "
+            last = min((block + 1) * k, len(self.feats)) - 1
+            raise CorruptFeatures(f"{self.folder / 'feats.npy'}: corrupted (rows {block * k}-{last}: "
                                   f"their sha256 differs from the one {self.folder / DIGESTS} records); "
                                   f"{_rebuild_hint(self.encoder)}")
         self._verified.add(block)
