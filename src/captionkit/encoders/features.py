@@ -58,7 +58,8 @@ default_cache_root = cache_root
 
 BLOCK_ROWS = 1000  # rows of the single-file store per recorded digest (what a bad block costs to redo)
 DIGESTS = "digests.json"  # the single-file store's {"block_rows", "bytes", "sha256": [per block]}
-WAIT_S = 2.0  # how often a build waits-and-retries a cache entry another process is building
+WAIT_S = 0.25  # how often a build retries the lock of a cache entry another process is building
+TELL_AFTER_S = 1.0  # a wait longer than this is said (DDP ranks taking turns on a built store are not)
 
 
 class CorruptFeatures(UserError):
@@ -122,19 +123,19 @@ def _npy_whole(path: Path) -> bool:
 @contextmanager
 def building(folder: Path, what: str):
     """Hold the lock of the cache entry ``folder`` (captionkit.core.locks, beside it) while it
-    is built. A second process building the same entry waits for the first, with one line saying
-    whom it waits for, instead of being refused: it would compute the same features, and once the
-    first is done it finds them on disk and uses them (two jobs sharing a cache -- a `features`
-    run and a `train`, or the ranks of one machine -- just go on). A holder that died releases
-    its lock with it, so nothing stale ever blocks."""
+    is built. A second process building the same entry waits for the first instead of being
+    refused (one line saying whom it waits for, once the wait passes TELL_AFTER_S): it would
+    compute the same features, and once the first is done it finds them on disk and uses them
+    (two jobs sharing a cache -- a `features` run and a `train`, or the ranks of one machine --
+    just go on). A holder that died releases its lock with it, so nothing stale ever blocks."""
     with ExitStack() as held:
-        told = False
+        told, start = False, time.monotonic()
         while True:
             try:
                 held.enter_context(hold_lock(folder, what))
                 break
             except Locked as e:
-                if not told:
+                if not told and time.monotonic() - start >= TELL_AFTER_S:
                     print(f"{folder}: being built by pid {e.pid or '?'} on {e.host or '?'} ({what}); waiting "
                           f"for it to finish, then using its features", file=sys.stderr, flush=True)
                     told = True
