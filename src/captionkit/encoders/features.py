@@ -205,9 +205,9 @@ def _read_digests(folder: Path) -> dict | None:
 
 def _write_digests(folder: Path, feats: np.ndarray) -> None:
     """Record the sha256 of each block of the store's rows, once they are written and flushed."""
-    atomic_write_text(folder / DIGESTS, json.dumps({
+    _write_file(folder / DIGESTS, (json.dumps({
         "block_rows": BLOCK_ROWS, "bytes": (folder / "feats.npy").stat().st_size,
-        "sha256": [_block_sha256(feats, b, BLOCK_ROWS) for b in range(-(-len(feats) // BLOCK_ROWS))]}) + "\n")
+        "sha256": [_block_sha256(feats, b, BLOCK_ROWS) for b in range(-(-len(feats) // BLOCK_ROWS))]}) + "\n").encode())
 
 
 def _check_single(folder: Path, full: bool) -> bool:
@@ -330,6 +330,11 @@ class ShardedFeatureStore:
     def _shard(self, s: int) -> np.ndarray:
         if s not in self._arrays:  # first open in this process: checked against its record
             if (bad := shard_fault(self.folder, s, self._records[s], full=True)) is not None:
+                record = shard_file(self.folder, s, ".json")
+                now = json.loads(record.read_text()) if record.exists() else None
+                if now is not None and now != self._records[s]:  # rebuilt (features --verify) since opened
+                    self._records[s] = now
+                    return self._shard(s)
                 raise CorruptFeatures(f"{bad}; {_rebuild_hint(self.encoder)}")
             self._arrays[s] = np.load(shard_file(self.folder, s, ".npy"), mmap_mode="r")  # (n, L, D)
         return self._arrays[s]
@@ -523,7 +528,7 @@ def _build_file(encoder: Encoder, paths: list[Path], folder: Path, batch_size: i
         _write_file(done_path, _npy_bytes(np.zeros(len(paths), dtype=bool)))
         meta = {"paths": [str(p) for p in paths], "grid": list(grid), "encoder": encoder.cache_key(),
                 **({"flip": True} if flip else {})}
-        atomic_write_text(meta_path, json.dumps(meta))
+        _write_file(meta_path, json.dumps(meta).encode())
     feats = np.load(feats_path, mmap_mode="r+")
     done = np.load(done_path)
     todo = [i for i in range(len(paths)) if not done[i]]
