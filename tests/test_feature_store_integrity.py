@@ -303,3 +303,16 @@ def test_engine_ray_verify_recomputes_the_flipped_shard_alone(photo_paths, tmp_p
 @pytest.fixture
 def photo_paths(flickr_dir) -> list[Path]:
     return _paths(flickr_dir)[:6]
+
+
+def test_unreadable_images_do_not_cost_a_rehash_per_build(flickr_dir, cache, tmp_path, capsys):
+    """An unreadable image is tried again on every build (as before); the rows did not change,
+    so the digests are not recomputed (a whole-file read each training start)."""
+    (tmp_path / "empty.jpg").write_bytes(b"")
+    paths, enc = _paths(flickr_dir)[:4] + [tmp_path / "empty.jpg"], create_encoder("patches")
+    store = build_features(enc, paths, root=cache, progress=False, workers=0)
+    digests = store.folder / F.DIGESTS
+    before = (digests.stat().st_mtime_ns, digests.stat().st_ino)
+    build_features(enc, paths, root=cache, progress=False, workers=0)
+    assert (digests.stat().st_mtime_ns, digests.stat().st_ino) == before
+    assert capsys.readouterr().err.count("empty.jpg") == 2  # reported by both builds

@@ -532,8 +532,7 @@ def _build_file(encoder: Encoder, paths: list[Path], folder: Path, batch_size: i
     feats = np.load(feats_path, mmap_mode="r+")
     done = np.load(done_path)
     todo = [i for i in range(len(paths)) if not done[i]]
-    if todo:  # rows are about to change: their digests are recorded again once written
-        (folder / DIGESTS).unlink(missing_ok=True)
+    wrote = False  # whether any row changed (not so when the todo rows are unreadable images only)
     failed: list[str] = []
     # (closed below, or by its finalizer when an error ends the loop)
     bar = progress_bar(total=len(todo), desc=f"features {encoder.name}", unit="image", show=progress and bool(todo))
@@ -543,6 +542,9 @@ def _build_file(encoder: Encoder, paths: list[Path], folder: Path, batch_size: i
         rows = todo[start:start + batch_size]  # the cache rows of this batch's images
         failed += [str(e) for e in batch.errors.values()]
         if batch.good:
+            if not wrote:  # rows are about to change: their digests are recorded again once written
+                (folder / DIGESTS).unlink(missing_ok=True)
+                wrote = True
             pixels = batch.pixels.flip(-1) if flip else batch.pixels  # (B, 3, S, S)
             out = encoder.encode(pixels).float().cpu().numpy().astype(np.float16)  # (B, L, D)
             for k, row in zip(batch.good, out):
@@ -553,7 +555,7 @@ def _build_file(encoder: Encoder, paths: list[Path], folder: Path, batch_size: i
             feats.flush()
             _write_file(done_path, _npy_bytes(done))
     bar.close()
-    if todo:
+    if wrote:
         _write_digests(folder, feats)
     for msg in failed:
         print(f"skipped: {msg}", file=sys.stderr)
