@@ -207,6 +207,21 @@ def test_full_disk_leaves_the_sharded_store_as_it_was(small_disk):
     assert not store.complete and sorted(store.index) == ["im0.jpg", "im1.jpg", "im2.jpg"]
 
 
+def test_read_only_folder_leaves_the_sharded_store_as_it_was(small_disk):
+    enc = create_encoder("patches")
+    paths = [small_disk / f"im{i}.jpg" for i in range(4)]
+    folder, _ = open_sharded(enc, paths, small_disk / "cache", shard_size=2)
+    rows = np.zeros((4, 256, 192), dtype=np.float16)
+    write_shard(folder, 0, rows[:2], [str(p) for p in paths[:2]], {})
+    if subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], capture_output=True).returncode != 0:
+        pytest.skip("cannot remount the tmpfs read-only")
+    with pytest.raises(OutputError) as err:
+        write_shard(folder, 1, rows[2:], [str(p) for p in paths[2:]], {})
+    assert "\n" not in str(err.value) and str(err.value).startswith(
+        f"{shard_file(folder, 1, '.npy')}: cannot write (Read-only file system; {len(F._npy_bytes(rows[2:])):,} bytes")
+    assert sorted(ShardedFeatureStore(folder).index) == ["im0.jpg", "im1.jpg"]
+
+
 def test_full_disk_refuses_a_single_file_store_in_one_line(flickr_dir, small_disk, monkeypatch, capsys):
     """The (15, 256, 192) float16 file needs 1.5 MB: refused when created, not a SIGBUS later."""
     monkeypatch.setenv("CAPTIONKIT_CACHE", str(small_disk / "cache"))
