@@ -198,7 +198,8 @@ def test_full_disk_leaves_the_sharded_store_as_it_was(small_disk):
         write_shard(folder, 1, rows[3:], [str(p) for p in paths[3:]], {})
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith(f"{shard_file(folder, 1, '.npy')}: no space left")
-    assert f"{len(F._npy_bytes(rows[3:])):,} bytes needed" in msg
+    assert f"needs {len(F._npy_bytes(rows[3:])) / 1e3:.1f} kB ({len(F._npy_bytes(rows[3:])):,} bytes)" in msg
+    assert "the feature store is as it was" in msg
     assert not shard_file(folder, 1, ".json").exists()  # never indexed
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         [".captionkit.json", "manifest.json", "shard-00000.json", "shard-00000.npy"])  # no partial file left
@@ -218,7 +219,7 @@ def test_read_only_folder_leaves_the_sharded_store_as_it_was(small_disk):
     with pytest.raises(OutputError) as err:
         write_shard(folder, 1, rows[2:], [str(p) for p in paths[2:]], {})
     assert "\n" not in str(err.value) and str(err.value).startswith(
-        f"{shard_file(folder, 1, '.npy')}: cannot write (Read-only file system; {len(F._npy_bytes(rows[2:])):,} bytes")
+        f"{shard_file(folder, 1, '.npy')}: the folder is on a read-only file system; the feature store is as it was")
     assert sorted(ShardedFeatureStore(folder).index) == ["im0.jpg", "im1.jpg"]
 
 
@@ -228,7 +229,7 @@ def test_full_disk_refuses_a_single_file_store_in_one_line(flickr_dir, small_dis
     assert cli.main(["features", "--dataset", str(flickr_dir), "--encoder", "patches", "--workers", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "feats.npy: no space left" in err[0]
-    assert f"{15 * 256 * 192 * 2 + 128:,} bytes needed" in err[0]
+    assert f"({15 * 256 * 192 * 2 + 128:,} bytes)" in err[0]
     entry = next((small_disk / "cache").glob("patches-*/*"))
     assert not (entry / "meta.json").exists() and not (entry / "feats.npy").exists()
 

@@ -30,12 +30,10 @@ alone. Stores from before digests are read unchecked. An entry is built under it
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import io
 import json
 import os
-import shutil
 import sys
 import time
 from contextlib import ExitStack, contextmanager
@@ -46,6 +44,7 @@ import torch
 
 from ..core.cache import cache_root
 from ..core.checkpoint import file_sha256
+from ..core.diskspace import disk_errors
 from ..core.errors import OutputError, UserError
 from ..core.locks import Locked, hold_lock
 from ..core.outputs import atomic_write_bytes, atomic_write_text, check_writable_folder, owner_kind, write_marker
@@ -59,6 +58,7 @@ default_cache_root = cache_root
 BLOCK_ROWS = 1000  # rows of the single-file store per recorded digest (what a bad block costs to redo)
 DIGESTS = "digests.json"  # the single-file store's {"block_rows", "bytes", "sha256": [per block]}
 WAIT_S = 0.25  # how often a build retries the lock of a cache entry another process is building
+KEPT = "the feature store is as it was (what is done is kept: run again once there is room)"
 TELL_AFTER_S = 1.0  # a wait longer than this is said (DDP ranks taking turns on a built store are not)
 
 
@@ -75,29 +75,11 @@ def _rebuild_hint(encoder_key: str) -> str:
             f"--verify` (the dataset it was built for), or delete it")
 
 
-def _refused_write(path: Path, needed: int, err: OSError) -> OutputError | None:
-    """One line for a write the file system refused for want of room or of write access (the
-    path, the bytes it needed, the room left); None for any other error, which stays loud."""
-    if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        free = shutil.disk_usage(path.parent).free
-        return OutputError(f"{path}: no space left on the device ({needed:,} bytes needed, {free:,} free); "
-                           f"the feature store is as it was: free some space or point $CAPTIONKIT_CACHE "
-                           f"elsewhere, then run again (what is done is kept)")
-    if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        return OutputError(f"{path}: cannot write ({os.strerror(err.errno)}; {needed:,} bytes to write); "
-                           f"the feature store is as it was: point $CAPTIONKIT_CACHE at a writable folder")
-    return None
-
-
 def _write_file(path: Path, data: bytes) -> None:
-    """``atomic_write_bytes`` with a full or read-only disk said in one line (the temporary
-    file is gone and ``path`` is as it was)."""
-    try:
+    """``atomic_write_bytes``, with a full disk or a read-only folder said in one line naming the
+    path and the bytes (captionkit.core.diskspace); the temporary file is gone, ``path`` as it was."""
+    with disk_errors(path, len(data), KEPT):
         atomic_write_bytes(path, data)
-    except OSError as e:
-        if (refused := _refused_write(path, len(data), e)) is None:
-            raise
-        raise refused from None
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:
@@ -503,15 +485,14 @@ def _create_rows(path: Path, shape: tuple[int, int, int]) -> None:
     """A new (N, L, D) float16 .npy of zeros, its blocks allocated now: a disk without room for it
     is one line here, not a SIGBUS when a memory-mapped row is written later."""
     try:
-        np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=shape).flush()
-        if hasattr(os, "posix_fallocate"):
-            with open(path, "r+b") as fh:
-                os.posix_fallocate(fh.fileno(), 0, os.fstat(fh.fileno()).st_size)
-    except OSError as e:
+        with disk_errors(path, int(np.prod(shape)) * 2 + 128, KEPT):  # (N*L*D float16 and the header)
+            np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=shape).flush()
+            if hasattr(os, "posix_fallocate"):
+                with open(path, "r+b") as fh:
+                    os.posix_fallocate(fh.fileno(), 0, os.fstat(fh.fileno()).st_size)
+    except BaseException:
         path.unlink(missing_ok=True)
-        if (refused := _refused_write(path, int(np.prod(shape)) * 2 + 128, e)) is None:
-            raise
-        raise refused from None
+        raise
 
 
 def _build_file(encoder: Encoder, paths: list[Path], folder: Path, batch_size: int, progress: bool,
