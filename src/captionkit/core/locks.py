@@ -72,6 +72,51 @@ def _same_file(fd: int, lock: Path) -> bool:
     return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
+def _refusal(path: Path, lock: Path) -> Locked:
+    pid, host, their_what = _holder(lock)
+    holder = f"pid {pid if pid is not None else '?'} on {host or '?'}"
+    doing = f" ({their_what})" if their_what else ""
+    return Locked(f"{path}: in use by {holder}{doing}; wait for it to finish or stop it "
+                  f"(a lock of a process that died is released by the system)", pid, host)
+
+
+def check_unlocked(path: str | Path) -> None:
+    """Raise :class:`Locked` if another holder has ``path`` locked now, creating nothing: the
+    early check of a command, before its expensive work and before it takes the lock itself
+    (with :func:`hold_lock`, which is what settles a race between two that both passed)."""
+    path = Path(path)
+    lock = lock_path(path)
+    if fcntl is None:  # pragma: no cover
+        return
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return  # no lock file (or none this process may read): nobody holds it
+    try:
+        # shared: it conflicts with a holder's exclusive lock all the same, and works on a file
+        # opened read-only where flock is emulated with fcntl locks (NFS)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released by the close below
+    except BlockingIOError:
+        raise _refusal(path, lock) from None
+    except OSError:
+        pass  # a file system without locks: hold_lock says so, or not, when it is taken
+    finally:
+        os.close(fd)
+
+
+def _take(fd: int, tries: int = 5) -> None:
+    """flock ``fd`` without waiting on a holder; a few quick tries, as a :func:`check_unlocked`
+    of another process holds it for a moment too."""
+    for i in range(tries):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if i == tries - 1:
+                raise
+            time.sleep(0.02)
+
+
 @contextmanager
 def hold_lock(path: str | Path, what: str) -> Iterator[Path]:
     """Hold the advisory lock of ``path`` for the block; yields the lock file's path.
@@ -89,14 +134,10 @@ def hold_lock(path: str | Path, what: str) -> Iterator[Path]:
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _take(fd)
         except BlockingIOError:
             os.close(fd)
-            pid, host, their_what = _holder(lock)
-            holder = f"pid {pid if pid is not None else '?'} on {host or '?'}"
-            doing = f" ({their_what})" if their_what else ""
-            raise Locked(f"{path}: in use by {holder}{doing}; wait for it to finish or stop it "
-                         f"(a lock of a process that died is released by the system)", pid, host) from None
+            raise _refusal(path, lock) from None
         except BaseException:
             os.close(fd)
             raise
