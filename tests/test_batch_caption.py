@@ -13,6 +13,7 @@ import pytest
 from helpers import shape_image
 
 from captionkit.cli.main import main
+from captionkit.core.precision import resolve_precision
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +146,9 @@ def test_resuming_with_other_settings_is_refused_and_names_the_option(tiny_run, 
     out = tmp_path / "caps.jsonl"
     assert _run(d, tiny_run / "best", "--jsonl", str(out)) == 0  # (_run uses --beam 2)
     meta = json.loads((tmp_path / "caps.jsonl.meta.json").read_text())
+    native = resolve_precision("auto", "cpu") == "bf16"  # a CPU that multiplies bf16: auto's captions are bf16's
     assert meta["settings"] == {"command": "caption", "model": str((tiny_run / "best").resolve()), "onnx": None,
-                                "beam": 2, "length_penalty": None}
+                                "beam": 2, "length_penalty": None, **({"precision": "bf16"} if native else {})}
     before = out.read_bytes()
     capsys.readouterr()
     for extra, named in ((["--beam", "3"], "--beam 2, this run has --beam 3"),

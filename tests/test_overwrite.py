@@ -136,7 +136,7 @@ def test_train_overwrite_starts_a_marked_run_again(tiny_config, finished_run):
 def test_resuming_a_run_written_before_markers_marks_it(tiny_config, finished_run):
     from captionkit.training.run import train
     step = read_config(finished_run / "last")["state"]["step"]
-    train(tiny_config, out=finished_run, resume=True, max_steps=step, progress=False)
+    train(tiny_config, out=finished_run, resume=True, progress=False)  # (all its epochs done: nothing to train)
     assert json.loads((finished_run / MARKER).read_text())["kind"] == "run"
     assert read_config(finished_run / "last")["state"]["step"] == step
 

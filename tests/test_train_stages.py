@@ -139,7 +139,7 @@ def test_the_feature_cache_is_computed_on_the_training_device(tiny_config, tmp_p
 
     def build_then_stop(*args, **kwargs):
         store = real_build(*args, **kwargs)
-        assert len(store.index) == 15  # every photo encoded
+        assert len(store.index) == 12  # every photo the run uses (train and dev; not test) encoded
         raise _Stop
 
     real_build = stages.build_features
@@ -167,3 +167,36 @@ def test_frozen_tuned_blocks_run_on_the_training_device(tmp_path):
     out = _run_tail(tail, rows, (2, 2), torch.device("meta"))
     assert tail.seen == torch.device("meta")
     assert out[0:300].shape == (300, 2, 3) and out[0:1].dtype == torch.float16
+
+
+def test_max_images_limit_the_feature_extraction_and_a_full_run_extends_the_cache(tiny_config, tmp_path,
+                                                                                  monkeypatch):
+    """Issue 29, item 4: a run on train_max_images/val_max_images images encoded every image of
+    the dataset first (all 8,000 of Flickr8k for a 20-step check). Now it encodes only its own;
+    the cache stays the dataset's, so a later full run fills in the rest of the same folder (and
+    a partial cache never passes for a full one: its unwritten rows are not in the store)."""
+    from captionkit.encoders.base import Encoder
+
+    monkeypatch.setenv("CAPTIONKIT_CACHE", str(tmp_path / "cache"))  # an empty cache of this test's own
+    encoded: list[int] = []
+    real_encode = Encoder.encode
+
+    def counting(self, pixels):
+        encoded.append(pixels.shape[0])
+        return real_encode(self, pixels)
+
+    monkeypatch.setattr(Encoder, "encode", counting)
+    cut = tmp_path / "cut.toml"
+    cut.write_text(tiny_config.read_text().replace("[train]", "[train]\ntrain_max_images = 4\nval_max_images = 2"))
+    part = prepare_data(RunConfig.load(cut))
+    assert sum(encoded) == 6 and len(part.train_feats.store.index) == 6  # 4 train + 2 dev, of 15 photos
+    encoded.clear()
+    full = prepare_data(RunConfig.load(tiny_config))
+    assert sum(encoded) == 12 - 6  # the other train and dev photos, in the same cache folder
+    assert full.train_feats.store.folder == part.train_feats.store.folder
+    assert len(full.train_feats) == 9 and len(full.val_feats) == 3
+    assert torch.allclose(full.train_feats[0:4].float(), part.train_feats[0:4].float(), atol=1e-3)
+    assert torch.allclose(full.val_feats[0:2].float(), part.val_feats[0:2].float(), atol=1e-3)
+    encoded.clear()
+    prepare_data(RunConfig.load(cut))  # everything it needs is cached now
+    assert encoded == []

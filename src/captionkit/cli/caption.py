@@ -338,11 +338,16 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
     settings = _caption_settings(model, weights, onnx, beam, length_penalty, rerank, nbest, tta)
     candidates_path = check_file_target(candidates, overwrite=overwrite) if candidates else None
     writer = _caption_writer("caption", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
-                             attention=attention, overwrite=overwrite, retry_failed=retry_failed, verbose=verbose)
+                             attention=attention, overwrite=overwrite, retry_failed=retry_failed, verbose=verbose,
+                             late=("precision",))  # known once the device is (below)
     if not onnx:
         _check_model_folders(model)
     if writer.readable or device != "auto" or precision != "auto":  # an explicit device is checked anyway
         where, precision = _device("cpu" if onnx else device, precision)
+        if engine == "local":  # (Ray's replicas resolve their own)
+            # bf16/fp16 captions differ from fp32 ones: a resumed file keeps to one (recorded when
+            # not fp32, so files from before it was recorded resume as fp32 ones; ONNX is fp32)
+            writer.add_settings(precision=None if onnx or precision == "fp32" else precision)
     if not writer.readable:  # every path given is missing or refused: said without torch or a model
         return writer.run(lambda files: iter(()))
     if engine == "ray":

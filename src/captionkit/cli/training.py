@@ -16,7 +16,10 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=cmd_train)
     t.add_argument("--config", required=True, help="the run's TOML config (configs/ has examples)")
     t.add_argument("--out", help="run folder (default runs/<config name>); a new run needs a new or empty one")
-    t.add_argument("--max-steps", type=positive_int, help="stop after this many optimizer steps (a quick check)")
+    t.add_argument("--max-steps", type=positive_int,
+                   help="stop after this many optimizer steps, counted from the run's start (the features of "
+                        "every image the config uses are computed first; a quick start from nothing: "
+                        "configs/quickstart.toml)")
     t.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/last")
     t.add_argument("--init", metavar="DIR", help="start from this checkpoint (replaces the config's train.init)")
     _add_overwrite(t, "start the run in OUT again, replacing the run captionkit wrote there")
@@ -27,20 +30,25 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--nproc", type=positive_int, default=1,
                    help="train with DDP in this many processes on this machine (torchrun's launcher; "
                         "see docs/distributed-training.md)")
+    t.add_argument("--threads", type=positive_int,
+                   help="torch threads per process (default: torch's, one per core; on a machine other "
+                        "work keeps busy, fewer run faster: see docs/training.md)")
 
 
 def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool, init: str | None,
-              overwrite: bool, tensorboard: str | None = None, device: str | None = None, nproc: int = 1) -> int:
+              overwrite: bool, tensorboard: str | None = None, device: str | None = None, nproc: int = 1,
+              threads: int | None = None) -> int:
     if nproc > 1:  # the same command in nproc processes under torchrun (DDP); see docs/distributed-training.md
         from ..training.distributed import launch
         from ..training.run import check_run
         check_run(config, out, max_steps, resume, init, overwrite, device, nproc)  # one line here, not one per process
-        flags = {"--out": out, "--max-steps": max_steps, "--init": init, "--tensorboard": tensorboard, "--device": device}
+        flags = {"--out": out, "--max-steps": max_steps, "--init": init, "--tensorboard": tensorboard, "--device": device,
+                 "--threads": threads}
         args = ["train", "--config", config, *[x for k, v in flags.items() if v is not None for x in (k, str(v))]]
         return launch(nproc, args + ["--resume"] * resume + ["--overwrite"] * overwrite)
     from ..training.run import train
     train(config, out=out, max_steps=max_steps, resume=resume, init=init, overwrite=overwrite,
-          tensorboard=tensorboard, device=device)
+          tensorboard=tensorboard, device=device, threads=threads, busy_warning=True)
     return 0
 
 

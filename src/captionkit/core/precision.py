@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import platform
+import sys
 from typing import TYPE_CHECKING, ContextManager
 
 if TYPE_CHECKING:
@@ -66,7 +67,17 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
         raise UserError(f"precision fp16 needs a CUDA device (this one is {kind}); use bf16, fp32 or auto")
     if precision == "auto":
         return "bf16" if kind == "cpu" and native_bf16() else "fp32"
+    if precision == "bf16" and kind == "cpu" and not native_bf16():
+        _warn_emulated_bf16()
     return precision
+
+
+@functools.cache  # once per process: a command resolves its precision more than once
+def _warn_emulated_bf16() -> None:
+    """bf16 asked for on a CPU that emulates it: it works, several times slower than fp32
+    (see the module's docstring), which a user would otherwise only notice as a slow run."""
+    print("warning: precision bf16 on a CPU without native bf16 (no AMX, AVX512-BF16 or Arm BF16): PyTorch "
+          "emulates it, several times slower than fp32; auto picks fp32 here", file=sys.stderr)
 
 
 def cuda_native_bf16(device: torch.device) -> bool:

@@ -447,7 +447,8 @@ def _folder_for(root: Path, encoder: Encoder, paths: list[Path], flip: bool = Fa
 
 def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None,
                    batch_size: int = 16, progress: bool = True, workers: int = 2,
-                   flip: bool = False, verify: bool = False) -> FeatureStore | ShardedFeatureStore:
+                   flip: bool = False, only: list[Path] | None = None,
+                   verify: bool = False) -> FeatureStore | ShardedFeatureStore:
     """Encode every image of ``paths`` once (resuming a partial build) and return the store:
     the complete sharded store of these images when ``--engine ray`` wrote one, else the
     single memory-mapped file (built here). ``flip``: encode each image's horizontal mirror
@@ -458,6 +459,11 @@ def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None
     the cache is shared by every later run whatever device it is on. ``workers`` processes
     decode the images (0: this process; captionkit.encoders.image_batches). Unreadable images are
     reported on stderr and left out of the store.
+
+    ``only``: encode just these images of ``paths`` (a run on part of a dataset, e.g.
+    train.train_max_images). The store is still the one of all ``paths`` (the same folder), with
+    the other rows left unwritten (``done`` False: never read, and not in the store's index), so
+    a later call for more of ``paths`` fills in the rest of the same cache.
 
     The store's entry is locked while it is built (:func:`building`: a second process waits,
     then uses it). Its files' sizes are checked on every call and, with ``verify`` (``captionkit
@@ -478,7 +484,7 @@ def build_features(encoder: Encoder, paths: list[Path], root: Path | None = None
         raise OutputError(f"{folder}: holds files captionkit did not write (no meta.json); "
                           f"refusing to write features into it")
     with building(folder, f"features {encoder.name}"):
-        return _build_file(encoder, paths, folder, batch_size, progress, workers, flip, verify)
+        return _build_file(encoder, paths, folder, batch_size, progress, workers, flip, verify, only)
 
 
 def _create_rows(path: Path, shape: tuple[int, int, int]) -> None:
@@ -496,7 +502,7 @@ def _create_rows(path: Path, shape: tuple[int, int, int]) -> None:
 
 
 def _build_file(encoder: Encoder, paths: list[Path], folder: Path, batch_size: int, progress: bool,
-                workers: int, flip: bool, verify: bool) -> FeatureStore:
+                workers: int, flip: bool, verify: bool, only: list[Path] | None) -> FeatureStore:
     """The single-file store of ``paths`` in ``folder``, built or resumed (under its lock)."""
     meta_path, feats_path, done_path = folder / "meta.json", folder / "feats.npy", folder / "done.npy"
     _check_single(folder, full=verify)
@@ -512,7 +518,15 @@ def _build_file(encoder: Encoder, paths: list[Path], folder: Path, batch_size: i
         _write_file(meta_path, json.dumps(meta).encode())
     feats = np.load(feats_path, mmap_mode="r+")
     done = np.load(done_path)
-    todo = [i for i in range(len(paths)) if not done[i]]
+    wanted = range(len(paths))
+    if only is not None:
+        position = {p: i for i, p in enumerate(paths)}
+        strangers = [p for p in only if p not in position]
+        if strangers:  # a caller's bug: these rows could never be written
+            raise ValueError(f"{len(strangers)} of the images to encode are not in the store's list, "
+                             f"e.g. {strangers[0]}")
+        wanted = sorted({position[p] for p in only})
+    todo = [i for i in wanted if not done[i]]
     wrote = False  # whether any row changed (not so when the todo rows are unreadable images only)
     failed: list[str] = []
     # (closed below, or by its finalizer when an error ends the loop)

@@ -94,7 +94,8 @@ def figure_names(keys: Iterable[str]) -> dict[str, str]:
 SETTINGS_ORDER = ("command", "model", "rerank", "nbest", "tta", "beam", "length_penalty", "prompt",
                   "max_new_tokens", "dtype")
 # what a setting's absence means, said as the user would (None recorded: the option was not given)
-ABSENT = {"length_penalty": "the model's length penalty (no --length-penalty)"}
+ABSENT = {"length_penalty": "the model's length penalty (no --length-penalty)",
+          "precision": "--precision fp32"}  # recorded only when not fp32 (cli/caption.py)
 
 
 def _option(name: str) -> str:
@@ -176,8 +177,9 @@ class _Output:
     """A resumable line-per-image file. Constructed: checked and read, nothing written (so a
     refused run changes nothing); :meth:`open`: repaired, prepared, opened for appending."""
 
-    def __init__(self, path: str | Path, settings: dict, overwrite: bool):
+    def __init__(self, path: str | Path, settings: dict, overwrite: bool, late: tuple[str, ...] = ()):
         # a folder, a FIFO or a dangling link is refused; an existing file is resumed or replaced
+        self.late = set(late)  # settings given later (CaptionWriter.add_settings): not compared yet
         self.path = check_file_target(path, overwrite=True)
         self.meta_path = self.path.with_name(self.path.name + META_SUFFIX)
         self.settings, self.fresh = settings, overwrite or not self.path.exists()
@@ -200,7 +202,7 @@ class _Output:
         self.unrecorded = bool(self.records) and recorded is None
         if self.unrecorded or not self.records:
             return
-        difference = settings_difference(recorded, self.settings)
+        difference = settings_difference({k: v for k, v in recorded.items() if k not in self.late}, self.settings)
         if difference:
             raise OutputError(f"{self.path}: was written {difference} (see {self.meta_path.name}); use the same "
                               f"options to resume it, --overwrite to start it again, or write to another file")
@@ -370,6 +372,7 @@ class CaptionWriter:
     overwrite: bool = False
     retry_failed: bool = False
     verbose: bool = False
+    late: tuple[str, ...] = ()  # settings that come with add_settings, compared then
     outputs: list[_Output] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -382,8 +385,8 @@ class CaptionWriter:
         if self.json_out:
             check_file_target(self.json_out, overwrite=self.overwrite)
         settings = {"command": self.command, **self.settings}
-        self.outputs = ([JsonlOutput(self.jsonl, settings, self.overwrite)] if self.jsonl else []) + \
-                       ([CsvOutput(self.csv_out, settings, self.overwrite)] if self.csv_out else [])
+        self.outputs = ([JsonlOutput(self.jsonl, settings, self.overwrite, self.late)] if self.jsonl else []) + \
+                       ([CsvOutput(self.csv_out, settings, self.overwrite, self.late)] if self.csv_out else [])
         resuming = any(o.records for o in self.outputs)  # its figures so far are this run's too
         if self.attention:
             check_folder_target(self.attention, overwrite=self.overwrite or resuming, kinds=(FIGURES_KIND,))
@@ -392,6 +395,19 @@ class CaptionWriter:
         self.keys, clashes = image_keys(scan.images + list(self.refused))
         self._report_skipped(scan.skipped + [Skipped(p, why) for p, why in clashes])
         self.figures = figure_names(self.keys.values()) if self.attention else {}
+
+    def add_settings(self, **late) -> None:
+        """Settings known only after the constructor (caption's precision, once its device is
+        resolved): recorded with the others, and checked against what a resumed file recorded
+        (the same one-line refusal, still before the model loads). None: not recorded, as an
+        option not given is not."""
+        given = {k: v for k, v in late.items() if v is not None}
+        self.settings.update(given)
+        for o in self.outputs:
+            o.settings.update(given)
+            o.late -= set(late)
+            if not self.overwrite:
+                o._check_settings(_read_meta(o.meta_path))
 
     def _report_skipped(self, skipped) -> None:
         if not skipped:

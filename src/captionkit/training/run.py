@@ -90,11 +90,17 @@ def check_run_folder(out: Path, resume: bool, overwrite: bool) -> None:
     check_folder_target(out, overwrite=overwrite, kinds=("run",))
 
 
-def check_resumable(cfg: RunConfig, out: Path) -> None:
+def check_resumable(cfg: RunConfig, out: Path, max_steps: int | None = None) -> None:
     """The config's family and [model] fields are those the checkpoint to resume was trained
-    with (checked again, in full, once the model is built)."""
+    with (checked again, in full, once the model is built), and ``max_steps`` (which counts from
+    the run's start) leaves steps to train: a run already there would only save itself again."""
     folder = resolve(out / "last")
     saved = read_config(folder)
+    step = saved.get("state", {}).get("step")
+    if max_steps is not None and isinstance(step, int) and step >= max_steps:
+        raise UserError(f"{out}: the run is at step {step} already and --max-steps counts from its start, so "
+                        f"--max-steps {max_steps} leaves nothing to train; give more than {step}, or leave it out "
+                        f"to train to the end")
     if cfg.train.init:
         return  # the model comes from the init checkpoint, as it did for the saved run
     if saved.get("family") != cfg.model["family"]:
@@ -137,15 +143,25 @@ def start_run_folder(out: Path, replace: bool) -> None:
 def train(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,
           resume: bool = False, progress: bool = True, init: str | None = None, overwrite: bool = False,
           on_epoch: Callable[[dict], None] | None = None, tensorboard: str | None = None,
-          device: str | None = None) -> TrainState:
+          device: str | None = None, threads: int | None = None, busy_warning: bool = False) -> TrainState:
     """Train from a TOML config into the run folder ``out`` (default runs/<config name>).
     Everything the user gave is checked first (the config, the folder, the files it names);
     ``resume`` continues the run in ``out``, ``overwrite`` replaces a run there. ``on_epoch``:
     see Trainer.fit; ``tensorboard``: a folder for event files (replaces train.tensorboard);
-    ``device`` replaces train.device. Under torchrun (RANK/WORLD_SIZE in the environment) this
-    process is one rank of a DDP run (see captionkit.training.distributed)."""
+    ``device`` replaces train.device; ``threads``: torch's CPU threads for this process (None:
+    torch's default; set for the whole process, as the feature extraction uses them too);
+    ``busy_warning``: one line when other work leaves fewer free cores than torch has threads
+    (:func:`warn_busy_cores`; the command line's, not a sweep's trials, which share cores by design).
+    Under torchrun (RANK/WORLD_SIZE in the environment) this process is one rank of a DDP run
+    (see captionkit.training.distributed)."""
     world = world_from_env()
     cfg, out, run_device = check_run(config, out, max_steps, resume, init, overwrite, device)
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise UserError(f"threads must be a positive integer, got {threads!r}")
+        torch.set_num_threads(threads)
+    if busy_warning and not world.distributed and run_device.type == "cpu":
+        warn_busy_cores()
     run_device = device_for(world, run_device)
     tensorboard = tensorboard or cfg.train.tensorboard
     if tensorboard and world.main:  # its package is checked before the expensive work
@@ -169,6 +185,8 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
             atomic_write_text(out / "glove_coverage.json", json.dumps(trainer.glove_coverage.to_json(), indent=1))
         barrier(world)  # the run folder exists before any rank goes on
         state = trainer.fit(max_steps=max_steps, progress=progress, on_epoch=on_epoch)
+        if world.main:
+            print(end_of_run(cfg, out, state, max_steps), file=sys.stderr, flush=True)
         stop(world)
     except BaseException as e:
         # Any rank's error ends the run on every rank, at once: no barrier here (see abort). The
@@ -187,6 +205,43 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
     return state
 
 
+def warn_busy_cores() -> None:
+    """One line when other work keeps the cores torch's threads need busy: each step then waits
+    for its slowest thread (measured on 2 loaded cores: 12-14 captions/s on 2 threads against
+    123-188 on one, docs/training.md#threads). A warning, not a default that follows the load:
+    the thread count changes a run's numbers, and one command should give one model."""
+    import os
+
+    cpus, threads = os.cpu_count() or 1, torch.get_num_threads()
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not every system has it
+        return
+    if threads > 1 and load > cpus - threads + 0.5:
+        free = max(1, min(threads - 1, int(cpus - load + 0.5)))  # the cores the load leaves, at least one
+        print(f"warning: the load on this machine ({load:.1f} on {cpus} cores) leaves fewer than {threads} cores to "
+              f"this run's {threads} torch threads, which can make it many times slower; --threads {free} "
+              f"runs faster then", file=sys.stderr)
+
+
+def end_of_run(cfg: RunConfig, out: Path, state: TrainState, max_steps: int | None) -> str:
+    """The line a run ends with: why it stopped and what it saved where (a run that ended
+    in silence left the user to guess both)."""
+    tc = cfg.train
+    last = f"{out / 'last'} (epoch {state.epoch}, step {state.step})"
+    if state.epoch < tc.epochs and state.bad_epochs < tc.patience:  # fit returned before the end: max_steps
+        return (f"stopped at --max-steps {max_steps}: saved {last}; "
+                f"continue it with --resume and a larger --max-steps, or without one to train to the end")
+    why = (f"all {tc.epochs} epochs done" if state.bad_epochs < tc.patience
+           else f"stopped early at epoch {state.epoch} (no {tc.val_metric} gain for {tc.patience} "
+                f"{'epochs' if tc.val_every == 1 else 'validations'})")
+    best = resolve(out / "best")
+    if state.best_score is None or not (best / "config.json").is_file():
+        return f"{why}: saved {last} (no dev score chose a best checkpoint)"
+    return (f"{why}: saved {out / 'best'} (epoch {state.best_epoch}, dev {tc.val_metric} "
+            f"{100 * state.best_score:.2f}) and {last}")
+
+
 def check_run(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,
               resume: bool = False, init: str | None = None, overwrite: bool = False,
               device: str | None = None, nproc: int = 1) -> tuple[RunConfig, Path, torch.device]:
@@ -200,7 +255,7 @@ def check_run(config: str | Path, out: str | Path | None = None, max_steps: int 
     out = Path(out) if out else Path("runs") / Path(config).stem
     check_run_folder(out, resume, overwrite)
     if resume:
-        check_resumable(cfg, out)
+        check_resumable(cfg, out, max_steps)
     check_inputs(cfg, config)
     return cfg, out, run_device
 

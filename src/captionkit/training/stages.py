@@ -110,7 +110,8 @@ def load_init(cfg: RunConfig) -> InitCheckpoint | None:
 
 def prepare_data(cfg: RunConfig, device: torch.device = CPU) -> TrainData:
     """Stage 1: the dataset's splits, the encoder (with the init checkpoint's tuned blocks) and
-    the cached features of every image (computed once per encoder, see captionkit.encoders.features).
+    the cached features of the images the run uses (train.train_max_images and val_max_images
+    limit them; each image's computed once per encoder, see captionkit.encoders.features).
     The features stay in the store, read a batch at a time on the CPU (encoder blocks tuned
     before and frozen now: their output is computed here and held in memory). The encoder
     computes on ``device`` (a GPU's minutes, not a CPU's hours, for a new dataset), in float32
@@ -140,7 +141,11 @@ def prepare_data(cfg: RunConfig, device: torch.device = CPU) -> TrainData:
     # the whole encoder: a trunk (source) computes with its encoder's weights
     encoder.to(device)
     source.to(device)
-    store = build_features(source, [it.path for it in ds.all_items()])  # (where the encoder is)
+    # The store is the whole dataset's (one cache folder per image set, whatever part a run
+    # uses), but only this run's images are encoded: a run on train_max_images/val_max_images
+    # images waits for those alone, and a later run on more of the dataset fills in the rest.
+    store = build_features(source, [it.path for it in ds.all_items()],  # (where the encoder is)
+                           only=[it.path for it in train_items + val_items])
     data = TrainData(train_items, val_items, encoder, _load_feats(store, train_items), _load_feats(store, val_items),
                      grid=tuple(encoder.grid()), source_grid=store.grid, tuned_blocks=tuned_blocks, tail=tail, init=init)
     if tail is not None and not tc.finetune_blocks:  # tuned before, frozen now
