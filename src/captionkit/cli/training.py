@@ -60,6 +60,8 @@ def add_features(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--encoder", default="efficientnet_lite2", help="the image encoder (default efficientnet_lite2)")
     f.add_argument("--flip", action="store_true",
                    help="cache the mirror images' features instead (for --tta flip experiments; docs/ensembles.md)")
+    f.add_argument("--verify", action="store_true",
+                   help="check every shard's sha256 (a full read of the store) and compute the bad ones again, alone")
     _add_device_opts(f, workers=True, precision=False)
     _add_csv_opts(f)
     _add_engine_opts(f)
@@ -70,10 +72,10 @@ def cmd_features(dataset: str, images: str | None, encoder: str,
                  image_column: str, title_column: str, image_suffix: str, engine: str = "local",
                  address: str | None = None, replicas: int = 1, shard_size: int | None = None,
                  gpus_per_replica: float = 0, batch_size: int = 16, flip: bool = False, device: str = "auto",
-                 workers: int = 2) -> int:
+                 workers: int = 2, verify: bool = False) -> int:
     from ..core.outputs import check_writable_folder
     from ..encoders import create_encoder, list_encoders
-    from ..encoders.features import build_features, default_cache_root
+    from ..encoders.features import build_features, default_cache_root, verify_sharded
 
     if encoder not in list_encoders():
         raise UsageError(f"--encoder: unknown encoder {encoder!r}; known: {', '.join(list_encoders())}")
@@ -89,9 +91,11 @@ def cmd_features(dataset: str, images: str | None, encoder: str,
     paths = [it.path for it in ds.all_items()]
     if engine == "ray":
         opts = _ray_options(address, replicas, gpus_per_replica, batch_size, shard_size)
+        if verify:  # the bad shards lose their record: the Ray run below computes them with the missing ones
+            verify_sharded(create_encoder(encoder), paths)
         store = build_features_ray(encoder, None, paths, None, opts)
     else:
-        store = build_features(create_encoder(encoder).to(where), paths, workers=workers, flip=flip)
+        store = build_features(create_encoder(encoder).to(where), paths, workers=workers, flip=flip, verify=verify)
     print(f"{len(store.index)} images, grid {store.grid}: {store.folder}")
     return 0
 

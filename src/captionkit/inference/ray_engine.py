@@ -321,27 +321,29 @@ def build_features_ray(encoder_name: str, encoder_weights: str | None, paths: li
     from functools import partial
 
     from ..encoders import create_encoder
-    from ..encoders.features import ShardedFeatureStore, open_sharded, shard_file, write_shard
+    from ..encoders.features import (ShardedFeatureStore, building, default_cache_root, open_sharded, shard_file,
+                                     sharded_folder_for, write_shard)
     from .writer import Progress
 
     encoder = create_encoder(encoder_name, weights=encoder_weights)  # its key, grid and preprocessing
-    folder, shard_size = open_sharded(encoder, paths, root, opts.shard_size)
-    ranges = shard_ranges(len(paths), shard_size)
-    missing = [s for s in range(len(ranges)) if not shard_file(folder, s, ".json").exists()]
-    print(f"features ray: {len(missing)} of {len(ranges)} shards to compute in {folder}", file=sys.stderr)
-    grid = encoder.grid()
-    shape = (grid[0] * grid[1], encoder.dim)
-    load = partial(create_encoder, encoder_name, weights=encoder_weights)
-    progress = Progress(sum(len(ranges[s]) for s in missing), desc="features ray")
-    skipped: list[str] = []
-    for s, cols in run_shards(paths, missing, shard_size, encoder.preprocess, FeatureReplica,
-                              {"load": load, "shape": shape}, opts):
-        failed = {int(i): e for i, e in zip(cols["pos"], cols["error"]) if e}
-        write_shard(folder, s, cols["feats"], [str(paths[i]) for i in ranges[s]], failed)
-        progress.update(len(ranges[s]), failed=len(failed))
-        skipped += failed.values()
-    progress.close()
-    for msg in skipped:  # as the local engine reports them
-        print(f"skipped: {msg}", file=sys.stderr)
-    return ShardedFeatureStore(folder)
+    with building(sharded_folder_for(root or default_cache_root(), encoder, paths), f"features {encoder_name} (ray)"):
+        folder, shard_size = open_sharded(encoder, paths, root, opts.shard_size)
+        ranges = shard_ranges(len(paths), shard_size)
+        missing = [s for s in range(len(ranges)) if not shard_file(folder, s, ".json").exists()]
+        print(f"features ray: {len(missing)} of {len(ranges)} shards to compute in {folder}", file=sys.stderr)
+        grid = encoder.grid()
+        shape = (grid[0] * grid[1], encoder.dim)
+        load = partial(create_encoder, encoder_name, weights=encoder_weights)
+        progress = Progress(sum(len(ranges[s]) for s in missing), desc="features ray")
+        skipped: list[str] = []
+        for s, cols in run_shards(paths, missing, shard_size, encoder.preprocess, FeatureReplica,
+                                  {"load": load, "shape": shape}, opts):
+            failed = {int(i): e for i, e in zip(cols["pos"], cols["error"]) if e}
+            write_shard(folder, s, cols["feats"], [str(paths[i]) for i in ranges[s]], failed)
+            progress.update(len(ranges[s]), failed=len(failed))
+            skipped += failed.values()
+        progress.close()
+        for msg in skipped:  # as the local engine reports them
+            print(f"skipped: {msg}", file=sys.stderr)
+        return ShardedFeatureStore(folder)
 
