@@ -23,6 +23,7 @@ reset instead of an orderly end: the client then fails with ECONNRESET around th
 from __future__ import annotations
 
 import json
+import uuid
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -32,8 +33,9 @@ LINGER_SECONDS = 2.0  # after a 408, how long to read and drop the rest of the r
 
 def _timeout_answer(message: str) -> bytes:
     body = json.dumps({"error": message, "status": 408}).encode()
+    # a request id as on every other answer (serve/lifecycle.py); this one never reached the app
     return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            b"x-request-id: %s\r\ncontent-length: %d\r\n\r\n%s" % (uuid.uuid4().hex.encode(), len(body), body))
 
 
 class GuardedH11Protocol(H11Protocol):
