@@ -121,7 +121,7 @@ def standin(tmp_path):
 @pytest.mark.slow  # a server process
 def test_readyz_is_503_while_loading_then_200_and_answers_carry_request_ids(standin, tmp_path):
     access = tmp_path / "access.jsonl"
-    server = standin(4.0, 0.0, "--access-log", str(access))
+    server = standin(4.0, 0.0, "--access-log", str(access), "--body-timeout", "1")
     # loading (4 s on purpose): alive, not ready, and every other request is a 503 with an id
     status, headers, doc = _request(server.port, "GET", "/readyz")
     assert status == 503 and doc["state"] == "loading" and not doc["ready"], doc
@@ -144,9 +144,23 @@ def test_readyz_is_503_while_loading_then_200_and_answers_carry_request_ids(stan
     bad_id = _request(server.port, "GET", "/healthz", headers={"X-Request-ID": "x" * 200})[1]["x-request-id"]
     assert HEX_ID.fullmatch(bad_id)  # too long to echo: replaced
 
+    # a body that stalls: the protocol's 408 carries the id the request was given
+    body, ctype = _multipart(_jpeg())
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(f"POST /v1/caption HTTP/1.1\r\nHost: x\r\nContent-Type: {ctype}\r\n"
+                  f"Content-Length: {len(body)}\r\nX-Request-ID: stalled-1\r\n\r\n".encode() + body[:100])
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 408") and b"x-request-id: stalled-1\r\n" in got
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:  # leaves mid-body
+        s.sendall(f"POST /v1/caption HTTP/1.1\r\nHost: x\r\nContent-Type: {ctype}\r\n"
+                  f"Content-Length: {len(body)}\r\nX-Request-ID: left-1\r\n\r\n".encode() + body[:100])
+        time.sleep(0.3)
+
     # the access log: one JSON line per request, with the same ids (written once the answer is sent)
     t0 = time.time()
-    while bad_id not in access.read_text() and time.time() - t0 < 10:
+    while not all(i in access.read_text() for i in ("stalled-1", "left-1")) and time.time() - t0 < 10:
         time.sleep(0.02)
     lines = [json.loads(line) for line in access.read_text().splitlines()]
     assert all(set(line) == {"time", "id", "method", "path", "status", "ms", "bytes", "client"} for line in lines)
@@ -155,6 +169,8 @@ def test_readyz_is_503_while_loading_then_200_and_answers_carry_request_ids(stan
     assert (mine["method"], mine["path"], mine["status"], mine["client"]) == ("POST", "/v1/caption", 200, "127.0.0.1")
     assert mine["bytes"] > 100 and mine["ms"] > 0 and mine["time"].endswith("Z")
     assert by_id[second[1]["x-request-id"]]["status"] == 415 and by_id[bad_id]["path"] == "/healthz"
+    assert by_id["stalled-1"]["status"] == 408  # what the client got, not the app's dropped answer
+    assert by_id["left-1"]["status"] == 499 and by_id["left-1"]["bytes"] == 0  # nobody got an answer
     assert [line["status"] for line in lines[:3]] == [503, 200, 503]  # readyz, healthz, caption while loading
 
 

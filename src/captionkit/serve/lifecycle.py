@@ -8,9 +8,10 @@ models are loaded. It
   request 503 ("loading") until the models are in;
 - gives every answer a request id (header ``X-Request-ID``: the client's own when it sends a
   printable one of at most 128 characters, else a new one), puts it in every log line written
-  while the request runs (a log record factory) and in the access log;
+  while the request runs (a log record factory) and in the access log; the protocol's 408
+  (serve/protocol.py) carries the id too, read from the scope;
 - writes a JSON line per request to the access log when asked (``--access-log FILE|-``):
-  time, id, method, path, status, ms, bytes, client;
+  time, id, method, path, status (499: the client left before its answer), ms, bytes, client;
 - counts the requests in flight, which the drain waits for.
 
 ``DrainingServer`` is uvicorn's server with a drain on SIGTERM or SIGINT: it stops accepting
@@ -41,6 +42,9 @@ from .guards import error_response
 
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("captionkit_request_id", default=None)
 CLIENT_ID = re.compile(r"[!-~]{1,128}")  # a client's own id is echoed only when printable and short
+SCOPE_ID = "captionkit.request_id"  # in the ASGI scope: the request's id
+SCOPE_STATUS = "captionkit.status"  # in the ASGI scope: an answer the protocol sent itself (408)
+CLIENT_LEFT = 499  # the access log's status for a request whose client left before its answer
 PROBES = ("/healthz", "/readyz")  # not counted in flight: a probe must not hold up a drain
 log = logging.getLogger("captionkit.serve")
 
@@ -106,7 +110,14 @@ class Gate:
         given = dict(scope.get("headers") or ()).get(b"x-request-id", b"").decode("latin-1")
         rid = given if CLIENT_ID.fullmatch(given) else new_request_id()
         token = REQUEST_ID.set(rid)
-        t0, status, sent = time.perf_counter(), 0, 0
+        scope[SCOPE_ID] = rid  # for the protocol's own answer (a 408) to carry it too
+        t0, status, sent, gone = time.perf_counter(), 0, 0, False
+
+        async def receive_watched():
+            nonlocal gone
+            msg = await receive()
+            gone = gone or msg["type"] == "http.disconnect"
+            return msg
 
         async def send_with_id(msg):
             nonlocal status, sent
@@ -125,7 +136,7 @@ class Gate:
                 code, doc = self.readiness()
                 await _json(code, doc)(scope, receive, send_with_id)
             elif self.app is not None:
-                await self.app(scope, receive, send_with_id)
+                await self.app(scope, receive_watched, send_with_id)
             elif path == "/healthz":
                 await _json(200, {"status": "ok", "state": self.state})(scope, receive, send_with_id)
             else:
@@ -143,14 +154,17 @@ class Gate:
         finally:
             self.in_flight -= counted
             if self.access_log is not None:
-                self._access(scope, rid, status, sent, time.perf_counter() - t0)
+                # what the client got: the protocol's 408, or nothing (499, as nginx logs it) when it
+                # left, though the app's answer to the disconnect was "sent" (and dropped)
+                told = scope.get(SCOPE_STATUS) or (CLIENT_LEFT if gone else status)
+                self._access(scope, rid, told, sent if told == status else 0, time.perf_counter() - t0)
             REQUEST_ID.reset(token)
 
     def _access(self, scope, rid: str, status: int, sent: int, secs: float) -> None:
         client = scope.get("client")
         line = {"time": datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
                 "id": rid, "method": scope.get("method"), "path": scope.get("path"),
-                "status": status,  # 0: no answer was started (the client left, or the drain cut it off)
+                "status": status,  # 0: no answer; 499: the client left first; 408: it was too slow
                 "ms": round(secs * 1000, 1), "bytes": sent, "client": client[0] if client else None}
         try:
             self.access_log.write(json.dumps(line) + "\n")
