@@ -5,6 +5,7 @@
                            -> {caption, words, attention, grid, model, beam, elapsed_ms}
     GET  /v1/models        the loaded models, the server's limits and its worst-case memory
     GET  /healthz          liveness and queue depth
+    GET  /readyz           readiness (serve/lifecycle.py's Gate, in front of this app under serve())
     GET  /app/...          the static pages; /app/index.html is the in-browser ONNX demo
     GET  /onnx-model/...   an ONNX export (``--onnx DIR``) for that demo
 

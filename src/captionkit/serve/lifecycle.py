@@ -111,21 +111,22 @@ class Gate:
         rid = given if CLIENT_ID.fullmatch(given) else new_request_id()
         token = REQUEST_ID.set(rid)
         scope[SCOPE_ID] = rid  # for the protocol's own answer (a 408) to carry it too
-        t0, status, sent, gone = time.perf_counter(), 0, 0, False
+        t0, status, sent, gone, finished = time.perf_counter(), 0, 0, False, False
 
         async def receive_watched():
             nonlocal gone
             msg = await receive()
-            gone = gone or msg["type"] == "http.disconnect"
+            gone = gone or (msg["type"] == "http.disconnect" and not finished)  # before its whole answer
             return msg
 
         async def send_with_id(msg):
-            nonlocal status, sent
+            nonlocal status, sent, finished
             if msg["type"] == "http.response.start":
                 status = msg["status"]
                 msg = {**msg, "headers": [*msg.get("headers", ()), (b"x-request-id", rid.encode())]}
             elif msg["type"] == "http.response.body":
                 sent += len(msg.get("body", b""))
+                finished = not msg.get("more_body", False)
             await send(msg)
 
         path = scope.get("path", "")
