@@ -478,6 +478,8 @@ def no_model_load(monkeypatch):
     (["--header-timeout", "0"], "--header-timeout must be positive, got 0"),
     (["--rate-limit", "-5"], "--rate-limit must be positive"),
     (["--api-key", "two words"], "--api-key (or CAPTIONKIT_API_KEY) must be printable ASCII"),
+    (["--drain-timeout", "0"], "--drain-timeout must be positive, got 0"),
+    (["--access-log", "/nonexistent-dir/a.jsonl"], "--access-log /nonexistent-dir/a.jsonl: cannot write: No such file"),
 ])
 def test_bad_serve_options_are_one_line_before_any_model(no_model_load, capsys, args, message):
     from captionkit.cli.main import main
@@ -526,12 +528,13 @@ def test_every_serve_option_reaches_the_server(monkeypatch, tmp_path):
     given = {"max_upload_bytes": 3 * 2 ** 20, "queue_size": 5, "max_batch": 2, "onnx_dir": str(tmp_path),
              "api_key": KEY, "rate_limit": 30.0, "max_pixels": 1000, "decode_workers": 3,
              "max_decode_bytes": 64 * 2 ** 20, "decode_queue": 4, "max_connections": 7, "header_timeout": 2.0,
-             "body_timeout": 3.0}
+             "body_timeout": 3.0, "drain_timeout": 4.0, "access_log": str(tmp_path / "access.jsonl")}
     assert all(getattr(ServeConfig(), k) != v for k, v in given.items())
     assert main(["serve", "--port", "0", "--model", "a", "--model", "b", "--max-upload-mb", "3", "--queue-size", "5",
                  "--max-batch", "2", "--onnx", str(tmp_path), "--api-key", KEY, "--rate-limit", "30",
                  "--max-pixels", "1000", "--decode-workers", "3", "--decode-memory-mb", "64", "--decode-queue", "4",
-                 "--max-connections", "7", "--header-timeout", "2", "--body-timeout", "3", "--threads", "1",
+                 "--max-connections", "7", "--header-timeout", "2", "--body-timeout", "3", "--drain-timeout", "4",
+                 "--access-log", str(tmp_path / "access.jsonl"), "--threads", "1",
                  "--device", "cpu", "--precision", "fp32"]) == 0
     (model, sock, cfg, kw), = started
     sock.close()

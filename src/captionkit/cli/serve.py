@@ -45,6 +45,17 @@ def _listen(host: str, port: int, api_key: str | None):
     return sock
 
 
+def _check_access_log(path: str | None) -> None:
+    """--access-log: a file that can be appended to (created if missing), before anything loads."""
+    if path is None or path == "-":
+        return
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise UsageError(f"--access-log {path}: cannot write: {e.strerror or e}") from None
+
+
 def add_serve(sub: argparse._SubParsersAction) -> None:
     v = sub.add_parser("serve", help="HTTP API and web page (FastAPI)")
     v.set_defaults(func=cmd_serve)
@@ -68,6 +79,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--max-connections", type=int, default=100, help="open connections before 503")
     v.add_argument("--header-timeout", type=float, default=10.0, help="seconds a connection has to send a request head")
     v.add_argument("--body-timeout", type=float, default=30.0, help="longest silence while a request body arrives")
+    v.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: stop accepting, answer the requests in flight for at most this many "
+                        "seconds, then exit (default 30)")
+    v.add_argument("--access-log", metavar="FILE", help="write a JSON line per request to FILE ('-': stdout)")
     _add_device_opts(v)
 
 
@@ -75,12 +90,13 @@ def cmd_serve(model: list[str] | None, host: str, port: int, max_upload_mb: floa
               max_batch: int, threads: int | None, onnx: str | None, api_key: str | None = None,
               rate_limit: float | None = None, max_pixels: int | None = None, decode_workers: int = 2,
               decode_memory_mb: float = 512, decode_queue: int = 16, max_connections: int = 100,
-              header_timeout: float = 10.0, body_timeout: float = 30.0, device: str = "auto",
-              precision: str = "auto") -> int:
+              header_timeout: float = 10.0, body_timeout: float = 30.0, drain_timeout: float = 30.0,
+              access_log: str | None = None, device: str = "auto", precision: str = "auto") -> int:
     _check_serve_limits(port, max_upload_mb=max_upload_mb, queue_size=queue_size, max_batch=max_batch,
                         threads=threads, rate_limit=rate_limit, max_pixels=max_pixels, decode_workers=decode_workers,
                         decode_memory_mb=decode_memory_mb, decode_queue=decode_queue, max_connections=max_connections,
-                        header_timeout=header_timeout, body_timeout=body_timeout)
+                        header_timeout=header_timeout, body_timeout=body_timeout, drain_timeout=drain_timeout)
+    _check_access_log(access_log)
     api_key = _serve_api_key(api_key)
     if onnx:
         from ..export.checks import read_manifest
@@ -97,6 +113,7 @@ def cmd_serve(model: list[str] | None, host: str, port: int, max_upload_mb: floa
                       max_batch=max_batch, onnx_dir=onnx, api_key=api_key, rate_limit=rate_limit,
                       decode_workers=decode_workers, max_decode_bytes=int(decode_memory_mb * 2 ** 20),
                       decode_queue=decode_queue, max_connections=max_connections,
-                      header_timeout=header_timeout, body_timeout=body_timeout, **limits)
-    serve(model, sock, cfg, threads=threads, device=where, precision=precision)
-    return 0
+                      header_timeout=header_timeout, body_timeout=body_timeout, drain_timeout=drain_timeout,
+                      access_log=access_log, **limits)
+    cut_off = serve(model, sock, cfg, threads=threads, device=where, precision=precision)
+    return 1 if cut_off else 0  # 1: the drain's bound cut requests off (said on stderr)

@@ -5,6 +5,7 @@
                            -> {caption, words, attention, grid, model, beam, elapsed_ms}
     GET  /v1/models        the loaded models, the server's limits and its worst-case memory
     GET  /healthz          liveness and queue depth
+    GET  /readyz           readiness (serve/lifecycle.py's Gate, in front of this app under serve())
     GET  /app/...          the static pages; /app/index.html is the in-browser ONNX demo
     GET  /onnx-model/...   an ONNX export (``--onnx DIR``) for that demo
 
@@ -30,6 +31,7 @@ import ctypes
 import functools
 import queue
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -84,6 +86,9 @@ class ServeConfig:
     body_timeout: float = 30.0  # longest silence while a request body arrives
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1/*
     rate_limit: float | None = None  # requests per minute per client to /v1/*
+    # the server's life (serve(); serve/lifecycle.py)
+    drain_timeout: float = 30.0  # after SIGTERM/SIGINT, the longest wait for requests in flight
+    access_log: str | None = None  # a file for JSON access lines, "-" for stdout
 
 
 class ApiError(Exception):
@@ -277,18 +282,30 @@ def create_app(models: dict[str, Captioner], config: ServeConfig | None = None) 
     held = Slots(config.decode_queue, f"server busy: {config.decode_queue} uploads are already waiting "
                                       "to be decoded; retry shortly")
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        yield
+    def close() -> None:
         for w in workers.values():
             w.stop()
         decoders.shutdown(wait=False, cancel_futures=True)
+
+    def busy() -> list[str]:
+        """What is full now, so that /readyz sends new requests elsewhere."""
+        full = [f"model {name}: {w.queue.maxsize} requests queued" for name, w in workers.items() if w.queue.full()]
+        if held.used >= held.n:
+            full.append(f"{held.n} uploads waiting to be decoded")
+        return full
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):  # behind serve()'s Gate the gate calls close() instead
+        yield
+        close()
 
     app = FastAPI(title="captionkit", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.workers = workers
     app.state.config = config
     app.state.held = held
     app.state.memory = memory
+    app.state.close = close
+    app.state.busy = busy
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
@@ -333,7 +350,7 @@ def create_app(models: dict[str, Captioner], config: ServeConfig | None = None) 
                            "decode_queue": config.decode_queue, "max_connections": config.max_connections,
                            "header_timeout_s": config.header_timeout, "body_timeout_s": config.body_timeout,
                            "api_key_required": config.api_key is not None,
-                           "rate_limit_per_minute": config.rate_limit},
+                           "rate_limit_per_minute": config.rate_limit, "drain_timeout_s": config.drain_timeout},
                 "memory": memory,
                 "onnx_demo": "/app/index.html?model=/onnx-model/" if config.onnx_dir else None}
 
@@ -422,30 +439,74 @@ def warm_up(models: dict[str, Captioner], config: ServeConfig) -> None:
         cap.decode_features(cap.encode(x), config.max_beam)
 
 
-def make_server(app: FastAPI, config: ServeConfig, **uvicorn_options):
+def make_server(app, config: ServeConfig, gate=None, **uvicorn_options):
     """The uvicorn server for ``app``: the guarded protocol (header and body deadlines) and the
-    connection limit. Run it with ``.run(sockets=[bind(host, port)])``."""
+    connection limit; given the ``gate`` that wraps ``app`` (serve/lifecycle.py), one that drains
+    within ``config.drain_timeout`` on SIGTERM/SIGINT. Run it with ``.run(sockets=[bind(host, port)])``."""
     import uvicorn
 
     from .protocol import GuardedH11Protocol
     protocol = functools.partial(GuardedH11Protocol, header_timeout=config.header_timeout,
                                  body_timeout=config.body_timeout)
-    options = {"log_level": "warning", "timeout_graceful_shutdown": 5, **uvicorn_options}
-    return uvicorn.Server(uvicorn.Config(app, http=protocol, limit_concurrency=config.max_connections, **options))
+    options = {"log_level": "warning", "timeout_graceful_shutdown": config.drain_timeout, **uvicorn_options}
+    uconfig = uvicorn.Config(app, http=protocol, limit_concurrency=config.max_connections, **options)
+    if gate is None:
+        return uvicorn.Server(uconfig)
+    from .lifecycle import DrainingServer
+    return DrainingServer(uconfig, gate)
+
+
+def _open_access_log(where: str | None):
+    if where is None:
+        return None
+    if where == "-":
+        return sys.stdout
+    return open(where, "a", buffering=1, encoding="utf-8")  # noqa: SIM115  (open while serving)
 
 
 def serve(model_paths: list[str] | None, sock: socket.socket, config: ServeConfig,
-          threads: int | None = None, device: str | torch.device = "cpu", precision: str = "auto") -> None:
-    """Load the models onto ``device``, warm them up and serve on ``sock`` (from serve.net.bind)
-    until interrupted."""
+          threads: int | None = None, device: str | torch.device = "cpu", precision: str = "auto") -> int:
+    """Serve on ``sock`` (from serve.net.bind) until SIGTERM or SIGINT, then drain (see
+    serve/lifecycle.py); returns how many requests the drain's bound cut off.
+
+    The socket listens at once: while the models load onto ``device`` and warm up, in a thread,
+    /healthz answers 200, /readyz 503 and every other request 503 ("loading"). A failed load
+    stops the server and is raised here."""
+    from .lifecycle import Gate, install_log_ids
+
     if threads:
         torch.set_num_threads(threads)
-    models = load_models(model_paths, device, precision)
-    warm_up(models, config)
-    app = create_app(models, config)
+    install_log_ids()
+    access = _open_access_log(config.access_log)
+    gate = Gate(access_log=access)
+    server = make_server(gate, config, gate=gate)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}/"
-    worst = app.state.memory["worst_case_bytes"] / 2 ** 30
+    failed: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            models = load_models(model_paths, device, precision)
+            warm_up(models, config)
+            app = create_app(models, config)
+        except BaseException as e:  # noqa: BLE001  (raised again in serve's thread, after the server stops)
+            failed.append(e)
+            server.should_exit = True
+            return
+        gate.ready(app)
+        worst = app.state.memory["worst_case_bytes"] / 2 ** 30
+        print(f"captionkit serve: {', '.join(models)} on {url} (worst-case memory {worst:.2f} GiB)", flush=True)
+
     sock.listen(2048)  # from now on connections wait for uvicorn instead of being refused
-    print(f"captionkit serve: {', '.join(models)} on {url} (worst-case memory {worst:.2f} GiB)", flush=True)
-    make_server(app, config).run(sockets=[sock])
+    print(f"captionkit serve: loading the models; listening at {url} (/readyz: 503 until they are loaded)",
+          flush=True)
+    loader = threading.Thread(target=load, name="captionkit-load", daemon=True)  # daemon: a signal may end the load
+    loader.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if access not in (None, sys.stdout):
+            access.close()
+    if failed:
+        raise failed[0]
+    return gate.cut_off

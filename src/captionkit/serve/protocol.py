@@ -23,6 +23,7 @@ reset instead of an orderly end: the client then fails with ECONNRESET around th
 from __future__ import annotations
 
 import json
+import uuid
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -30,10 +31,16 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 LINGER_SECONDS = 2.0  # after a 408, how long to read and drop the rest of the request
 
 
-def _timeout_answer(message: str) -> bytes:
+SCOPE_ID, SCOPE_STATUS = "captionkit.request_id", "captionkit.status"  # as serve/lifecycle.py's
+
+
+def _timeout_answer(message: str, request_id: str | None) -> bytes:
     body = json.dumps({"error": message, "status": 408}).encode()
+    # a request id as on every other answer: the one the app gave the request, or a new one for
+    # a request whose head never arrived
+    rid = (request_id or uuid.uuid4().hex).encode()
     return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            b"x-request-id: %s\r\ncontent-length: %d\r\n\r\n%s" % (rid, len(body), body))
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -102,7 +109,9 @@ class GuardedH11Protocol(H11Protocol):
             self.cycle.message_event.set()
         if not begun:
             return self.transport.close()
-        self.transport.write(_timeout_answer(message))
+        scope = self.cycle.scope if self.cycle is not None else {}
+        scope[SCOPE_STATUS] = 408  # for the access log: the client got this, not the app's answer
+        self.transport.write(_timeout_answer(message, scope.get(SCOPE_ID)))
         if not self.transport.can_write_eof():
             return self.transport.close()
         self.transport.write_eof()  # sent once the answer is flushed: the client reads 408, then EOF
