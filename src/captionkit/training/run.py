@@ -23,7 +23,8 @@ import torch
 from ..core.checkpoint import CheckpointError, read_config, resolve
 from ..core.devices import resolve_device
 from ..core.errors import OutputError, UserError
-from ..core.outputs import MARKER, atomic_write_text, check_folder_target, write_marker
+from ..core.outputs import MARKER, atomic_write_text, check_folder_target, owner_kind, write_marker
+from ..core.signals import DEFAULT_STOP_SIGNALS, Preempted, StopSignals
 from ..data.tokenizers import Tokenizer, load_tokenizer
 from .config import ConfigError, RunConfig
 from .distributed import (
@@ -37,9 +38,9 @@ from .distributed import (
     main_first,
     peer_failure,
     start,
-    stop,
     world_from_env,
 )
+from .distributed import stop as stop_world
 from .glove import vector_dim
 from .stages import CPU, TrainData, build_model, build_optimizer, build_tokenizer, prepare_data
 from .trainer import Trainer, TrainState
@@ -137,21 +138,31 @@ def start_run_folder(out: Path, replace: bool) -> None:
 def train(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,
           resume: bool = False, progress: bool = True, init: str | None = None, overwrite: bool = False,
           on_epoch: Callable[[dict], None] | None = None, tensorboard: str | None = None,
-          device: str | None = None) -> TrainState:
+          device: str | None = None, stop_signals: str | tuple[str, ...] = DEFAULT_STOP_SIGNALS) -> TrainState:
     """Train from a TOML config into the run folder ``out`` (default runs/<config name>).
     Everything the user gave is checked first (the config, the folder, the files it names);
     ``resume`` continues the run in ``out``, ``overwrite`` replaces a run there. ``on_epoch``:
     see Trainer.fit; ``tensorboard``: a folder for event files (replaces train.tensorboard);
     ``device`` replaces train.device. Under torchrun (RANK/WORLD_SIZE in the environment) this
-    process is one rank of a DDP run (see captionkit.training.distributed)."""
+    process is one rank of a DDP run (see captionkit.training.distributed). ``resume="auto"``:
+    resume the run in ``out`` if it has a checkpoint, else start one (see :func:`auto_resume`).
+    ``stop_signals`` (core.signals): on one, the run saves ``last`` and raises Preempted."""
     world = world_from_env()
+    stop = StopSignals(stop_signals, immediate=True)  # (a bad name: one line, before any work)
+    auto = resume == "auto"
+    if auto:
+        resume, overwrite = auto_resume(Path(out) if out else Path("runs") / Path(config).stem, overwrite)
     cfg, out, run_device = check_run(config, out, max_steps, resume, init, overwrite, device)
+    if auto and resume and (done := finished(cfg, out)) is not None:
+        print(f"{out}: the run is finished ({done}); nothing to do (--resume auto)", file=sys.stderr)
+        return TrainState.from_json(read_config(resolve(out / "last"))["state"], out / "last")
     run_device = device_for(world, run_device)
     tensorboard = tensorboard or cfg.train.tensorboard
     if tensorboard and world.main:  # its package is checked before the expensive work
         from .tblog import TensorBoardLog
         tb = TensorBoardLog(tensorboard)
         on_epoch = tb.chain(on_epoch)
+    stop.install()  # set-up: a signal stops at once; the loop polls it (Trainer.fit)
     start(world, run_device)
     try:
         barrier(world)  # every rank has checked the folder before rank 0 writes into it
@@ -168,8 +179,11 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
         if trainer.glove_coverage is not None and world.main:
             atomic_write_text(out / "glove_coverage.json", json.dumps(trainer.glove_coverage.to_json(), indent=1))
         barrier(world)  # the run folder exists before any rank goes on
-        state = trainer.fit(max_steps=max_steps, progress=progress, on_epoch=on_epoch)
-        stop(world)
+        state = trainer.fit(max_steps=max_steps, progress=progress, on_epoch=on_epoch, stop=stop)
+        stop_world(world)
+    except Preempted:  # from the loop every rank stops at the same step; in set-up on its own
+        (abort if stop.immediate else stop_world)(world)
+        raise
     except BaseException as e:
         # Any rank's error ends the run on every rank, at once: no barrier here (see abort). The
         # failing rank's error goes on to the user; a rank whose collective broke because of it
@@ -182,9 +196,36 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
         print(lead + stopped, file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     finally:
+        stop.restore()
         if tensorboard and world.main:
             tb.close()
     return state
+
+
+def auto_resume(out: Path, overwrite: bool) -> tuple[bool, bool]:
+    """``--resume auto`` -> (resume, overwrite): resume when ``out`` holds a checkpoint (``last``,
+    or ``.last.old`` after a save cut short); start afresh in a run folder captionkit began but
+    stopped before its first checkpoint (nothing in it to keep); else a new run, by the rules of
+    a new run (a foreign or non-empty folder is refused)."""
+    if overwrite:
+        raise OutputError("give --resume auto (continue the run in OUT, or start it) or --overwrite, not both")
+    if (resolve(out / "last") / "config.json").is_file():
+        return True, False
+    return False, out.is_dir() and owner_kind(out) == "run"
+
+
+def finished(cfg: RunConfig, out: Path) -> str | None:
+    """Why the run in ``out`` is over for this config (its epochs done or stopped early, and the
+    decoding settings chosen on its best checkpoint), or None when training is left to do."""
+    state = read_config(resolve(out / "last"))["state"]
+    best = out / "best" / "config.json"
+    if not (best.is_file() and "length_penalty_search" in json.loads(best.read_text())):
+        return None
+    if state["epoch"] >= cfg.train.epochs:
+        return f"{state['epoch']} epochs"
+    if state.get("bad_epochs", 0) >= cfg.train.patience:
+        return f"stopped early after epoch {state['epoch']}"
+    return None
 
 
 def check_run(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,

@@ -45,6 +45,7 @@ from ..core.errors import TrainingDiverged
 from ..core.outputs import atomic_write_text
 from ..core.precision import autocast, grad_scaler, resolve_precision
 from ..core.progress import progress as progress_bar
+from ..core.signals import Preempted, StopSignals
 from ..data.tokenizers import Tokenizer
 from ..data.vocab import Vocab
 from ..encoders import load_finetuned
@@ -178,6 +179,8 @@ class Trainer:
         self.state = state or TrainState(lr=tc.lr)
         self.device, self.world = device, world
         self.unread: list[tuple] = []  # (step, share, loss, figures) of the steps since read_figures
+        self.stop = StopSignals(())  # fit's: the signals that ask the loop to stop (none by default)
+        self.saved_step = -1  # the step of the newest ``last`` written by this process (or resumed from)
         self.bars = False  # progress bars (captionkit.core.progress): fit's progress=True, on rank 0
         self.precision = resolve_precision(tc.precision, device)  # "bf16", "fp16" or "fp32"
         self.scaler = grad_scaler(device, self.precision)  # enabled for fp16 only
@@ -282,10 +285,15 @@ class Trainer:
 
     # ---- the loop ----
     def fit(self, max_steps: int | None = None, progress: bool = True,
-            on_epoch: Callable[[dict], None] | None = None) -> TrainState:
+            on_epoch: Callable[[dict], None] | None = None, stop: StopSignals | None = None) -> TrainState:
         """Train to the end (or ``max_steps``). ``on_epoch`` is called with each epoch's history
-        entry (dev scores and ``val_loss`` when validated) once it is logged and saved."""
+        entry once it is logged and saved. ``stop`` (core.signals): on its signal, the current step
+        ends, ``last`` is saved and Preempted raised: one process after that step; DDP at the next
+        figures read (the flag rides its all-reduce: every rank stops at the same step), at most
+        LOG_EVERY steps on. A signal during validation is acted on after it and the epoch's save."""
         tc = self.cfg.train
+        self.stop = stop or self.stop
+        self.stop.immediate = False  # from here a signal is a flag the loop polls
         self.bars = progress and self.world.main
         on_epoch = on_epoch if self.world.main else None
         self.set_lr(self.state.lr)
@@ -298,6 +306,8 @@ class Trainer:
             if not st.batch_in_epoch or st.epoch_progress is None:
                 st.epoch_progress = EpochProgress()
             clock = _Clock(st.epoch_progress)
+            if self.stop.requested and not self.world.distributed:  # (came during validation or set-up)
+                self.preempt()
             # counted in captions (images for scst); leave=None: kept, unless under a sweep's bar
             bar = progress_bar(total=sum(map(len, batches)), initial=sum(map(len, batches[:st.batch_in_epoch])),
                                desc=f"epoch {st.epoch + 1}/{tc.epochs}", unit=self.unit[:-1], leave=None,
@@ -314,13 +324,16 @@ class Trainer:
                     bar.update(batch.size)
                     shown = bi % LOG_EVERY == 0 or bi == len(batches) - 1  # (an epoch's last: always)
                     saved = tc.checkpoint_every and st.step % tc.checkpoint_every == 0
+                    stopping = self.stop.requested is not None and not self.world.distributed
                     if shown or saved:  # on every process: under DDP the read is a collective
-                        self.read_figures()
+                        stopping = self.read_figures()
                     if shown:  # the epoch's mean figures so far, as read
                         prog = st.epoch_progress
                         bar.set_postfix_str(" ".join(f"{k} {v / prog.batches:.3f}" for k, v in prog.sums.items()))
                     if saved:
                         self.save("last", with_optimizer=True)
+                    if stopping:
+                        self.preempt()
             self.end_epoch(clock, on_epoch)
             if self.state.bad_epochs >= tc.patience and self.world.main:
                 gain = f" above {100 * tc.min_delta:g} (x100)" if tc.min_delta else ""
@@ -358,27 +371,46 @@ class Trainer:
         prog.seen += batch.size
         prog.batches += 1
 
-    def read_figures(self) -> None:
+    def read_figures(self) -> bool:
         """The figures of the steps since the last read, read on the host at once (one sync;
         under DDP one all-reduce, so every process calls it at the same steps) and added to
         the epoch's sums, in step order. The losses are checked here too: a loss that was
         not finite stops training, naming its step, at most LOG_EVERY steps after it (no
-        checkpoint is written in between: every save reads first)."""
-        unread, self.unread = self.unread, []
+        checkpoint is written in between: every save reads first). -> whether a stop signal
+        came (under DDP: to any process, summed in the same all-reduce)."""
+        unread, self.unread, stop = self.unread, [], float(self.stop.requested is not None)
         if not unread:
-            return
+            return bool(stop)
         keys = sorted(unread[0][3])
         # (N, K + 1): each step's figures weighted by this process's share, and its loss
         rows = torch.stack([torch.stack([f[k].to(torch.float64) * share for k in keys] + [loss.to(torch.float64)])
                             for _, share, loss, f in unread])
+        if self.world.distributed:  # (N + 1, K + 1): a last row carries the stop flag
+            rows = torch.cat([rows, torch.full((1, len(keys) + 1), stop, dtype=torch.float64, device=rows.device)])
+        read = mean_figures(self.world, rows)
+        stop = read.pop()[0] if self.world.distributed else stop
         prog = self.state.epoch_progress
-        for (step, *_), values in zip(unread, mean_figures(self.world, rows)):
+        for (step, *_), values in zip(unread, read):
             if not math.isfinite(values[-1]):  # (summed over the processes: any one's)
                 raise TrainingDiverged(f"loss became {values[-1]} at step {step}: training diverged (lower train.lr, "
                                        "keep train.grad_clip on, or use train.precision fp32); the checkpoints "
                                        "saved before it are kept")
             for k, v in zip(keys, values):  # means over this epoch so far
                 prog.sums[k] = prog.sums.get(k, 0.0) + v
+        return stop > 0
+
+    def preempt(self) -> None:
+        """Stop on the signal: ``last`` saved at this step (unless it just was), every rank
+        past the save, then Preempted (the command exits core.signals.EXIT_PREEMPTED)."""
+        st = self.state
+        self.read_figures()
+        if self.saved_step != st.step:
+            self.save("last", with_optimizer=True)
+        barrier(self.world, "rank 0 to save the checkpoint")
+        why = self.stop.requested or "another rank's signal"
+        raise Preempted(f"stopped on {why} after step {st.step} "
+                        f"(epoch {st.epoch + 1}), {self.stop.seconds():.1f} s after it; {self.out / 'last'} "
+                        f"holds the run: run the same command with --resume auto to continue", why)
 
     def shard(self, batch: list[int]) -> Shard:
         """This process's part of a global batch and its weights (see :class:`Shard`): by
@@ -591,6 +623,8 @@ class Trainer:
             if self.scaler.is_enabled():
                 cfg["grad_scaler"] = self.scaler.state_dict()
         save_checkpoint(self.out / name, self.weights(), cfg, optim)
+        if name == "last":
+            self.saved_step = self.state.step
 
     def load_weights(self, folder: Path) -> dict[str, torch.Tensor]:
         weights = read_weights(folder)
@@ -614,6 +648,7 @@ class Trainer:
         if self.scaler.is_enabled() and "grad_scaler" in saved:
             self.scaler.load_state_dict(saved["grad_scaler"])
         self.state = TrainState.from_json(saved["state"], folder / "config.json")
+        self.saved_step = self.state.step
         if not self.world.main:
             return
         # the checkpoint's history is the run's: epochs logged after it (by a run killed before

@@ -1,0 +1,168 @@
+"""Preemption: a scheduler's SIGTERM (or SIGUSR1) at random points of a tiny training run; the run
+ends the current step, saves ``last`` and stops (exit status 75, core.signals.EXIT_PREEMPTED);
+``train --resume auto`` then ends with the checkpoints and history of a run never interrupted.
+Also ``caption --jsonl`` stopped by SIGTERM mid-run: the rerun completes it, every line whole
+and every image once. See docs/robustness.md, "Preemption"."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import TINY_CONFIG
+from killharness import Launch, _env, compare_runs
+
+from captionkit.core.checkpoint import read_config
+from captionkit.core.errors import OutputError, UserError
+from captionkit.core.signals import EXIT_PREEMPTED, Preempted, StopSignals
+from captionkit.training import trainer as trainer_module
+from captionkit.training.run import train
+
+# dropout on, so that the random state a resume restores matters
+PREEMPT_CONFIG = TINY_CONFIG.replace("dropout = 0.0", "dropout = 0.3")
+
+
+@pytest.fixture(scope="module")
+def config(flickr_dir, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("preempt") / "preempt.toml"
+    path.write_text(PREEMPT_CONFIG.format(dataset=flickr_dir))
+    return path
+
+
+@pytest.fixture(scope="module")
+def whole(config, tmp_path_factory) -> Path:
+    """The unbroken run."""
+    out = tmp_path_factory.mktemp("whole") / "run"
+    train(config, out=out, progress=False)
+    return out
+
+
+def signal_at_step(monkeypatch, step: int, sig: signal.Signals = signal.SIGTERM) -> None:
+    """Send ``sig`` to this process as optimizer step ``step`` (0-based) begins: the step under
+    way must finish, then the run stops."""
+    original = trainer_module.Trainer.train_step
+
+    def step_then_maybe_signal(self, *args, **kwargs):
+        if self.state.step == step:
+            os.kill(os.getpid(), sig)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", step_then_maybe_signal)
+
+
+def test_signals_at_random_steps_then_resume_auto_equal_an_unbroken_run(config, whole, tmp_path, monkeypatch):
+    total = read_config(whole / "last")["state"]["step"]
+    steps = sorted(random.Random(30).sample(range(total - 1), 3))  # three preemptions in one run
+    out = tmp_path / "run"
+    old = signal.getsignal(signal.SIGTERM)
+    for i, step in enumerate(steps):
+        with monkeypatch.context() as m:
+            signal_at_step(m, step, signal.SIGUSR1 if i == 1 else signal.SIGTERM)
+            with pytest.raises(Preempted) as stopped:
+                train(config, out=out, resume="auto", progress=False)
+        assert stopped.value.signal_name == ("SIGUSR1" if i == 1 else "SIGTERM")
+        assert read_config(out / "last")["state"]["step"] == step + 1  # the step under way, then the save
+        assert signal.getsignal(signal.SIGTERM) is old  # the handlers put back
+    train(config, out=out, resume="auto", progress=False)
+    assert compare_runs(out, whole) == []
+
+
+def test_a_signal_during_set_up_stops_at_once_and_resume_auto_starts_afresh(config, whole, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    original = trainer_module.Trainer.__init__
+
+    def signalled_init(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler raises here: nothing worth saving yet
+        original(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(trainer_module.Trainer, "__init__", signalled_init)
+        with pytest.raises(Preempted):
+            train(config, out=out, resume="auto", progress=False)
+    assert not (out / "last").exists()
+    train(config, out=out, resume="auto", progress=False)  # a run folder begun and left: started again
+    assert compare_runs(out, whole) == []
+
+
+def test_resume_auto_leaves_a_finished_run_and_a_foreign_folder_alone(config, whole, tmp_path, capsys):
+    before = {p: p.stat().st_mtime_ns for p in whole.rglob("*")}
+    train(config, out=whole, resume="auto", progress=False)
+    assert "the run is finished (3 epochs); nothing to do" in capsys.readouterr().err
+    assert {p: p.stat().st_mtime_ns for p in whole.rglob("*")} == before
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(OutputError, match="exists and is not empty"):
+        train(config, out=foreign, resume="auto", progress=False)
+    with pytest.raises(OutputError, match="not both"):
+        train(config, out=foreign, resume="auto", overwrite=True, progress=False)
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+
+
+def test_stop_signals_are_checked_and_restored():
+    with pytest.raises(UserError, match="SIGKILL"):
+        StopSignals("SIGTERM,SIGKILL")
+    assert StopSignals("none").signals == ()
+    assert StopSignals("term, usr2").signals == (signal.SIGTERM, signal.SIGUSR2)
+    old = signal.getsignal(signal.SIGUSR2)
+    with StopSignals("SIGUSR2") as stop:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert stop.requested == "SIGUSR2"
+    assert signal.getsignal(signal.SIGUSR2) is old
+
+
+def test_sigterm_from_outside_exits_75_within_the_bound_and_resumes(config, tmp_path):
+    """The command line end to end: SIGTERM from another process mid-epoch, exit 75 with one
+    line, the time from the signal to the exit measured; then --resume auto to the end. (The
+    reference runs in a child too: one thread, as the children do.)"""
+    out, whole = tmp_path / "run", tmp_path / "whole"
+    reference = Launch(config, whole, resume=False)
+    launch = Launch(config, out, resume=False)
+    assert launch.wait_for("epoch 2/3: "), launch.err  # inside the second epoch's steps
+    sent = time.monotonic()
+    launch.proc.send_signal(signal.SIGTERM)
+    rc = launch.finish()
+    seconds = time.monotonic() - sent
+    print(f"signal to exit: {seconds:.2f} s")
+    assert rc == EXIT_PREEMPTED, launch.err[-3000:]
+    assert seconds < 30
+    last = [ln for ln in launch.err.splitlines() if ln.strip()][-1]
+    assert last.startswith("captionkit train: stopped on SIGTERM after step ") and "--resume auto" in last
+    cmd = [sys.executable, "-m", "captionkit.cli.main", "train", "--config", str(config), "--out", str(out),
+           "--resume", "auto"]
+    done = subprocess.run(cmd, env=_env({}), capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from" in done.stderr
+    assert reference.finish() == 0, reference.err[-3000:]
+    assert compare_runs(out, whole) == []
+
+
+def test_caption_jsonl_stopped_by_sigterm_then_rerun_has_every_image_once(tiny_run, flickr_dir, tmp_path):
+    out = tmp_path / "caps.jsonl"
+    photos = sorted((flickr_dir / "Flicker8k_Dataset").glob("*.jpg"))
+    (tmp_path / "photos").mkdir()
+    images = [tmp_path / "photos" / f"{i:03d}.jpg" for i in range(150)]  # long enough to stop mid-run
+    for i, path in enumerate(images):
+        path.write_bytes(photos[i % len(photos)].read_bytes())
+    cmd = [sys.executable, "-m", "captionkit.cli.main", "caption", str(tiny_run / "best"),
+           *map(str, images), "--jsonl", str(out), "--batch-size", "1"]
+    proc = subprocess.Popen(cmd, env=_env({}), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    end = time.monotonic() + 120
+    while time.monotonic() < end and (not out.exists() or out.read_bytes().count(b"\n") < 2):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1].decode()
+    lines = out.read_bytes().split(b"\n")
+    assert proc.returncode != 0 and 2 <= len(lines) - 1 < len(images), err[-2000:]
+    done = subprocess.run(cmd, env=_env({}), capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(ln) for ln in out.read_text().splitlines()]  # every line whole
+    assert sorted(r["image"] for r in records) == sorted(p.name for p in images)
+    assert all("caption" in r for r in records)
