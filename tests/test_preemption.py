@@ -148,7 +148,7 @@ def test_caption_jsonl_stopped_by_sigterm_then_rerun_has_every_image_once(tiny_r
     out = tmp_path / "caps.jsonl"
     photos = sorted((flickr_dir / "Flicker8k_Dataset").glob("*.jpg"))
     (tmp_path / "photos").mkdir()
-    images = [tmp_path / "photos" / f"{i:03d}.jpg" for i in range(150)]  # long enough to stop mid-run
+    images = [tmp_path / "photos" / f"{i:03d}.jpg" for i in range(40)]  # long enough to stop mid-run
     for i, path in enumerate(images):
         path.write_bytes(photos[i % len(photos)].read_bytes())
     cmd = [sys.executable, "-m", "captionkit.cli.main", "caption", str(tiny_run / "best"),
@@ -160,7 +160,8 @@ def test_caption_jsonl_stopped_by_sigterm_then_rerun_has_every_image_once(tiny_r
     proc.send_signal(signal.SIGTERM)
     err = proc.communicate(timeout=60)[1].decode()
     lines = out.read_bytes().split(b"\n")
-    assert proc.returncode != 0 and 2 <= len(lines) - 1 < len(images), err[-2000:]
+    assert proc.returncode == EXIT_PREEMPTED and 2 <= len(lines) - 1 < len(images), err[-2000:]
+    assert "caption: stopped on SIGTERM after " in err and lines[-1] == b""  # the last line ends whole
     done = subprocess.run(cmd, env=_env({}), capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     records = [json.loads(ln) for ln in out.read_text().splitlines()]  # every line whole

@@ -43,6 +43,7 @@ from ..core.outputs import (
     write_marker,
 )
 from ..core.progress import lines_above_bars, progress
+from ..core.signals import StopSignals
 
 META_SUFFIX = ".meta.json"  # OUT.meta.json beside a --jsonl/--csv OUT: the settings it was written with
 META_KIND = "caption-settings"
@@ -431,15 +432,23 @@ class CaptionWriter:
         self.progress = Progress(len(todo), skipped=self.total - len(todo)) if self.outputs else None
         self.captions: dict[str, str] = {}
         self.failed, self.stdout_closed = 0, False
+        # --jsonl/--csv: SIGTERM or SIGUSR1 (a scheduler's preemption) stops after the image being
+        # written, its line whole; a rerun resumes (core.signals.Preempted: exit 75). Before the
+        # first image (the model loading) a signal stops at once: nothing is written yet.
+        stop = StopSignals(immediate=True) if self.outputs else StopSignals(())
         try:
-            with lines_above_bars():  # (a warning while the bar is drawn goes above it, not into it)
+            with lines_above_bars(), stop:  # (a warning while the bar is drawn goes above it, not into it)
                 for path in todo:
                     if path in self.refused:
                         self._record(path, ImageError(f"{path}: {self.refused[path]}"))
                 readable = [p for p in todo if p not in self.refused]
                 if readable:  # else no model is loaded at all
                     for path, res in caption(readable):
+                        stop.immediate = False
                         self._record(path, res)
+                        if stop.requested:
+                            stop.check(f"stopped on {stop.requested} after {self.progress.done} of {len(todo)} "
+                                       f"images, each written whole; run the same command again for the rest")
         except _StdoutClosed:
             return EXIT_STDOUT_CLOSED
         finally:
