@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -167,3 +169,41 @@ def test_caption_jsonl_stopped_by_sigterm_then_rerun_has_every_image_once(tiny_r
     records = [json.loads(ln) for ln in out.read_text().splitlines()]  # every line whole
     assert sorted(r["image"] for r in records) == sorted(p.name for p in images)
     assert all("caption" in r for r in records)
+
+
+class _Command(Launch):
+    """Launch's stderr reader around any captionkit command line."""
+
+    def __init__(self, *args: str):  # (Launch's own __init__ builds a train command of one process)
+        self.proc = subprocess.Popen([sys.executable, "-m", "captionkit.cli.main", *args], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, env=_env({}))
+        self.err = ""
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_stop_at_one_step_and_resume_auto_equals_an_unbroken_run(flickr_dir, tmp_path):
+    """train --nproc 2 (torchrun's agent, gloo): SIGTERM to the launcher, which passes it on to
+    the ranks; they stop at the same step (the flag rides the figures' all-reduce), rank 0 saves,
+    exit 75; --resume auto in 2 processes then ends where an unbroken 2-process run ends."""
+    config = tmp_path / "ddp.toml"
+    config.write_text(TINY_CONFIG.format(dataset=flickr_dir))  # dropout 0: ranks > 0 draw nothing to restore
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    args = ["train", "--config", str(config), "--nproc", "2"]
+    reference = _Command(*args, "--out", str(whole))
+    assert reference.finish(600) == 0, reference.err[-3000:]
+    launch = _Command(*args, "--out", str(out))
+    assert launch.wait_for("epoch 2/3: ", 300), launch.err[-3000:]
+    sent = time.monotonic()
+    launch.proc.send_signal(signal.SIGTERM)
+    rc = launch.finish(120)
+    print(f"signal to exit (2 processes): {time.monotonic() - sent:.2f} s")
+    assert rc == EXIT_PREEMPTED, launch.err[-3000:]
+    assert launch.err.count("stopped on SIGTERM after step ") == 2  # each rank, the same step
+    steps = set(re.findall(r"stopped on SIGTERM after step (\d+)", launch.err))
+    assert len(steps) == 1 and read_config(out / "last")["state"]["step"] == int(steps.pop())
+    resumed = _Command(*args, "--out", str(out), "--resume", "auto")
+    assert resumed.finish(600) == 0, resumed.err[-3000:]
+    assert "resuming from" in resumed.err
+    assert compare_runs(out, whole) == []
