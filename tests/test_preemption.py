@@ -150,10 +150,10 @@ def test_caption_jsonl_stopped_by_sigterm_then_rerun_has_every_image_once(tiny_r
     out = tmp_path / "caps.jsonl"
     photos = sorted((flickr_dir / "Flicker8k_Dataset").glob("*.jpg"))
     (tmp_path / "photos").mkdir()
-    images = [tmp_path / "photos" / f"{i:03d}.jpg" for i in range(40)]  # long enough to stop mid-run
+    images = [tmp_path / "photos" / f"{i:03d}.jpg" for i in range(300)]  # long enough to stop mid-run
     for i, path in enumerate(images):
         path.write_bytes(photos[i % len(photos)].read_bytes())
-    cmd = [sys.executable, "-m", "captionkit.cli.main", "caption", str(tiny_run / "best"),
+    cmd = [sys.executable, "-m", "captionkit.cli.main", "caption", "--model", str(tiny_run / "best"),
            *map(str, images), "--jsonl", str(out), "--batch-size", "1"]
     proc = subprocess.Popen(cmd, env=_env({}), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     end = time.monotonic() + 120
