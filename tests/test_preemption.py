@@ -207,3 +207,22 @@ def test_two_gloo_processes_stop_at_one_step_and_resume_auto_equals_an_unbroken_
     assert resumed.finish(600) == 0, resumed.err[-3000:]
     assert "resuming from" in resumed.err
     assert compare_runs(out, whole) == []
+
+
+@pytest.mark.slow
+def test_a_preempted_sweep_resumes_its_trial_from_its_checkpoint(config, tmp_path, monkeypatch):
+    from captionkit.experiments import sweep as sw
+
+    sweep = sw.define(config, ["train.lr=3e-3"], tmp_path / "s")
+    (name,) = sweep.todo()
+    with monkeypatch.context() as m:
+        signal_at_step(m, 11)
+        with pytest.raises(Preempted, match=f"trial {name}: stopped on SIGTERM"):
+            sw.run_local(sweep, progress=False)
+    assert sweep.status(name)["status"] == "running"
+    assert read_config(sweep.run_dir(name) / "last")["state"]["step"] == 12
+    sw.run_local(sweep, progress=False)
+    assert sweep.status(name)["status"] == "finished"
+    whole = tmp_path / "whole"
+    train(sweep.config_path(name), out=whole, progress=False)
+    assert compare_runs(sweep.run_dir(name), whole) == []
