@@ -226,3 +226,15 @@ def test_a_preempted_sweep_resumes_its_trial_from_its_checkpoint(config, tmp_pat
     whole = tmp_path / "whole"
     train(sweep.config_path(name), out=whole, progress=False)
     assert compare_runs(sweep.run_dir(name), whole) == []
+
+
+def test_nproc_passes_resume_auto_to_the_ranks_and_checks_it_first(config, tmp_path, monkeypatch):
+    from captionkit.cli.main import main
+    from captionkit.training import distributed
+
+    launched = []
+    monkeypatch.setattr(distributed, "launch", lambda nproc, args: launched.append(args) or 0)
+    fresh = tmp_path / "fresh"  # nothing to resume yet: auto starts it (plain --resume is refused)
+    assert main(["train", "--config", str(config), "--out", str(fresh), "--nproc", "2", "--resume", "auto"]) == 0
+    assert launched[0][-2:] == ["--resume", "auto"] and "--stop-signals" in launched[0]
+    assert main(["train", "--config", str(config), "--out", str(fresh), "--nproc", "2", "--resume"]) == 2

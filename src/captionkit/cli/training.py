@@ -5,6 +5,7 @@ beside its code."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .argtypes import device_name, positive_int
 from .common import (UsageError, _add_csv_opts, _add_device_opts, _add_engine_opts, _add_overwrite, _device,
@@ -45,8 +46,11 @@ def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool 
               stop_signals: str = "SIGTERM,SIGUSR1") -> int:
     if nproc > 1:  # the same command in nproc processes under torchrun (DDP); see docs/distributed-training.md
         from ..training.distributed import launch
-        from ..training.run import check_run
-        check_run(config, out, max_steps, resume, init, overwrite, device, nproc)  # one line here, not one per process
+        from ..training.run import auto_resume, check_run
+        # (each rank decides "auto" again, before any rank writes)
+        how = auto_resume(Path(out or Path("runs") / Path(config).stem), overwrite) if resume == "auto" \
+            else (resume, overwrite)
+        check_run(config, out, max_steps, how[0], init, how[1], device, nproc)  # one line here, not one per rank
         flags = {"--out": out, "--max-steps": max_steps, "--init": init, "--tensorboard": tensorboard,
                  "--device": device, "--stop-signals": stop_signals}
         args = ["train", "--config", config, *[x for k, v in flags.items() if v is not None for x in (k, str(v))]]
