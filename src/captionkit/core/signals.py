@@ -29,6 +29,7 @@ DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
 # current step (under DDP up to the next agreed read, see Trainer.fit), one checkpoint write. The
 # same as torchrun's default wait (its agent's shutdown_timeout) before it SIGKILLs its workers.
 STOP_BOUND_S = 30
+_ACTIVE: list[StopSignals] = []  # the installed ones, innermost last (see reinstall)
 
 
 class Preempted(Exception):
@@ -71,6 +72,9 @@ class StopSignals:
     def __init__(self, signals: str | Iterable[str] = DEFAULT_STOP_SIGNALS, immediate: bool = False):
         self.signals = parse_stop_signals(signals)
         self.immediate = immediate
+        # what an immediate stop says ({signal}: the signal's name)
+        self.message = ("stopped on {signal} before anything was worth saving; run the same command again "
+                        "to start (train: --resume auto)")
         self.requested: str | None = None
         self.at: float | None = None
         self._old: dict[signal.Signals, object] = {}
@@ -80,6 +84,7 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._old.setdefault(sig, signal.signal(sig, self._handle))
+            _ACTIVE.append(self)
         return self
 
     def restore(self) -> None:
@@ -87,6 +92,8 @@ class StopSignals:
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
 
     def __enter__(self) -> StopSignals:
         return self.install()
@@ -100,8 +107,7 @@ class StopSignals:
             self.requested, self.at = name, time.monotonic()
             print(f"\n{name} received: stopping at the next safe point", file=sys.stderr, flush=True)
         if self.immediate:
-            raise Preempted(f"stopped on {name} before anything was worth saving; run the same command "
-                            f"again to start (train: --resume auto)", name)
+            raise Preempted(self.message.format(signal=name), name)
 
     def request(self, name: str = "SIGTERM") -> None:
         """Ask for a stop as a signal would (tests; a caller's own reason to stop)."""
@@ -113,7 +119,20 @@ class StopSignals:
         if self.requested is not None:
             raise Preempted(message, self.requested)
 
+    def reinstall(self) -> None:
+        """Catch the signals again after a library replaced the handlers (Ray's ``ray.init``
+        sets SIGTERM to exit at once); the handlers found at :meth:`install` stay the ones restored."""
+        for sig in self._old:
+            signal.signal(sig, self._handle)
+
     def seconds(self) -> float:
         """Seconds since the signal came (0 if none)."""
         return 0.0 if self.at is None else time.monotonic() - self.at
 
+
+def reinstall() -> None:
+    """Re-install the handlers of every installed :class:`StopSignals`, innermost last (call it
+    after a library that replaces signal handlers has started, e.g. ``ray.init``)."""
+    if threading.current_thread() is threading.main_thread():
+        for stop in _ACTIVE:
+            stop.reinstall()

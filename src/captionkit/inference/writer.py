@@ -432,9 +432,9 @@ class CaptionWriter:
         self.progress = Progress(len(todo), skipped=self.total - len(todo)) if self.outputs else None
         self.captions: dict[str, str] = {}
         self.failed, self.stdout_closed = 0, False
-        # --jsonl/--csv: SIGTERM or SIGUSR1 (a scheduler's preemption) stops after the image being
-        # written, its line whole; a rerun resumes (core.signals.Preempted: exit 75). Before the
-        # first image (the model loading) a signal stops at once: nothing is written yet.
+        # --jsonl/--csv: SIGTERM or SIGUSR1 (a scheduler's preemption) stops at once while the
+        # model works (nothing of ours half-written then; Ray's shard files are atomic), after
+        # the lines of an image once it is being written; a rerun resumes (Preempted: exit 75)
         stop = StopSignals(immediate=True) if self.outputs else StopSignals(())
         try:
             with lines_above_bars(), stop:  # (a warning while the bar is drawn goes above it, not into it)
@@ -443,12 +443,15 @@ class CaptionWriter:
                         self._record(path, ImageError(f"{path}: {self.refused[path]}"))
                 readable = [p for p in todo if p not in self.refused]
                 if readable:  # else no model is loaded at all
-                    for path, res in caption(readable):
+                    results = iter(caption(readable))
+                    while (got := next(results, None)) is not None:  # (a generator yields no None)
                         stop.immediate = False
-                        self._record(path, res)
-                        if stop.requested:
-                            stop.check(f"stopped on {stop.requested} after {self.progress.done} of {len(todo)} "
-                                       f"images, each written whole; run the same command again for the rest")
+                        self._record(*got)
+                        if self.outputs:  # (else no signal is caught)
+                            stop.message = (f"stopped on {{signal}} after {self.progress.done} of {len(todo)} "
+                                            f"images, each written whole; run the same command again for the rest")
+                            stop.check(stop.message.format(signal=stop.requested))
+                            stop.immediate = True
         except _StdoutClosed:
             return EXIT_STDOUT_CLOSED
         finally:
