@@ -24,6 +24,7 @@ from killharness import Launch, _env, compare_runs
 from captionkit.core.checkpoint import read_config
 from captionkit.core.errors import OutputError, UserError
 from captionkit.core.signals import EXIT_PREEMPTED, Preempted, StopSignals
+from captionkit.inference.ray_engine import ray_missing
 from captionkit.training import trainer as trainer_module
 from captionkit.training.run import train
 
@@ -238,3 +239,33 @@ def test_nproc_passes_resume_auto_to_the_ranks_and_checks_it_first(config, tmp_p
     assert main(["train", "--config", str(config), "--out", str(fresh), "--nproc", "2", "--resume", "auto"]) == 0
     assert launched[0][-2:] == ["--resume", "auto"] and "--stop-signals" in launched[0]
     assert main(["train", "--config", str(config), "--out", str(fresh), "--nproc", "2", "--resume"]) == 2
+
+
+@pytest.mark.slow
+def test_caption_engine_ray_stopped_by_sigterm_then_rerun_resumes(tiny_run, flickr_dir, tmp_path):
+    """--engine ray: ray.init's own SIGTERM handler (sys.exit anywhere) is replaced by ours;
+    stopped with exit 75, the shards done are kept and the rerun computes only the rest."""
+    if ray_missing():
+        pytest.skip(ray_missing())
+    photos = sorted((flickr_dir / "Flicker8k_Dataset").glob("*.jpg"))
+    (tmp_path / "photos").mkdir()
+    for i in range(400):
+        (tmp_path / "photos" / f"{i:03d}.jpg").write_bytes(photos[i % len(photos)].read_bytes())
+    out = tmp_path / "caps.jsonl"
+    cmd = ["caption", "--model", str(tiny_run / "best"), str(tmp_path / "photos"), "--jsonl", str(out),
+           "--engine", "ray", "--shard-size", "20"]
+    run = _Command(*cmd)
+    end = time.monotonic() + 300
+    while time.monotonic() < end and (not out.exists() or out.read_bytes().count(b"\n") < 20):
+        time.sleep(0.05)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish(120) == EXIT_PREEMPTED, run.err[-3000:]
+    assert "caption: stopped on SIGTERM" in run.err
+    written = out.read_bytes()
+    assert written.endswith(b"\n") and 20 <= written.count(b"\n") < 400
+    again = _Command(*cmd)
+    assert again.finish(300) == 0, again.err[-3000:]
+    said = re.search(r"ray: (\d+) of 20 shards to compute", again.err)
+    assert said and int(said[1]) < 20, again.err[-2000:]
+    records = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert sorted(r["image"] for r in records) == [f"{i:03d}.jpg" for i in range(400)]
