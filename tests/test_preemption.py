@@ -77,6 +77,28 @@ def test_signals_at_random_steps_then_resume_auto_equal_an_unbroken_run(config, 
     assert compare_runs(out, whole) == []
 
 
+def test_a_signal_during_validation_stops_it_and_the_resumed_run_validates_again(config, whole, tmp_path,
+                                                                                   monkeypatch):
+    out = tmp_path / "run"
+    original = trainer_module.Trainer.validate
+    calls = []
+
+    def signal_in_second_validation(self, *args, stoppable=False, **kwargs):
+        calls.append(stoppable)
+        if stoppable and calls.count(True) == 2:  # epoch 2's validation, before its first chunk
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, *args, stoppable=stoppable, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(trainer_module.Trainer, "validate", signal_in_second_validation)
+        with pytest.raises(Preempted):
+            train(config, out=out, resume="auto", progress=False)
+    state = read_config(out / "last")["state"]
+    assert state["epoch"] == 1 and state["batch_in_epoch"] > 0 and len(state["history"]) == 1  # epoch 2 unscored
+    train(config, out=out, resume="auto", progress=False)
+    assert compare_runs(out, whole) == []
+
+
 def test_a_signal_during_set_up_stops_at_once_and_resume_auto_starts_afresh(config, whole, tmp_path, monkeypatch):
     out = tmp_path / "run"
     original = trainer_module.Trainer.__init__

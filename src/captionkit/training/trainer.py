@@ -15,6 +15,7 @@ in every checkpoint.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -22,7 +23,6 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -30,7 +30,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..core.checkpoint import (
     ENCODER_PREFIX,
-    CheckpointError,
     kill_point,
     load_into,
     optimizer_tensors,
@@ -55,6 +54,7 @@ from .config import ConfigError, RunConfig, TrainConfig
 from .distributed import SINGLE, World, barrier, broadcast_json, mean_figures, shard, step_sum
 from .prefetch import HostBatch, Prefetcher, Shard
 from .scst import SelfCritical
+from .state import EpochProgress, TrainState  # (defined here before: imported from here too)
 from .stages import CPU, BuiltModel, BuiltOptimizer, TrainData, decoder_weights, encode_captions
 
 _SCORER = {"METEOR": "meteor", "ROUGE_L": "rouge"}  # validation scores BLEU and CIDEr, and these when chosen
@@ -111,53 +111,6 @@ def length_batches(lengths: list[int], batch_size: int, seed: int) -> list[list[
         batches += [idx[i:i + batch_size] for i in range(0, len(idx), batch_size)]
     rng.shuffle(batches)
     return batches
-
-
-# ---- the state a checkpoint carries -------------------------------------------------------------
-
-@dataclass
-class EpochProgress:
-    """The current epoch's figures so far, saved with the state so that an epoch resumed from
-    a checkpoint reports its whole time, count and mean figures."""
-
-    seconds: float = 0.0
-    seen: int = 0
-    batches: int = 0
-    sums: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class TrainState:
-    """Where a run stands; saved as JSON under "state" in every checkpoint's config.json.
-
-    lr: the base learning rate after the plateau schedule's decays (the warm-up and cosine
-    factors are functions of ``step`` and ``epoch``, see :func:`lr_factor`); every group's rate
-    is this times its own scale. best_score is on the scorers' scale (CIDEr 0..10)."""
-
-    lr: float
-    epoch: int = 0
-    step: int = 0
-    batch_in_epoch: int = 0
-    best_score: float | None = None
-    best_epoch: int = 0
-    bad_epochs: int = 0
-    lr_bad_epochs: int = 0
-    history: list[dict] = field(default_factory=list)
-    epoch_progress: EpochProgress | None = None
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict, where: str | Path) -> TrainState:
-        """A checkpoint's "state" (runs written before this class hold the same keys; a key
-        they lack takes its default)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown or "lr" not in d:
-            raise CheckpointError(f"{where}: not a training state ({'unknown key ' + unknown[0] if unknown else 'no lr'})")
-        progress = d.get("epoch_progress")
-        return cls(**{**d, "epoch_progress": EpochProgress(**progress) if progress else None})
 
 
 # ---- the trainer ---------------------------------------------------------------------------------
@@ -290,7 +243,8 @@ class Trainer:
         entry once it is logged and saved. ``stop`` (core.signals): on its signal, the current step
         ends, ``last`` is saved and Preempted raised: one process after that step; DDP at the next
         figures read (the flag rides its all-reduce: every rank stops at the same step), at most
-        LOG_EVERY steps on. A signal during validation is acted on after it and the epoch's save."""
+        LOG_EVERY steps on. During an epoch's validation, before its next chunk of 100 images:
+        the state before it is saved, and the resumed run validates the epoch again."""
         tc = self.cfg.train
         self.stop = stop or self.stop
         self.stop.immediate = False  # from here a signal is a flag the loop polls
@@ -334,7 +288,12 @@ class Trainer:
                         self.save("last", with_optimizer=True)
                     if stopping:
                         self.preempt()
-            self.end_epoch(clock, on_epoch)
+            before = copy.deepcopy(self.state)  # the state to save if a signal stops the validation
+            try:
+                self.end_epoch(clock, on_epoch)
+            except _StopInValidation:  # (rank 0) validation has changed nothing: stop as after the last step
+                self.state = before
+                self.receive_state(stopped=True)
             if self.state.bad_epochs >= tc.patience and self.world.main:
                 gain = f" above {100 * tc.min_delta:g} (x100)" if tc.min_delta else ""
                 span = "epochs" if tc.val_every == 1 else f"validations (every {tc.val_every} epochs)"
@@ -451,7 +410,7 @@ class Trainer:
             st.history.append(entry)
             print(f"epoch {st.epoch}: not validated (train.val_every = {tc.val_every})", file=sys.stderr)
         else:
-            scores = self.validate()
+            scores = self.validate(stoppable=True)
             val_loss = self.validation_loss()
             st.history.append({**entry, **scores, "val_loss": val_loss})
             self.judge(scores[tc.val_metric])
@@ -464,12 +423,16 @@ class Trainer:
         if on_epoch:
             on_epoch(st.history[-1])
 
-    def receive_state(self) -> None:
+    def receive_state(self, stopped: bool = False) -> None:
         """Under DDP: every process takes rank 0's state (its dev scores decide early stopping
-        and the plateau schedule for all); nothing for one process."""
+        and the plateau schedule for all), and whether a signal stopped its validation
+        (``stopped``: then every process saves and stops, see :meth:`preempt`)."""
         if self.world.distributed:
-            self.state = TrainState.from_json(broadcast_json(self.world, self.state.to_json(), self.device), "rank 0")
+            got = broadcast_json(self.world, {"state": self.state.to_json(), "stopped": stopped}, self.device)
+            self.state, stopped = TrainState.from_json(got["state"], "rank 0"), got["stopped"]
             self.set_lr(self.state.lr)
+        if stopped:
+            self.preempt()
 
     def score_start(self, on_epoch: Callable[[dict], None] | None) -> None:
         """A run from train.init: the starting checkpoint's dev score is the one to beat."""
@@ -506,7 +469,9 @@ class Trainer:
 
     # ---- validation ----
     @torch.no_grad()
-    def validate(self, length_penalty: float | None = None) -> dict[str, float]:
+    def validate(self, length_penalty: float | None = None, stoppable: bool = False) -> dict[str, float]:
+        """Decode the dev split and score it. ``stoppable`` (an epoch's validation): a stop
+        signal ends it between chunks of 100 images (_StopInValidation: fit saves and stops)."""
         tc, data = self.cfg.train, self.data
         length_penalty = self.length_penalty if length_penalty is None else length_penalty
         self.model.eval()
@@ -516,6 +481,8 @@ class Trainer:
         captions = {}
         bar = progress_bar(total=len(data.val_items), desc="validating", unit="image", leave=False, show=self.bars)
         for i in range(0, len(data.val_items), 100):
+            if stoppable and self.stop.requested:
+                raise _StopInValidation
             feats = self.to_device(data.val_feats[i:i + 100]).float()
             feats = data.tail(feats, data.source_grid) if tc.finetune_blocks else feats
             for it, c in zip(data.val_items[i:i + 100],
@@ -668,6 +635,11 @@ def forked_rng(device: torch.device):
     if index is None:  # "cuda" names the current GPU (MPS has one device)
         index = torch.cuda.current_device() if device.type == "cuda" else 0
     return torch.random.fork_rng(devices=[index], device_type=device.type)
+
+
+class _StopInValidation(Exception):
+    """A stop signal came during an epoch's validation (rank 0): the epoch's state from before
+    it is saved (resumed, it validates again) instead of waiting for the validation to end."""
 
 
 class _BatchLoss(torch.nn.Module):
