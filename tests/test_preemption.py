@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TINY_CONFIG
+from helpers import TINY_CONFIG, write_flickr8k
 from killharness import Launch, _env, compare_runs
 
 from captionkit.core.checkpoint import read_config
@@ -291,3 +291,27 @@ def test_caption_engine_ray_stopped_by_sigterm_then_rerun_resumes(tiny_run, flic
     assert said and int(said[1]) < 20, again.err[-2000:]
     records = [json.loads(ln) for ln in out.read_text().splitlines()]
     assert sorted(r["image"] for r in records) == [f"{i:03d}.jpg" for i in range(400)]
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_stopped_during_validation_resume_to_the_same_end(tmp_path):
+    """SIGTERM while rank 0 validates (a dev split of 250 images: three chunks of 100): rank 0
+    stops between chunks and tells rank 1 in the state broadcast it waits in; both exit 75;
+    --resume auto validates the epoch again and ends where an unbroken run ends."""
+    data = write_flickr8k(tmp_path / "data", n_dev=250, n_test=1)
+    config = tmp_path / "val.toml"
+    config.write_text(TINY_CONFIG.format(dataset=data).replace("epochs = 3", "epochs = 1"))
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    args = ["train", "--config", str(config), "--nproc", "2"]
+    reference = _Command(*args, "--out", str(whole))
+    assert reference.finish(600) == 0, reference.err[-3000:]
+    launch = _Command(*args, "--out", str(out))
+    assert launch.wait_for("validating: ", 300), launch.err[-3000:]
+    launch.proc.send_signal(signal.SIGTERM)
+    assert launch.finish(120) == EXIT_PREEMPTED, launch.err[-3000:]
+    assert launch.err.count("stopped on ") == 2 and "epoch 1: dev" not in launch.err
+    state = read_config(out / "last")["state"]
+    assert state["epoch"] == 0 and state["batch_in_epoch"] > 0
+    resumed = _Command(*args, "--out", str(out), "--resume", "auto")
+    assert resumed.finish(600) == 0, resumed.err[-3000:]
+    assert compare_runs(out, whole) == []
