@@ -181,9 +181,9 @@ def test_trainer_reads_the_sharded_store(local_ray, tiny_config, tmp_path, monke
     real = captionkit.training.stages.build_features
     used = []
 
-    def ray_first(encoder, paths):
+    def ray_first(encoder, paths, **options):  # (options: the run's own, e.g. only= its images)
         build_features_ray("efficientnet_lite0", "random", paths, None, RayOptions(batch_size=4, shard_size=6))
-        used.append(real(encoder, paths))
+        used.append(real(encoder, paths, **options))
         return used[-1]
 
     monkeypatch.setattr(captionkit.training.stages, "build_features", ray_first)

@@ -13,6 +13,7 @@ import os
 import sys
 
 from ..core.errors import UserError, WeightsUnavailable
+from ..core.signals import EXIT_PREEMPTED, Preempted
 from ..inference.writer import EXIT_STDOUT_CLOSED, silence_stdout
 from . import caption, experiments, export, score, serve, training
 
@@ -82,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"captionkit {command}: error: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:  # stopped on SIGTERM/SIGUSR1 with its state saved: rerun to resume
+        print(f"captionkit {command}: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except KeyboardInterrupt:
         print(f"captionkit {command}: interrupted", file=sys.stderr)
         return 130

@@ -5,6 +5,7 @@ beside its code."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .argtypes import device_name, positive_int
 from .common import (UsageError, _add_csv_opts, _add_device_opts, _add_engine_opts, _add_overwrite, _device,
@@ -20,7 +21,12 @@ def add_train(sub: argparse._SubParsersAction) -> None:
                    help="stop after this many optimizer steps, counted from the run's start (the features of "
                         "every image the config uses are computed first; a quick start from nothing: "
                         "configs/quickstart.toml)")
-    t.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/last")
+    t.add_argument("--resume", nargs="?", const=True, default=False, type=resume_mode, metavar="auto",
+                   help="continue the run in OUT from OUT/last; --resume auto: continue it if OUT has a "
+                        "checkpoint, else start it (for requeued and restarted jobs; docs/robustness.md)")
+    t.add_argument("--stop-signals", default="SIGTERM,SIGUSR1", metavar="SIGS",
+                   help="on these signals (comma-separated, or none) finish the step, save OUT/last and "
+                        "exit 75, to resume with --resume auto (default SIGTERM,SIGUSR1)")
     t.add_argument("--init", metavar="DIR", help="start from this checkpoint (replaces the config's train.init)")
     _add_overwrite(t, "start the run in OUT again, replacing the run captionkit wrote there")
     t.add_argument("--tensorboard", metavar="DIR",
@@ -35,20 +41,30 @@ def add_train(sub: argparse._SubParsersAction) -> None:
                         "work keeps busy, fewer run faster: see docs/training.md)")
 
 
-def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool, init: str | None,
+def resume_mode(value: str) -> str:
+    if value != "auto":
+        raise argparse.ArgumentTypeError(f"--resume takes no value or 'auto', not {value!r}")
+    return value
+
+
+def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool | str, init: str | None,
               overwrite: bool, tensorboard: str | None = None, device: str | None = None, nproc: int = 1,
-              threads: int | None = None) -> int:
+              threads: int | None = None, stop_signals: str = "SIGTERM,SIGUSR1") -> int:
     if nproc > 1:  # the same command in nproc processes under torchrun (DDP); see docs/distributed-training.md
         from ..training.distributed import launch
-        from ..training.run import check_run
-        check_run(config, out, max_steps, resume, init, overwrite, device, nproc)  # one line here, not one per process
-        flags = {"--out": out, "--max-steps": max_steps, "--init": init, "--tensorboard": tensorboard, "--device": device,
-                 "--threads": threads}
+        from ..training.run import auto_resume, check_run
+        # (each rank decides "auto" again, before any rank writes)
+        how = auto_resume(Path(out or Path("runs") / Path(config).stem), overwrite) if resume == "auto" \
+            else (resume, overwrite)
+        check_run(config, out, max_steps, how[0], init, how[1], device, nproc)  # one line here, not one per rank
+        flags = {"--out": out, "--max-steps": max_steps, "--init": init, "--tensorboard": tensorboard,
+                 "--device": device, "--threads": threads, "--stop-signals": stop_signals}
         args = ["train", "--config", config, *[x for k, v in flags.items() if v is not None for x in (k, str(v))]]
-        return launch(nproc, args + ["--resume"] * resume + ["--overwrite"] * overwrite)
+        resumed = ["--resume", "auto"] if resume == "auto" else ["--resume"] * bool(resume)
+        return launch(nproc, args + resumed + ["--overwrite"] * overwrite)
     from ..training.run import train
     train(config, out=out, max_steps=max_steps, resume=resume, init=init, overwrite=overwrite,
-          tensorboard=tensorboard, device=device, threads=threads, busy_warning=True)
+          tensorboard=tensorboard, device=device, threads=threads, busy_warning=True, stop_signals=stop_signals)
     return 0
 
 

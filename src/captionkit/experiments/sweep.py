@@ -37,6 +37,7 @@ from ..core.errors import OutputError, UserError
 from ..core.outputs import atomic_write_text, check_folder_target, owner_kind, write_marker
 from ..core.progress import lines_above_bars
 from ..core.progress import progress as progress_bar
+from ..core.signals import Preempted
 from ..scoring.evaluation import METRICS
 from .runs import (
     LOSS_METRIC,
@@ -387,19 +388,24 @@ class _Clock:
 def run_trial(sweep: Sweep, name: str, progress: bool = False, on_epoch=None, device: str | None = None) -> dict:
     """Train (or resume) one trial with the ordinary trainer; mark it finished. ``device``
     replaces the trial's train.device (a Ray trial's GPU is its cuda:0)."""
-    from ..core.checkpoint import resolve
     from ..training.run import train
 
     clock = _Clock(sweep, name)
-    resume = resolve(sweep.run_dir(name) / "last").exists()  # else a fresh start, without train's note
     sweep.set_status(name, "running", clock.seconds())
 
     def each_epoch(entry: dict) -> None:
         clock(entry)
         if on_epoch:
             on_epoch(entry)
-    state = train(sweep.config_path(name), out=sweep.run_dir(name), resume=resume, progress=progress,
-                  on_epoch=each_epoch, device=device)
+    # "auto": from its checkpoint if it has one (an attempt killed or preempted: SIGTERM/SIGUSR1
+    # stop it with its `last` saved and its status left "running"), else afresh
+    try:
+        state = train(sweep.config_path(name), out=sweep.run_dir(name), resume="auto", progress=progress,
+                      on_epoch=each_epoch, device=device)
+    except Preempted as e:
+        sweep.set_status(name, "running", clock.seconds())
+        raise Preempted(f"trial {name}: stopped on {e.signal_name} with its checkpoint saved; run the same "
+                        f"sweep command again to resume it", e.signal_name) from None
     sweep.set_status(name, "finished", clock.seconds())
     return state
 

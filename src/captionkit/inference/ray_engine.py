@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.errors import OutputError
+from ..core import signals
 from ..core.outputs import atomic_write_text, check_folder_target, write_marker
 
 INSTALL_HINT = "--engine ray needs Ray Data: pip install 'captionkit[ray]'"
@@ -72,6 +73,7 @@ def init_ray(opts: RayOptions) -> None:
     if not ray.is_initialized():
         ray.init(address=opts.address, num_cpus=None if opts.address else opts.cpus, include_dashboard=False,
                  log_to_driver=False, configure_logging=False)
+        signals.reinstall()  # ray.init's SIGTERM handler exits anywhere: the caller's stop handling instead
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # not a line per dataset executed
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # captionkit draws its own (captionkit.core.progress)

@@ -46,6 +46,7 @@ from ..core.outputs import (
     write_marker,
 )
 from ..core.progress import lines_above_bars, progress
+from ..core.signals import StopSignals
 
 META_SUFFIX = ".meta.json"  # OUT.meta.json beside a --jsonl/--csv OUT: the settings it was written with
 META_KIND = "caption-settings"
@@ -498,15 +499,26 @@ class CaptionWriter:
         self.progress = Progress(len(todo), skipped=self.total - len(todo)) if self.outputs else None
         self.captions: dict[str, str] = {}
         self.failed, self.stdout_closed = 0, False
+        # --jsonl/--csv: SIGTERM or SIGUSR1 (a scheduler's preemption) stops at once while the
+        # model works (nothing of ours half-written then; Ray's shard files are atomic), after
+        # the lines of an image once it is being written; a rerun resumes (Preempted: exit 75)
+        stop = StopSignals(immediate=True) if self.outputs else StopSignals(())
         try:
-            with lines_above_bars():  # (a warning while the bar is drawn goes above it, not into it)
+            with lines_above_bars(), stop:  # (a warning while the bar is drawn goes above it, not into it)
                 for path in todo:
                     if path in self.refused:
                         self._record(path, ImageError(f"{path}: {self.refused[path]}"))
                 readable = [p for p in todo if p not in self.refused]
                 if readable:  # else no model is loaded at all
-                    for path, res in caption(readable):
-                        self._record(path, res)
+                    results = iter(caption(readable))
+                    while (got := next(results, None)) is not None:  # (a generator yields no None)
+                        stop.immediate = False
+                        self._record(*got)
+                        if self.outputs:  # (else no signal is caught)
+                            stop.message = (f"stopped on {{signal}} after {self.progress.done} of {len(todo)} "
+                                            f"images, each written whole; run the same command again for the rest")
+                            stop.check(stop.message.format(signal=stop.requested))
+                            stop.immediate = True
         except _StdoutClosed:
             return EXIT_STDOUT_CLOSED
         finally:

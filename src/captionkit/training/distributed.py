@@ -268,11 +268,19 @@ def shard(batch: list[int], world: World, key: list[int] | None = None) -> tuple
 def launch(nproc: int, args: list[str]) -> int:
     """Run ``python -m captionkit ARGS`` in ``nproc`` processes on this machine under torchrun's
     elastic launcher (a standalone rendezvous on a free local port). -> the exit status."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    from ..core.signals import EXIT_PREEMPTED
+
+    # the agent passes these on to the ranks (SIGUSR1 too: sbatch --signal=USR1@60), then waits 30 s
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     try:
         torchrun(["--standalone", "--nproc_per_node", str(nproc), "-m", "captionkit", *args])
-    except ChildFailedError:
-        return 1  # torchrun has printed which rank failed and how
+    except ChildFailedError as e:  # torchrun has printed which rank failed and how
+        preempted = all(f.exitcode == EXIT_PREEMPTED for f in e.failures.values())
+        return EXIT_PREEMPTED if preempted else 1
+    except SignalException:  # the signal came to this launcher: passed on, the ranks saved and stopped
+        return EXIT_PREEMPTED
     return 0

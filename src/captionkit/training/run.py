@@ -25,7 +25,8 @@ from ..core.checkpoint import CheckpointError, read_config, resolve
 from ..core.devices import resolve_device
 from ..core.errors import OutputError, UserError
 from ..core.locks import check_unlocked, hold_lock
-from ..core.outputs import MARKER, atomic_write_text, check_folder_target, write_marker
+from ..core.outputs import MARKER, atomic_write_text, check_folder_target, owner_kind, write_marker
+from ..core.signals import DEFAULT_STOP_SIGNALS, Preempted, StopSignals
 from ..data.tokenizers import Tokenizer, load_tokenizer
 from .config import ConfigError, RunConfig
 from .distributed import (
@@ -39,9 +40,9 @@ from .distributed import (
     main_first,
     peer_failure,
     start,
-    stop,
     world_from_env,
 )
+from .distributed import stop as stop_world
 from .glove import vector_dim
 from .stages import CPU, TrainData, build_model, build_optimizer, build_tokenizer, prepare_data
 from .trainer import Trainer, TrainState
@@ -155,7 +156,8 @@ def start_run_folder(out: Path, replace: bool) -> None:
 def train(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,
           resume: bool = False, progress: bool = True, init: str | None = None, overwrite: bool = False,
           on_epoch: Callable[[dict], None] | None = None, tensorboard: str | None = None,
-          device: str | None = None, threads: int | None = None, busy_warning: bool = False) -> TrainState:
+          device: str | None = None, threads: int | None = None, busy_warning: bool = False,
+          stop_signals: str | tuple[str, ...] = DEFAULT_STOP_SIGNALS) -> TrainState:
     """Train from a TOML config into the run folder ``out`` (default runs/<config name>).
     Everything the user gave is checked first (the config, the folder, the files it names);
     ``resume`` continues the run in ``out``, ``overwrite`` replaces a run there. ``on_epoch``:
@@ -165,9 +167,18 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
     ``busy_warning``: one line when other work leaves fewer free cores than torch has threads
     (:func:`warn_busy_cores`; the command line's, not a sweep's trials, which share cores by design).
     Under torchrun (RANK/WORLD_SIZE in the environment) this process is one rank of a DDP run
-    (see captionkit.training.distributed)."""
+    (see captionkit.training.distributed). ``resume="auto"``: resume the run in ``out`` if it has
+    a checkpoint, else start one (see :func:`auto_resume`). ``stop_signals`` (core.signals): on
+    one, the run saves ``last`` and raises Preempted."""
     world = world_from_env()
+    stop = StopSignals(stop_signals, immediate=True)  # (a bad name: one line, before any work)
+    auto = resume == "auto"
+    if auto:
+        resume, overwrite = auto_resume(Path(out) if out else Path("runs") / Path(config).stem, overwrite)
     cfg, out, run_device = check_run(config, out, max_steps, resume, init, overwrite, device)
+    if auto and resume and (done := finished(cfg, out)) is not None:
+        print(f"{out}: the run is finished ({done}); nothing to do (--resume auto)", file=sys.stderr)
+        return TrainState.from_json(read_config(resolve(out / "last"))["state"], out / "last")
     if threads is not None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise UserError(f"threads must be a positive integer, got {threads!r}")
@@ -181,6 +192,7 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
         tb = TensorBoardLog(tensorboard)
         on_epoch = tb.chain(on_epoch)
     held = ExitStack()  # rank 0's lock of the run folder, released when the run ends in any way
+    stop.install()  # set-up: a signal stops at once; the loop polls it (Trainer.fit)
     start(world, run_device)
     try:
         if world.main:
@@ -199,10 +211,13 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
         if trainer.glove_coverage is not None and world.main:
             atomic_write_text(out / "glove_coverage.json", json.dumps(trainer.glove_coverage.to_json(), indent=1))
         barrier(world)  # the run folder exists before any rank goes on
-        state = trainer.fit(max_steps=max_steps, progress=progress, on_epoch=on_epoch)
+        state = trainer.fit(max_steps=max_steps, progress=progress, on_epoch=on_epoch, stop=stop)
         if world.main:
             print(end_of_run(cfg, out, state, max_steps), file=sys.stderr, flush=True)
-        stop(world)
+        stop_world(world)
+    except Preempted:  # from the loop every rank stops at the same step; in set-up on its own
+        (abort if stop.immediate else stop_world)(world)
+        raise
     except BaseException as e:
         # Any rank's error ends the run on every rank, at once: no barrier here (see abort). The
         # failing rank's error goes on to the user; a rank whose collective broke because of it
@@ -215,6 +230,7 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
         print(lead + stopped, file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     finally:
+        stop.restore()
         held.close()
         if tensorboard and world.main:
             tb.close()
@@ -256,6 +272,32 @@ def end_of_run(cfg: RunConfig, out: Path, state: TrainState, max_steps: int | No
         return f"{why}: saved {last} (no dev score chose a best checkpoint)"
     return (f"{why}: saved {out / 'best'} (epoch {state.best_epoch}, dev {tc.val_metric} "
             f"{100 * state.best_score:.2f}) and {last}")
+
+
+def auto_resume(out: Path, overwrite: bool) -> tuple[bool, bool]:
+    """``--resume auto`` -> (resume, overwrite): resume when ``out`` holds a checkpoint (``last``,
+    or ``.last.old`` after a save cut short); start afresh in a run folder captionkit began but
+    stopped before its first checkpoint (nothing in it to keep); else a new run, by the rules of
+    a new run (a foreign or non-empty folder is refused)."""
+    if overwrite:
+        raise OutputError("give --resume auto (continue the run in OUT, or start it) or --overwrite, not both")
+    if (resolve(out / "last") / "config.json").is_file():
+        return True, False
+    return False, out.is_dir() and owner_kind(out) == "run"
+
+
+def finished(cfg: RunConfig, out: Path) -> str | None:
+    """Why the run in ``out`` is over for this config (its epochs done or stopped early, and the
+    decoding settings chosen on its best checkpoint), or None when training is left to do."""
+    state = read_config(resolve(out / "last"))["state"]
+    best = out / "best" / "config.json"
+    if not (best.is_file() and "length_penalty_search" in json.loads(best.read_text())):
+        return None
+    if state["epoch"] >= cfg.train.epochs:
+        return f"{state['epoch']} epochs"
+    if state.get("bad_epochs", 0) >= cfg.train.patience:
+        return f"stopped early after epoch {state['epoch']}"
+    return None
 
 
 def check_run(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,

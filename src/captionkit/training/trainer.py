@@ -15,6 +15,7 @@ in every checkpoint.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -22,7 +23,6 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -30,7 +30,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..core.checkpoint import (
     ENCODER_PREFIX,
-    CheckpointError,
     kill_point,
     load_into,
     optimizer_tensors,
@@ -45,6 +44,7 @@ from ..core.errors import TrainingDiverged
 from ..core.outputs import append_whole, atomic_write_text
 from ..core.precision import autocast, grad_scaler, resolve_precision
 from ..core.progress import progress as progress_bar
+from ..core.signals import Preempted, StopSignals
 from ..data.tokenizers import Tokenizer
 from ..data.vocab import Vocab
 from ..encoders import load_finetuned
@@ -54,6 +54,7 @@ from .config import ConfigError, RunConfig, TrainConfig
 from .distributed import SINGLE, World, barrier, broadcast_json, mean_figures, shard, step_sum
 from .prefetch import HostBatch, Prefetcher, Shard
 from .scst import SelfCritical
+from .state import EpochProgress, TrainState  # (defined here before: imported from here too)
 from .stages import CPU, BuiltModel, BuiltOptimizer, TrainData, decoder_weights, encode_captions
 
 _SCORER = {"METEOR": "meteor", "ROUGE_L": "rouge"}  # validation scores BLEU and CIDEr, and these when chosen
@@ -112,53 +113,6 @@ def length_batches(lengths: list[int], batch_size: int, seed: int) -> list[list[
     return batches
 
 
-# ---- the state a checkpoint carries -------------------------------------------------------------
-
-@dataclass
-class EpochProgress:
-    """The current epoch's figures so far, saved with the state so that an epoch resumed from
-    a checkpoint reports its whole time, count and mean figures."""
-
-    seconds: float = 0.0
-    seen: int = 0
-    batches: int = 0
-    sums: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class TrainState:
-    """Where a run stands; saved as JSON under "state" in every checkpoint's config.json.
-
-    lr: the base learning rate after the plateau schedule's decays (the warm-up and cosine
-    factors are functions of ``step`` and ``epoch``, see :func:`lr_factor`); every group's rate
-    is this times its own scale. best_score is on the scorers' scale (CIDEr 0..10)."""
-
-    lr: float
-    epoch: int = 0
-    step: int = 0
-    batch_in_epoch: int = 0
-    best_score: float | None = None
-    best_epoch: int = 0
-    bad_epochs: int = 0
-    lr_bad_epochs: int = 0
-    history: list[dict] = field(default_factory=list)
-    epoch_progress: EpochProgress | None = None
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict, where: str | Path) -> TrainState:
-        """A checkpoint's "state" (runs written before this class hold the same keys; a key
-        they lack takes its default)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown or "lr" not in d:
-            raise CheckpointError(f"{where}: not a training state ({'unknown key ' + unknown[0] if unknown else 'no lr'})")
-        progress = d.get("epoch_progress")
-        return cls(**{**d, "epoch_progress": EpochProgress(**progress) if progress else None})
-
-
 # ---- the trainer ---------------------------------------------------------------------------------
 
 class Trainer:
@@ -178,6 +132,8 @@ class Trainer:
         self.state = state or TrainState(lr=tc.lr)
         self.device, self.world = device, world
         self.unread: list[tuple] = []  # (step, share, loss, figures) of the steps since read_figures
+        self.stop = StopSignals(())  # fit's: the signals that ask the loop to stop (none by default)
+        self.saved_step = -1  # the step of the newest ``last`` written by this process (or resumed from)
         self.bars = False  # progress bars (captionkit.core.progress): fit's progress=True, on rank 0
         self.precision = resolve_precision(tc.precision, device)  # "bf16", "fp16" or "fp32"
         self.scaler = grad_scaler(device, self.precision)  # enabled for fp16 only
@@ -282,10 +238,16 @@ class Trainer:
 
     # ---- the loop ----
     def fit(self, max_steps: int | None = None, progress: bool = True,
-            on_epoch: Callable[[dict], None] | None = None) -> TrainState:
+            on_epoch: Callable[[dict], None] | None = None, stop: StopSignals | None = None) -> TrainState:
         """Train to the end (or ``max_steps``). ``on_epoch`` is called with each epoch's history
-        entry (dev scores and ``val_loss`` when validated) once it is logged and saved."""
+        entry once it is logged and saved. ``stop`` (core.signals): on its signal, the current step
+        ends, ``last`` is saved and Preempted raised: one process after that step; DDP at the next
+        figures read (the flag rides its all-reduce: every rank stops at the same step), at most
+        LOG_EVERY steps on. During an epoch's validation, before its next chunk of 100 images:
+        the state before it is saved, and the resumed run validates the epoch again."""
         tc = self.cfg.train
+        self.stop = stop or self.stop
+        self.stop.immediate = False  # from here a signal is a flag the loop polls
         self.bars = progress and self.world.main
         on_epoch = on_epoch if self.world.main else None
         self.set_lr(self.state.lr)
@@ -298,6 +260,8 @@ class Trainer:
             if not st.batch_in_epoch or st.epoch_progress is None:
                 st.epoch_progress = EpochProgress()
             clock = _Clock(st.epoch_progress)
+            if self.stop.requested and not self.world.distributed:  # (came during validation or set-up)
+                self.preempt()
             # counted in captions (images for scst); leave=None: kept, unless under a sweep's bar
             bar = progress_bar(total=sum(map(len, batches)), initial=sum(map(len, batches[:st.batch_in_epoch])),
                                desc=f"epoch {st.epoch + 1}/{tc.epochs}", unit=self.unit[:-1], leave=None,
@@ -314,14 +278,22 @@ class Trainer:
                     bar.update(batch.size)
                     shown = bi % LOG_EVERY == 0 or bi == len(batches) - 1  # (an epoch's last: always)
                     saved = tc.checkpoint_every and st.step % tc.checkpoint_every == 0
+                    stopping = self.stop.requested is not None and not self.world.distributed
                     if shown or saved:  # on every process: under DDP the read is a collective
-                        self.read_figures()
+                        stopping = self.read_figures()
                     if shown:  # the epoch's mean figures so far, as read
                         prog = st.epoch_progress
                         bar.set_postfix_str(" ".join(f"{k} {v / prog.batches:.3f}" for k, v in prog.sums.items()))
                     if saved:
                         self.save("last", with_optimizer=True)
-            self.end_epoch(clock, on_epoch)
+                    if stopping:
+                        self.preempt()
+            before = copy.deepcopy(self.state)  # the state to save if a signal stops the validation
+            try:
+                self.end_epoch(clock, on_epoch)
+            except _StopInValidation:  # (rank 0) validation has changed nothing: stop as after the last step
+                self.state = before
+                self.receive_state(stopped=True)
             if self.state.bad_epochs >= tc.patience and self.world.main:
                 gain = f" above {100 * tc.min_delta:g} (x100)" if tc.min_delta else ""
                 span = "epochs" if tc.val_every == 1 else f"validations (every {tc.val_every} epochs)"
@@ -358,27 +330,46 @@ class Trainer:
         prog.seen += batch.size
         prog.batches += 1
 
-    def read_figures(self) -> None:
+    def read_figures(self) -> bool:
         """The figures of the steps since the last read, read on the host at once (one sync;
         under DDP one all-reduce, so every process calls it at the same steps) and added to
         the epoch's sums, in step order. The losses are checked here too: a loss that was
         not finite stops training, naming its step, at most LOG_EVERY steps after it (no
-        checkpoint is written in between: every save reads first)."""
-        unread, self.unread = self.unread, []
+        checkpoint is written in between: every save reads first). -> whether a stop signal
+        came (under DDP: to any process, summed in the same all-reduce)."""
+        unread, self.unread, stop = self.unread, [], float(self.stop.requested is not None)
         if not unread:
-            return
+            return bool(stop)
         keys = sorted(unread[0][3])
         # (N, K + 1): each step's figures weighted by this process's share, and its loss
         rows = torch.stack([torch.stack([f[k].to(torch.float64) * share for k in keys] + [loss.to(torch.float64)])
                             for _, share, loss, f in unread])
+        if self.world.distributed:  # (N + 1, K + 1): a last row carries the stop flag
+            rows = torch.cat([rows, torch.full((1, len(keys) + 1), stop, dtype=torch.float64, device=rows.device)])
+        read = mean_figures(self.world, rows)
+        stop = read.pop()[0] if self.world.distributed else stop
         prog = self.state.epoch_progress
-        for (step, *_), values in zip(unread, mean_figures(self.world, rows)):
+        for (step, *_), values in zip(unread, read):
             if not math.isfinite(values[-1]):  # (summed over the processes: any one's)
                 raise TrainingDiverged(f"loss became {values[-1]} at step {step}: training diverged (lower train.lr, "
                                        "keep train.grad_clip on, or use train.precision fp32); the checkpoints "
                                        "saved before it are kept")
             for k, v in zip(keys, values):  # means over this epoch so far
                 prog.sums[k] = prog.sums.get(k, 0.0) + v
+        return stop > 0
+
+    def preempt(self) -> None:
+        """Stop on the signal: ``last`` saved at this step (unless it just was), every rank
+        past the save, then Preempted (the command exits core.signals.EXIT_PREEMPTED)."""
+        st = self.state
+        self.read_figures()
+        if self.saved_step != st.step:
+            self.save("last", with_optimizer=True)
+        barrier(self.world, "rank 0 to save the checkpoint")
+        why = self.stop.requested or "another rank's signal"
+        raise Preempted(f"stopped on {why} after step {st.step} "
+                        f"(epoch {st.epoch + 1}), {self.stop.seconds():.1f} s after it; {self.out / 'last'} "
+                        f"holds the run: run the same command with --resume auto to continue", why)
 
     def shard(self, batch: list[int]) -> Shard:
         """This process's part of a global batch and its weights (see :class:`Shard`): by
@@ -419,7 +410,7 @@ class Trainer:
             st.history.append(entry)
             print(f"epoch {st.epoch}: not validated (train.val_every = {tc.val_every})", file=sys.stderr)
         else:
-            scores = self.validate()
+            scores = self.validate(stoppable=True)
             val_loss = self.validation_loss()
             st.history.append({**entry, **scores, "val_loss": val_loss})
             self.judge(scores[tc.val_metric])
@@ -432,12 +423,16 @@ class Trainer:
         if on_epoch:
             on_epoch(st.history[-1])
 
-    def receive_state(self) -> None:
+    def receive_state(self, stopped: bool = False) -> None:
         """Under DDP: every process takes rank 0's state (its dev scores decide early stopping
-        and the plateau schedule for all); nothing for one process."""
+        and the plateau schedule for all), and whether a signal stopped its validation
+        (``stopped``: then every process saves and stops, see :meth:`preempt`)."""
         if self.world.distributed:
-            self.state = TrainState.from_json(broadcast_json(self.world, self.state.to_json(), self.device), "rank 0")
+            got = broadcast_json(self.world, {"state": self.state.to_json(), "stopped": stopped}, self.device)
+            self.state, stopped = TrainState.from_json(got["state"], "rank 0"), got["stopped"]
             self.set_lr(self.state.lr)
+        if stopped:
+            self.preempt()
 
     def score_start(self, on_epoch: Callable[[dict], None] | None) -> None:
         """A run from train.init: the starting checkpoint's dev score is the one to beat."""
@@ -474,7 +469,9 @@ class Trainer:
 
     # ---- validation ----
     @torch.no_grad()
-    def validate(self, length_penalty: float | None = None) -> dict[str, float]:
+    def validate(self, length_penalty: float | None = None, stoppable: bool = False) -> dict[str, float]:
+        """Decode the dev split and score it. ``stoppable`` (an epoch's validation): a stop
+        signal ends it between chunks of 100 images (_StopInValidation: fit saves and stops)."""
         tc, data = self.cfg.train, self.data
         length_penalty = self.length_penalty if length_penalty is None else length_penalty
         self.model.eval()
@@ -484,6 +481,8 @@ class Trainer:
         captions = {}
         bar = progress_bar(total=len(data.val_items), desc="validating", unit="image", leave=False, show=self.bars)
         for i in range(0, len(data.val_items), 100):
+            if stoppable and self.stop.requested:
+                raise _StopInValidation
             feats = self.to_device(data.val_feats[i:i + 100]).float()
             feats = data.tail(feats, data.source_grid) if tc.finetune_blocks else feats
             for it, c in zip(data.val_items[i:i + 100],
@@ -591,6 +590,8 @@ class Trainer:
             if self.scaler.is_enabled():
                 cfg["grad_scaler"] = self.scaler.state_dict()
         save_checkpoint(self.out / name, self.weights(), cfg, optim)
+        if name == "last":
+            self.saved_step = self.state.step
 
     def load_weights(self, folder: Path) -> dict[str, torch.Tensor]:
         weights = read_weights(folder)
@@ -614,6 +615,7 @@ class Trainer:
         if self.scaler.is_enabled() and "grad_scaler" in saved:
             self.scaler.load_state_dict(saved["grad_scaler"])
         self.state = TrainState.from_json(saved["state"], folder / "config.json")
+        self.saved_step = self.state.step
         if not self.world.main:
             return
         # the checkpoint's history is the run's: epochs logged after it (by a run killed before
@@ -633,6 +635,11 @@ def forked_rng(device: torch.device):
     if index is None:  # "cuda" names the current GPU (MPS has one device)
         index = torch.cuda.current_device() if device.type == "cuda" else 0
     return torch.random.fork_rng(devices=[index], device_type=device.type)
+
+
+class _StopInValidation(Exception):
+    """A stop signal came during an epoch's validation (rank 0): the epoch's state from before
+    it is saved (resumed, it validates again) instead of waiting for the validation to end."""
 
 
 class _BatchLoss(torch.nn.Module):
