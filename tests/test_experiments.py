@@ -186,12 +186,13 @@ def test_an_interrupted_sweep_resumes_without_repeating_finished_trials(tiny_con
     args = ["sweep", "--config", str(sweep_config(tiny_config, tmp_path)), "--set", "train.lr=1e-2,3e-3,1e-3",
             "--out", str(tmp_path / "s")]
     assert main(args) == 130
-    assert calls == [("000-lr=0.01", False), ("001-lr=0.003", False)]
+    # every trial is trained with --resume auto: it continues a trial's last checkpoint if there is one
+    assert calls == [("000-lr=0.01", "auto"), ("001-lr=0.003", "auto")]
     assert sw.load_sweep(tmp_path / "s").status("001-lr=0.003")["status"] == "running"
     finished = (tmp_path / "s" / "trials" / "000-lr=0.01" / "best" / "model.safetensors").stat().st_mtime_ns
     calls.clear()
     assert main(args) == 0
-    assert calls == [("001-lr=0.003", True), ("002-lr=0.001", False)]  # trial 000 is not trained again
+    assert calls == [("001-lr=0.003", "auto"), ("002-lr=0.001", "auto")]  # trial 000 is not trained again
     assert (tmp_path / "s" / "trials" / "000-lr=0.01" / "best" / "model.safetensors").stat().st_mtime_ns == finished
     resumed = tmp_path / "s" / "trials" / "001-lr=0.003"
     assert [h["epoch"] for h in read_history(resumed)] == [1, 2]  # each epoch once

@@ -195,27 +195,53 @@ def test_caption_jsonl_stopped_by_sigterm_then_rerun_has_every_image_once(tiny_r
 
 
 class _Command(Launch):
-    """Launch's stderr reader around any captionkit command line."""
+    """Launch's stderr reader around any captionkit command line (or, with ``module``, any
+    Python module's, e.g. torchrun's)."""
 
-    def __init__(self, *args: str):  # (Launch's own __init__ builds a train command of one process)
-        self.proc = subprocess.Popen([sys.executable, "-m", "captionkit.cli.main", *args], stdout=subprocess.DEVNULL,
+    def __init__(self, *args: str, module: str = "captionkit.cli.main"):
+        # (Launch's own __init__ builds a train command of one process)
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, env=_env({}))
         self.err = ""
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
 
+@pytest.fixture(scope="module")
+def ddp_whole(tmp_path_factory) -> tuple[Path, Path]:
+    """(config, run folder) of an unbroken 2-process run (train --nproc 2, gloo) of the tiny config."""
+    root = tmp_path_factory.mktemp("ddp")
+    config = root / "ddp.toml"
+    # dropout 0: ranks > 0 draw nothing to restore
+    config.write_text(TINY_CONFIG.format(dataset=write_flickr8k(root / "flickr8k")))
+    reference = _Command("train", "--config", str(config), "--nproc", "2", "--out", str(root / "whole"))
+    assert reference.finish(600) == 0, reference.err[-3000:]
+    return config, root / "whole"
+
+
+def worker_pids(launcher: int) -> dict[int, int]:
+    """{rank: pid} of the training processes torchrun's agent (process ``launcher``) started."""
+    ranks = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            env = (stat.parent / "environ").read_bytes().split(b"\0") if ppid == launcher else []
+        except (OSError, IndexError, ValueError):  # a process that ended meanwhile
+            continue
+        rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
+        if rank is not None:
+            ranks[rank] = int(stat.parent.name)
+    return ranks
+
+
 @pytest.mark.slow
-def test_two_gloo_processes_stop_at_one_step_and_resume_auto_equals_an_unbroken_run(flickr_dir, tmp_path):
+def test_two_gloo_processes_stop_at_one_step_and_resume_auto_equals_an_unbroken_run(ddp_whole, tmp_path):
     """train --nproc 2 (torchrun's agent, gloo): SIGTERM to the launcher, which passes it on to
     the ranks; they stop at the same step (the flag rides the figures' all-reduce), rank 0 saves,
     exit 75; --resume auto in 2 processes then ends where an unbroken 2-process run ends."""
-    config = tmp_path / "ddp.toml"
-    config.write_text(TINY_CONFIG.format(dataset=flickr_dir))  # dropout 0: ranks > 0 draw nothing to restore
-    whole, out = tmp_path / "whole", tmp_path / "run"
+    config, whole = ddp_whole
+    out = tmp_path / "run"
     args = ["train", "--config", str(config), "--nproc", "2"]
-    reference = _Command(*args, "--out", str(whole))
-    assert reference.finish(600) == 0, reference.err[-3000:]
     launch = _Command(*args, "--out", str(out))
     assert launch.wait_for("epoch 2/3: ", 300), launch.err[-3000:]
     sent = time.monotonic()
@@ -229,6 +255,30 @@ def test_two_gloo_processes_stop_at_one_step_and_resume_auto_equals_an_unbroken_
     resumed = _Command(*args, "--out", str(out), "--resume", "auto")
     assert resumed.finish(600) == 0, resumed.err[-3000:]
     assert "resuming from" in resumed.err
+    assert compare_runs(out, whole) == []
+
+
+@pytest.mark.slow
+def test_torchrun_max_restarts_resumes_a_preempted_rank_without_a_human(ddp_whole, tmp_path):
+    """torchrun --max-restarts 1 ... train --resume auto, as docs/robustness.md gives it: SIGUSR1
+    to rank 1 alone (a node's preemption notice). Both ranks stop at one step and exit 75, the
+    elastic agent restarts them, and --resume auto continues from last: the command ends 0 by
+    itself, where the unbroken 2-process run ends."""
+    if not hasattr(signal, "SIGUSR1"):
+        pytest.skip("no SIGUSR1 on this platform")
+    config, whole = ddp_whole
+    out = tmp_path / "run"
+    launch = _Command("--standalone", "--nproc_per_node", "2", "--max-restarts", "1", "-m", "captionkit", "train",
+                      "--config", str(config), "--out", str(out), "--resume", "auto",
+                      module="torch.distributed.run")
+    assert launch.wait_for("epoch 2/3: ", 300), launch.err[-3000:]
+    ranks = worker_pids(launch.proc.pid)
+    assert set(ranks) == {0, 1}, ranks
+    os.kill(ranks[1], signal.SIGUSR1)
+    assert launch.finish(600) == 0, launch.err[-3000:]
+    assert launch.err.count("stopped on SIGUSR1 after step ") == 1  # rank 1, signalled
+    assert launch.err.count("stopped on another rank's signal after step ") == 1  # rank 0, at the same step
+    assert "resuming from" in launch.err  # the restarted workers, by themselves
     assert compare_runs(out, whole) == []
 
 

@@ -80,7 +80,7 @@ def server(tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
-            urllib.request.urlopen(url + "/healthz", timeout=1)
+            urllib.request.urlopen(url + "/readyz", timeout=1)  # (/healthz answers while the models load)
             break
         except OSError:
             if proc.poll() is not None:

@@ -112,8 +112,22 @@ def start(world: World, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=world.rank,
-                            world_size=world.size, timeout=STEP_TIMEOUT)
+                            world_size=world.size, timeout=STEP_TIMEOUT, store=_attempt_store(world))
     _waits = dist.new_group(backend="gloo", timeout=WAIT_TIMEOUT)
+
+
+def _attempt_store(world: World) -> Any:
+    """The key-value store of this attempt of a torchrun job, or None (init_process_group's own,
+    from MASTER_ADDR/MASTER_PORT) outside torchrun's agent. The agent keeps one store for all
+    the attempts of a job (--max-restarts): a restarted rank would find the addresses the
+    previous attempt's ranks published under the same keys and connect to processes that are
+    gone (gloo: "connectFullMesh failed ... Connection refused"; seen for the group of the
+    waits). Each attempt gets keys of its own."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    store, _, _ = next(dist.rendezvous("env://", world.rank, world.size, timeout=STEP_TIMEOUT))
+    return dist.PrefixStore(f"captionkit/attempt-{attempt}", store)
 
 
 def stop(world: World) -> None:
