@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from captionkit.core.checkpoint import read_weights, verify  # noqa: E402
-from captionkit.inference.captioner import SHIPPED, Captioner  # noqa: E402
+from captionkit.inference.captioner import Captioner  # noqa: E402
+from captionkit.inference.shipped import SHIPPED  # noqa: E402
 
 
 def best_of(fn, repeat: int) -> float:

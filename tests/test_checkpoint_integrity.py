@@ -21,7 +21,8 @@ from captionkit.core.checkpoint import (
     save_checkpoint,
     verify,
 )
-from captionkit.inference.captioner import SHIPPED, Captioner
+from captionkit.inference.captioner import Captioner
+from captionkit.inference.shipped import SHIPPED
 
 TENSOR_FILES = ("model.safetensors", "optimizer.safetensors")
 

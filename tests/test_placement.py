@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from devicecheck import MetaAnswers, count_syncs, strict_devices
 from helpers import direct_captions
 
@@ -138,6 +139,39 @@ def test_a_caption_replica_on_a_gpu_moves_its_captioner(picky_models, monkeypatc
     with strict_devices(MetaAnswers(fill=Vocab.end)):
         out = replica(batch)
     assert list(out["pos"]) == [0, 1, 2] and out["caption"][1] == ""
+
+
+@pytest.mark.parametrize("asked, expected", [(None, "bf16"), ("auto", "bf16"), ("fp32", "fp32")])
+def test_a_caption_replica_decodes_in_the_precision_the_user_asked_for(picky_models, monkeypatch, replica_threads,
+                                                                        asked, expected):
+    """caption --engine ray --precision P: each replica resolves P for its own device (it
+    decoded under auto whatever --precision said)."""
+    from captionkit.core import precision
+    monkeypatch.setattr(precision, "native_bf16", lambda: True)  # auto: bf16 here
+    monkeypatch.setattr(ray_engine, "replica_device", lambda: CPU, raising=False)
+    replica = ray_engine.CaptionReplica(lambda: Captioner.load(picky_models[0], device="cpu"), replica_threads,
+                                        beam=2, length_penalty=None, precision=asked)
+    assert replica.model.precision == expected and replica.model.device == CPU
+
+
+def test_caption_engine_ray_hands_the_replicas_the_precision_as_typed(picky_models, tmp_path, monkeypatch):
+    """The command line gives the replicas --precision as typed (not as resolved on the driver,
+    nor nothing)."""
+    from captionkit.cli.main import main
+    pytest.importorskip("ray")
+    seen = {}
+
+    def fake_ray(readable, todo, *args, precision=None, **kwargs):
+        seen["precision"] = precision
+        return iter(())
+
+    monkeypatch.setattr(ray_engine, "caption_with_ray", fake_ray)
+    photo = tmp_path / "a.jpg"
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(photo)
+    for typed in ("fp32", "auto"):
+        main(["caption", str(photo), "--model", str(picky_models[0]), "--engine", "ray", "--precision", typed,
+              "--jsonl", str(tmp_path / f"{typed}.jsonl")])
+        assert seen.pop("precision") == typed
 
 
 def test_a_feature_replica_on_a_gpu_moves_its_encoder(monkeypatch, replica_threads):

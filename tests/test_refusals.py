@@ -84,6 +84,21 @@ def test_export_onnx_without_the_onnx_extra_is_the_pip_hint(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_serve_without_the_serve_extra_is_the_pip_hint_and_a_broken_import_of_ours_is_not():
+    """serve without fastapi: the one-line hint. But an import of captionkit's own that breaks
+    inside the server's modules is a bug and stays a traceback (it was shown as the hint)."""
+    rc, err, _ = run_cli(["serve", "--port", "0"], blocked=(), gone=("fastapi",))
+    assert rc == 2 and "the server needs the serve extra: pip install 'captionkit[serve]'" in err, err
+    code = BLOCK.format(blocked=("captionkit.serve.guards",)).replace(
+        'name.split(".")[0] in self.names', "name in self.names") + textwrap.dedent("""
+        from captionkit.cli.main import main
+        main(["serve", "--port", "0"])
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode != 0 and "Traceback" in out.stderr and "serve extra" not in out.stderr, out.stderr
+
+
 def test_caption_with_onnx_but_without_onnxruntime_is_the_pip_hint(tmp_path):
     export = tmp_path / "export"
     export.mkdir()

@@ -10,7 +10,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("multipart")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from captionkit.inference.captioner import DEFAULT_MODEL, Captioner  # noqa: E402
+from captionkit.inference.captioner import Captioner  # noqa: E402
+from captionkit.inference.shipped import DEFAULT_MODEL  # noqa: E402
 from captionkit.serve import ServeConfig, create_app  # noqa: E402
 
 LIMIT = 200_000

@@ -2,12 +2,13 @@
 for a name that is neither a folder nor a shipped model."""
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from captionkit.core.checkpoint import CheckpointError
-from captionkit.inference.captioner import Captioner, model_folder
-from captionkit.inference.shipped import DEFAULT_MODEL, FAST_MODEL
+from captionkit.inference.captioner import Captioner
+from captionkit.inference.shipped import DEFAULT_MODEL, FAST_MODEL, SHIPPED, model_folder
 
 
 def test_the_default_is_the_flip_averaged_ensemble_and_single_models_ship_by_name():
@@ -60,15 +61,20 @@ def test_the_prefix_lm_ships_only_what_it_trained():
     assert {k: cfg["trained_parameters"][k] for k in counts} == counts
 
 
-def test_the_command_line_s_torch_free_folder_rule_is_the_captioner_s(tmp_path, monkeypatch):
-    """captionkit.inference.shipped.model_folder (what the command line checks --model with,
-    before torch loads) and captionkit.inference.captioner.model_folder (what loads) agree."""
+def test_what_a_user_types_names_a_model_folder(tmp_path, monkeypatch):
+    """captionkit.inference.shipped.model_folder, the one rule (the command line checks --model
+    with it before torch loads; Captioner.load uses it): nothing is the default model, a shipped
+    model's name its folder, unless a folder of that name is in the working directory."""
     from captionkit.inference import shipped
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "sat-lite2-flickr8k").mkdir()
-    for typed in (None, "transformer-lite2-flickr8k", "sat-lite2-flickr8k", "no-such-model", "runs/x/best",
-                  str(tmp_path)):
-        assert shipped.model_folder(typed) == model_folder(typed), typed
+    assert model_folder(None) == DEFAULT_MODEL
+    assert model_folder("transformer-lite2-flickr8k") == SHIPPED / "transformer-lite2-flickr8k"
+    assert model_folder("sat-lite2-flickr8k") == Path("sat-lite2-flickr8k")  # the working directory's wins
+    for typed in ("no-such-model", "runs/x/best", str(tmp_path)):
+        assert model_folder(typed) == Path(typed)
     with pytest.raises(CheckpointError, match="no-such-model: no such model folder"):
         shipped.existing_model_folder("no-such-model")
+    with pytest.raises(CheckpointError, match="no-such-model: no such model folder"):
+        Captioner.load("no-such-model")

@@ -230,9 +230,11 @@ def _check_ray_caption(out: str | None, **unsupported) -> None:
 
 
 def _caption_ray(writer, model: list[str] | None, weights: list[float] | None, beam: int,
-                 length_penalty: float | None, overwrite: bool, retry_failed: bool, out: str, opts) -> int:
+                 length_penalty: float | None, overwrite: bool, retry_failed: bool, out: str, opts,
+                 precision: str = "auto") -> int:
     """caption --engine ray: the images not yet in OUT captioned by Ray (captionkit.inference.ray_engine),
-    in shards kept in OUT.shards, and written by the same writer as the local engine's."""
+    in shards kept in OUT.shards, and written by the same writer as the local engine's. ``precision``:
+    --precision as typed; each replica resolves it for the device Ray gives it."""
     from functools import partial
 
     from ..inference import ray_engine
@@ -245,7 +247,7 @@ def _caption_ray(writer, model: list[str] | None, weights: list[float] | None, b
     load = partial(_load_captioner, model, weights)
     return writer.run(lambda todo: ray_engine.caption_with_ray(
         readable, todo, folder, shard_settings, overwrite, retry_failed, load, preprocess, beam, length_penalty,
-        opts))
+        opts, precision=precision))
 
 
 def _add_caption_outputs(p: argparse.ArgumentParser) -> None:
@@ -342,6 +344,7 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
                              late=("precision",))  # known once the device is (below)
     if not onnx:
         _check_model_folders(model)
+    asked_precision = precision  # (resolved below for this machine; Ray's replicas resolve it for theirs)
     if writer.readable or device != "auto" or precision != "auto":  # an explicit device is checked anyway
         where, precision = _device("cpu" if onnx else device, precision)
         if engine == "local":  # (Ray's replicas resolve their own)
@@ -352,7 +355,8 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
         return writer.run(lambda files: iter(()))
     if engine == "ray":
         return _caption_ray(writer, model, weights, beam, length_penalty, overwrite, retry_failed, jsonl or csv_out,
-                            _ray_options(address, replicas, gpus_per_replica, batch_size, shard_size))
+                            _ray_options(address, replicas, gpus_per_replica, batch_size, shard_size),
+                            precision=asked_precision)
     options = {"beam": beam, "batch_size": batch_size, "length_penalty": length_penalty, "workers": workers}
     if onnx:
         def onnx_results(files: list[Path]):
@@ -536,7 +540,8 @@ def cmd_ensemble(model: list[str], weights: list[float] | None, length_penalty: 
     """Write an ensemble folder (captionkit.inference.ensemble) naming the members, after loading them
     together once, so a folder that is written is one that loads."""
     from ..core.outputs import check_folder_target
-    from ..inference.captioner import SHIPPED, Captioner
+    from ..inference.captioner import Captioner
+    from ..inference.shipped import SHIPPED
     from ..inference.ensemble import KIND, member_entry, write_ensemble
 
     _check_models(model, weights)

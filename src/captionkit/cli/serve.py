@@ -105,8 +105,10 @@ def cmd_serve(model: list[str] | None, host: str, port: int, max_upload_mb: floa
     sock = _listen(host, port, api_key)  # before anything heavy: a bad --host or --port fails at once
     try:
         from ..serve.app import ServeConfig, serve
-    except ImportError as e:
+    except ModuleNotFoundError as e:
         sock.close()
+        if (e.name or "").split(".")[0] == "captionkit":  # our own import broke: a bug, not a missing extra
+            raise
         raise UsageError(f"the server needs the serve extra: pip install 'captionkit[serve]' ({e})") from None
     limits = {"max_pixels": max_pixels} if max_pixels is not None else {}
     cfg = ServeConfig(max_upload_bytes=int(max_upload_mb * 2 ** 20), queue_size=queue_size,

@@ -38,26 +38,7 @@ from .ensemble import (
     with_flip_views,
 )
 from .rerank import RERANKERS, mbr_choice
-from .shipped import DEFAULT_MODEL, SHIPPED, shipped_models_text
-
-
-def model_folder(path: str | Path | None) -> Path:
-    """A checkpoint folder from what a user typed: a path, the name of a shipped model, or
-    nothing (the default model). A folder of that name in the working directory wins."""
-    if path is None:
-        return DEFAULT_MODEL
-    path = Path(path)
-    if not path.exists() and len(path.parts) == 1 and (SHIPPED / path).is_dir():
-        return SHIPPED / path
-    return path
-
-
-def existing_model_folder(path: str | Path | None) -> Path:
-    """:func:`model_folder`, refused with one line (listing the shipped models) if missing."""
-    folder = model_folder(path)
-    if not folder.exists():
-        raise CheckpointError(f"{folder}: no such model folder (shipped models: {shipped_models_text()})")
-    return folder
+from .shipped import SHIPPED, existing_model_folder
 
 
 @dataclass

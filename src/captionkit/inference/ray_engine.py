@@ -147,14 +147,17 @@ class _Replica:
 class CaptionReplica(_Replica):
     """Captions a batch with a :class:`captionkit.inference.captioner.Captioner` (greedy or beam)."""
 
-    def __init__(self, load: Callable, threads: int, beam: int, length_penalty: float | None):
+    def __init__(self, load: Callable, threads: int, beam: int, length_penalty: float | None,
+                 precision: str | None = None):
+        self.precision = precision  # (place() in the base's __init__ reads it)
         super().__init__(load, threads)
         self.beam, self.length_penalty = beam, length_penalty
 
     def place(self) -> None:
-        # the captioner's own placement: its device, encoder and decoder agree, and its
-        # precision is resolved for the replica's device
-        self.model.place(self.device)
+        # the captioner's own placement: its device, encoder and decoder agree, and the
+        # precision the user asked for (None: the captioner's own, at first auto) is resolved
+        # for the replica's device, not the driver's
+        self.model.place(self.device, self.precision)
 
     def encode(self, pixels):
         # through the captioner: its test-time augmentation and precision, as the local engine
@@ -268,11 +271,12 @@ def _has_error(shard: Path, all_paths: list[Path], wanted: set[Path]) -> bool:
 
 def caption_with_ray(all_paths: list[Path], todo: list[Path], folder: Path, settings: dict, overwrite: bool,
                      retry_failed: bool, load: Callable, preprocess, beam: int, length_penalty: float | None,
-                     opts: RayOptions) -> Iterator[tuple[Path, object]]:
+                     opts: RayOptions, precision: str | None = None) -> Iterator[tuple[Path, object]]:
     """Caption ``todo`` (a subset of ``all_paths``, in its order) on Ray: shards of
     ``all_paths`` holding a todo image and not on disk are computed (and, with
     ``retry_failed``, those recording an error for a todo image, replaced); yields (path,
-    ShardCaption or ImageError) for the todo images, in order, as their shards are done."""
+    ShardCaption or ImageError) for the todo images, in order, as their shards are done.
+    ``precision``: --precision as the user gave it, resolved by each replica for its device."""
     from ..data.images import ImageError
 
     if overwrite and folder.exists():
@@ -301,7 +305,7 @@ def caption_with_ray(all_paths: list[Path], todo: list[Path], folder: Path, sett
     done = set(needed) - set(missing)
     shown = 0  # shards already yielded, in order
     rows = run_shards(all_paths, missing, opts.shard_size, preprocess, CaptionReplica,
-                      {"load": load, "beam": beam, "length_penalty": length_penalty}, opts)
+                      {"load": load, "beam": beam, "length_penalty": length_penalty, "precision": precision}, opts)
     for s, cols in rows:
         lines = [json.dumps({"pos": int(p), "error": e} if e else {"pos": int(p), "caption": c}) + "\n"
                  for p, c, e in zip(cols["pos"], cols["caption"], cols["error"])]

@@ -35,9 +35,9 @@ SCORES_FILE = "scores.json"  # a shipped model's Flickr8k test scores (x100), as
 
 def model_folder(path: str | Path | None) -> Path:
     """A checkpoint folder from what a user typed: a path, the name of a shipped model, or
-    nothing (the default model). A folder of that name in the working directory wins. (The
-    rule of captionkit.inference.captioner.model_folder, here without torch, so the command
-    line checks --model before torch loads.)"""
+    nothing (the default model). A folder of that name in the working directory wins. (Here,
+    without torch, so the command line checks --model before torch loads; Captioner.load uses
+    the same rule.)"""
     if path is None:
         return DEFAULT_MODEL
     path = Path(path)

@@ -51,7 +51,8 @@ from starlette.requests import ClientDisconnect
 from ..core.errors import ImageError
 from ..data.images import MAX_PIXELS, decode_reduced, to_tensor
 from ..encoders.base import Preprocess
-from ..inference.captioner import DEFAULT_MODEL, Captioner
+from ..inference.captioner import Captioner
+from ..inference.shipped import DEFAULT_MODEL
 from .guards import ApiKey, BodyLimit, RateLimit, error_response
 
 ACCEPTED_TYPES = {"image/jpeg": "JPEG", "image/png": "PNG", "image/webp": "WEBP", "image/gif": "GIF",
