@@ -13,9 +13,10 @@ WEB_VENDOR := src/captionkit/web/vendor/ort/ort.wasm.min.mjs
 .PHONY: demo test test-fast lint bench clean web
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[test,ray]'
+	@echo "setting up $(VENV): PyTorch and the rest, a few minutes on first use" >&2
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -m pip install -q $(TORCH)
+	@$(BIN)/python -m pip install -q -e '.[test,ray]'
 	@# WordNet for nltk's METEOR (used only where Java is absent); optional, needs root and apt
 	-@if [ ! -f /usr/share/wordnet/data.noun ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		apt-get install -y -qq wordnet-base wordnet-sense-index >/dev/null 2>&1 || \
@@ -31,7 +32,7 @@ $(STAMP): pyproject.toml
 		apt-get install -y -qq nodejs npm >/dev/null 2>&1 || \
 		{ apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq nodejs npm >/dev/null 2>&1; } || \
 		echo "note: npm not installed; the in-browser demo will not be built"; fi
-	touch $(STAMP)
+	@touch $(STAMP)
 
 # onnxruntime-web from npm, copied into the package's static folder (not committed)
 $(WEB_VENDOR): web/package.json web/package-lock.json web/build.mjs
@@ -40,7 +41,7 @@ $(WEB_VENDOR): web/package.json web/package-lock.json web/build.mjs
 web: $(WEB_VENDOR)
 
 demo: $(STAMP)
-	$(BIN)/captionkit caption samples/*.jpg --beam 3 --json demo-out/captions.json --attention demo-out/attention --overwrite
+	@$(BIN)/captionkit caption samples/*.jpg --beam 3 --json demo-out/captions.json --attention demo-out/attention --overwrite
 	@echo "attention figures: demo-out/attention/"
 
 test: $(STAMP)

@@ -80,3 +80,17 @@ def test_make_demo_names_only_the_photos():
     assert err.getvalue() == ""
     photos = sorted(p.name for p in (ROOT / "samples").iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
     assert sorted(p.name for p in writer.keys) == photos == sorted(readme_samples())
+
+
+def test_make_demo_prints_only_what_it_made():
+    """Issue 29: on a fresh clone `make demo` prints the captions and the figures line; make's
+    echo of each recipe line (the set-up's commands, the caption command) came before them.
+    Every recipe line of the set-up and of demo is silent (@); the set-up says once, on stderr,
+    what it is doing."""
+    text = (ROOT / "Makefile").read_text()
+    for target in (r"\$\(STAMP\)", "demo"):
+        block = re.search(rf"^{target}:.*\n((?:\t.*\n|\\\n)+)", text, flags=re.M)[1]
+        rows = block.split("\n")
+        # a recipe line's own start, not the continuation of a line that ends with a backslash
+        lines = [ln for i, ln in enumerate(rows) if ln.startswith("\t") and not (i and rows[i - 1].endswith("\\"))]
+        assert lines and all(ln.lstrip("\t-").startswith("@") for ln in lines), (target, lines)
