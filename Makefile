@@ -15,8 +15,8 @@ WEB_VENDOR := src/captionkit/web/vendor/ort/ort.wasm.min.mjs
 $(STAMP): pyproject.toml
 	@echo "setting up $(VENV): PyTorch and the rest, a few minutes on first use" >&2
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@$(BIN)/python -m pip install -q $(TORCH)
-	@$(BIN)/python -m pip install -q -e '.[test,ray]'
+	@$(BIN)/python -m pip install -qq $(TORCH)
+	@$(BIN)/python -m pip install -qq -e '.[test,ray]'
 	@# WordNet for nltk's METEOR (used only where Java is absent); optional, needs root and apt
 	-@if [ ! -f /usr/share/wordnet/data.noun ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		apt-get install -y -qq wordnet-base wordnet-sense-index >/dev/null 2>&1 || \
