@@ -70,13 +70,20 @@ def init_ray(opts: RayOptions) -> None:
     import ray
     import ray.data
 
+    from ray.util.debug import log_once
+
     if not ray.is_initialized():
+        # the local Ray started here says it enabled token authentication, a notice that
+        # reads like a problem on a run that went well (Ray's own log files keep it)
+        if opts.address is None:
+            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         ray.init(address=opts.address, num_cpus=None if opts.address else opts.cpus, include_dashboard=False,
                  log_to_driver=False, configure_logging=False)
         signals.reinstall()  # ray.init's SIGTERM handler exits anywhere: the caller's stop handling instead
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # not a line per dataset executed
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # captionkit draws its own (captionkit.core.progress)
+    log_once("ray_data_progress_manager_disabled")  # ...so Ray need not warn that its own are off
     ctx.print_on_execution_start = False
 
 
@@ -213,6 +220,10 @@ def run_shards(paths: list[Path], shards: list[int], shard_size: int, preprocess
     # while the replicas run the model.
     ds = ds.map_batches(_decode, batch_size=opts.batch_size, fn_kwargs={"preprocess": preprocess},
                         num_cpus=DECODE_CPUS)
+    # (Ray Data keeps the constructor's arguments in the object store and its actors restartable,
+    # so the core worker logs an "E ... core_worker.cc" line about it on every run, a run that
+    # went well included: ray-project/ray#53727. Ray 2.60 offers no undeprecated way to change
+    # either; the line is Ray's, and it is documented in docs/scale.md.)
     ds = ds.map_batches(replica, batch_size=opts.batch_size, compute=ActorPoolStrategy(size=opts.replicas),
                         num_cpus=opts.cpus_per_replica, num_gpus=opts.gpus_per_replica or None,
                         fn_constructor_kwargs={**replica_args, "threads": max(1, int(opts.cpus_per_replica))})
