@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -22,15 +21,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from captionkit.core.checkpoint import read_weights, verify  # noqa: E402
 from captionkit.inference.captioner import Captioner  # noqa: E402
 from captionkit.inference.shipped import SHIPPED  # noqa: E402
-
-
-def best_of(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+from timing import min_time  # noqa: E402
 
 
 def main() -> None:
@@ -42,9 +33,9 @@ def main() -> None:
     for folder in sorted(f.parent for f in SHIPPED.rglob("model.safetensors")):  # an ensemble's members too
         mb = (folder / "model.safetensors").stat().st_size / 1e6
         read_weights(folder)  # warm the page cache
-        hashing = best_of(partial(verify, folder, "model.safetensors"), args.repeat)
-        loading = best_of(partial(read_weights, folder), args.repeat)
-        whole = best_of(partial(Captioner.load, folder, device="cpu"), 1)
+        hashing = min_time(partial(verify, folder, "model.safetensors"), args.repeat)
+        loading = min_time(partial(read_weights, folder), args.repeat)
+        whole = min_time(partial(Captioner.load, folder, device="cpu"), 1)
         print(f"{str(folder.relative_to(SHIPPED)):32s} {mb:6.1f} {1e3 * hashing:10.1f} {mb / hashing:6.0f} {1e3 * loading:16.1f} "
               f"{1e3 * whole:18.0f}")
 

@@ -17,7 +17,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,15 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from captionkit.encoders import features as F  # noqa: E402
-
-
-def best(fn, repeat: int = 3) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+from timing import min_time  # noqa: E402
 
 
 def main() -> None:
@@ -48,15 +39,15 @@ def main() -> None:
         folder = Path(tmp)
         paths = [f"im{i}.jpg" for i in range(args.images)]
         npy = F.shard_file(folder, 0, ".npy")
-        bare = best(lambda: F._write_file(npy, F._npy_bytes(rows)))  # its rows alone, as before digests
-        write = best(lambda: F.write_shard(folder, 0, rows, paths, {}))
+        bare = min_time(lambda: F._write_file(npy, F._npy_bytes(rows)), 3)  # its rows alone, as before digests
+        write = min_time(lambda: F.write_shard(folder, 0, rows, paths, {}), 3)
         record = json.loads(F.shard_file(folder, 0, ".json").read_text())
         mb = npy.stat().st_size / 1e6
-        before = best(lambda: np.load(npy, mmap_mode="r"))
-        after = best(lambda: (F.shard_fault(folder, 0, record, full=True), np.load(npy, mmap_mode="r")))
-        size_only = best(lambda: F.shard_fault(folder, 0, record, full=False))
+        before = min_time(lambda: np.load(npy, mmap_mode="r"), 3)
+        after = min_time(lambda: (F.shard_fault(folder, 0, record, full=True), np.load(npy, mmap_mode="r")), 3)
+        size_only = min_time(lambda: F.shard_fault(folder, 0, record, full=False), 3)
         mm = np.load(npy, mmap_mode="r")
-        blocks = best(lambda: [F._block_sha256(mm, b, F.BLOCK_ROWS) for b in range(-(-len(mm) // F.BLOCK_ROWS))])
+        blocks = min_time(lambda: [F._block_sha256(mm, b, F.BLOCK_ROWS) for b in range(-(-len(mm) // F.BLOCK_ROWS))], 3)
     print(f"shard: {args.images} images, {mb:.0f} MB")
     print(f"writing its rows (no digest)       {bare * 1e3:8.0f} ms")
     print(f"write_shard (with its sha256)      {write * 1e3:8.0f} ms")
