@@ -21,9 +21,7 @@ import random
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
-import threading
 import tempfile
 import time
 import tomllib
@@ -33,21 +31,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
 from helpers import TINY_CONFIG, write_flickr8k  # noqa: E402
-from killharness import Launch, _env, compare_runs, where_it_was  # noqa: E402
+from killharness import Child, compare_runs, where_it_was  # noqa: E402
 
 from captionkit.core.signals import EXIT_PREEMPTED, STOP_BOUND_S  # noqa: E402
 
 
-def _launch(config: Path, out: Path) -> Launch:
-    """``captionkit train --resume auto`` in a child, its stderr collected (Launch's reader)."""
-    launch = Launch.__new__(Launch)  # (Launch's own __init__ gives --resume or nothing)
-    cmd = [sys.executable, "-m", "captionkit.cli.main", "train", "--config", str(config), "--out", str(out),
-           "--resume", "auto"]
-    launch.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env({}))
-    launch.err = ""
-    launch._reader = threading.Thread(target=launch._read, daemon=True)
-    launch._reader.start()
-    return launch
+def _launch(config: Path, out: Path) -> Child:
+    """``captionkit train --resume auto`` in a child, its stderr collected."""
+    return Child("train", "--config", str(config), "--out", str(out), "--resume", "auto")
 
 
 def main() -> int:

@@ -81,13 +81,13 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-class Launch:
-    """One ``captionkit train`` process, its stderr collected as it comes."""
+class Child:
+    """A child process, ``python -m MODULE ARGS`` (captionkit's command line by default), its
+    stderr collected as it comes; ``env``: variables added to the harness's environment."""
 
-    def __init__(self, config: Path, out: Path, resume: bool, kill_at: str | None = None):
-        cmd = [sys.executable, "-m", "captionkit.cli.main", "train", "--config", str(config), "--out", str(out)]
-        self.proc = subprocess.Popen(cmd + (["--resume"] if resume else []), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, env=_env({KILL_ENV: kill_at} if kill_at else {}))
+    def __init__(self, *args: str, module: str = "captionkit.cli.main", env: dict[str, str] | None = None):
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, env=_env(env or {}))
         self.err = ""
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -109,6 +109,14 @@ class Launch:
         rc = self.proc.wait(timeout)
         self._reader.join(10)
         return rc
+
+
+class Launch(Child):
+    """One ``captionkit train`` process (``--resume`` or not; ``kill_at``: the kill hook's plan)."""
+
+    def __init__(self, config: Path, out: Path, resume: bool, kill_at: str | None = None):
+        super().__init__("train", "--config", str(config), "--out", str(out), *(["--resume"] if resume else []),
+                         env={KILL_ENV: kill_at} if kill_at else None)
 
 
 def where_it_was(err: str, epochs: int) -> str:

@@ -13,13 +13,12 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from helpers import TINY_CONFIG, write_flickr8k
-from killharness import Launch, _env, compare_runs
+from killharness import Child, Launch, _env, compare_runs
 
 from captionkit.core.checkpoint import read_config
 from captionkit.core.errors import OutputError, UserError
@@ -194,19 +193,6 @@ def test_caption_jsonl_stopped_by_sigterm_then_rerun_has_every_image_once(tiny_r
     assert all("caption" in r for r in records)
 
 
-class _Command(Launch):
-    """Launch's stderr reader around any captionkit command line (or, with ``module``, any
-    Python module's, e.g. torchrun's)."""
-
-    def __init__(self, *args: str, module: str = "captionkit.cli.main"):
-        # (Launch's own __init__ builds a train command of one process)
-        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, env=_env({}))
-        self.err = ""
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-
 @pytest.fixture(scope="module")
 def ddp_whole(tmp_path_factory) -> tuple[Path, Path]:
     """(config, run folder) of an unbroken 2-process run (train --nproc 2, gloo) of the tiny config."""
@@ -214,7 +200,7 @@ def ddp_whole(tmp_path_factory) -> tuple[Path, Path]:
     config = root / "ddp.toml"
     # dropout 0: ranks > 0 draw nothing to restore
     config.write_text(TINY_CONFIG.format(dataset=write_flickr8k(root / "flickr8k")))
-    reference = _Command("train", "--config", str(config), "--nproc", "2", "--out", str(root / "whole"))
+    reference = Child("train", "--config", str(config), "--nproc", "2", "--out", str(root / "whole"))
     assert reference.finish(600) == 0, reference.err[-3000:]
     return config, root / "whole"
 
@@ -242,7 +228,7 @@ def test_two_gloo_processes_stop_at_one_step_and_resume_auto_equals_an_unbroken_
     config, whole = ddp_whole
     out = tmp_path / "run"
     args = ["train", "--config", str(config), "--nproc", "2"]
-    launch = _Command(*args, "--out", str(out))
+    launch = Child(*args, "--out", str(out))
     assert launch.wait_for("epoch 2/3: ", 300), launch.err[-3000:]
     sent = time.monotonic()
     launch.proc.send_signal(signal.SIGTERM)
@@ -252,7 +238,7 @@ def test_two_gloo_processes_stop_at_one_step_and_resume_auto_equals_an_unbroken_
     assert launch.err.count("stopped on SIGTERM after step ") == 2  # each rank, the same step
     steps = set(re.findall(r"stopped on SIGTERM after step (\d+)", launch.err))
     assert len(steps) == 1 and read_config(out / "last")["state"]["step"] == int(steps.pop())
-    resumed = _Command(*args, "--out", str(out), "--resume", "auto")
+    resumed = Child(*args, "--out", str(out), "--resume", "auto")
     assert resumed.finish(600) == 0, resumed.err[-3000:]
     assert "resuming from" in resumed.err
     assert compare_runs(out, whole) == []
@@ -268,7 +254,7 @@ def test_torchrun_max_restarts_resumes_a_preempted_rank_without_a_human(ddp_whol
         pytest.skip("no SIGUSR1 on this platform")
     config, whole = ddp_whole
     out = tmp_path / "run"
-    launch = _Command("--standalone", "--nproc_per_node", "2", "--max-restarts", "1", "-m", "captionkit", "train",
+    launch = Child("--standalone", "--nproc_per_node", "2", "--max-restarts", "1", "-m", "captionkit", "train",
                       "--config", str(config), "--out", str(out), "--resume", "auto",
                       module="torch.distributed.run")
     assert launch.wait_for("epoch 2/3: ", 300), launch.err[-3000:]
@@ -326,7 +312,7 @@ def test_caption_engine_ray_stopped_by_sigterm_then_rerun_resumes(tiny_run, flic
     out = tmp_path / "caps.jsonl"
     cmd = ["caption", "--model", str(tiny_run / "best"), str(tmp_path / "photos"), "--jsonl", str(out),
            "--engine", "ray", "--shard-size", "20"]
-    run = _Command(*cmd)
+    run = Child(*cmd)
     end = time.monotonic() + 300
     while time.monotonic() < end and (not out.exists() or out.read_bytes().count(b"\n") < 20):
         time.sleep(0.05)
@@ -335,7 +321,7 @@ def test_caption_engine_ray_stopped_by_sigterm_then_rerun_resumes(tiny_run, flic
     assert "caption: stopped on SIGTERM" in run.err
     written = out.read_bytes()
     assert written.endswith(b"\n") and 20 <= written.count(b"\n") < 400
-    again = _Command(*cmd)
+    again = Child(*cmd)
     assert again.finish(300) == 0, again.err[-3000:]
     said = re.search(r"ray: (\d+) of 20 shards to compute", again.err)
     assert said and int(said[1]) < 20, again.err[-2000:]
@@ -353,15 +339,15 @@ def test_two_gloo_processes_stopped_during_validation_resume_to_the_same_end(tmp
     config.write_text(TINY_CONFIG.format(dataset=data).replace("epochs = 3", "epochs = 1"))
     whole, out = tmp_path / "whole", tmp_path / "run"
     args = ["train", "--config", str(config), "--nproc", "2"]
-    reference = _Command(*args, "--out", str(whole))
+    reference = Child(*args, "--out", str(whole))
     assert reference.finish(600) == 0, reference.err[-3000:]
-    launch = _Command(*args, "--out", str(out))
+    launch = Child(*args, "--out", str(out))
     assert launch.wait_for("validating: ", 300), launch.err[-3000:]
     launch.proc.send_signal(signal.SIGTERM)
     assert launch.finish(120) == EXIT_PREEMPTED, launch.err[-3000:]
     assert launch.err.count("stopped on ") == 2 and "epoch 1: dev" not in launch.err
     state = read_config(out / "last")["state"]
     assert state["epoch"] == 0 and state["batch_in_epoch"] > 0
-    resumed = _Command(*args, "--out", str(out), "--resume", "auto")
+    resumed = Child(*args, "--out", str(out), "--resume", "auto")
     assert resumed.finish(600) == 0, resumed.err[-3000:]
     assert compare_runs(out, whole) == []
