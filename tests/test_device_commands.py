@@ -175,13 +175,27 @@ def test_features_on_cuda_match_the_cpu(flickr_dir, tmp_path):
 
 @pytest.mark.cuda
 @needs_cuda
-def test_shipped_transformer_captions_on_cuda_as_on_the_cpu():
-    """The shipped default (a transformer: its key/value cache and masks on the GPU) in float32."""
+def test_shipped_default_captions_on_cuda_as_on_the_cpu(monkeypatch):
+    """The shipped default (the ensemble: a transformer's key/value cache and masks, and an
+    LSTM's state, on the GPU) in float32. With CUDA's TF32 off the GPU gives the CPU's captions
+    and log-probabilities to float32 rounding; as shipped (fp32 = TF32 matmuls on CUDA,
+    docs/devices.md) a caption may change only where two are nearly tied. On an H200: 4 of the
+    5 samples' captions equal, chelsea.jpg's two at log-probabilities -6.4083 and -6.4049."""
+    import contextlib
     from pathlib import Path
 
-    photos = sorted((Path(__file__).resolve().parents[1] / "samples").glob("*.jpg"))
-    cpu = Captioner.load(device="cpu", precision="fp32")  # (auto: bf16 on AMX/AVX512-BF16 CPUs)
+    from captionkit.core import precision
+
+    photos = [str(p) for p in sorted((Path(__file__).resolve().parents[1] / "samples").glob("*.jpg"))]
+    cpu = Captioner.load(device="cpu", precision="fp32")(photos, beam=3)  # (auto: bf16 on AMX/AVX512-BF16 CPUs)
     gpu = Captioner.load(device="cuda", precision="fp32")
     assert gpu.device.type == "cuda" and next(gpu.decoder.parameters()).is_cuda
-    texts = [{p.name: r.text for p, r in c.caption_files(photos, beam=3, workers=1)} for c in (cpu, gpu)]
-    assert texts[1] == texts[0]
+    shipped = gpu(photos, beam=3)
+    assert sum(a.text == b.text for a, b in zip(cpu, shipped)) >= len(photos) - 1
+    for a, b in zip(cpu, shipped):  # a changed caption is a near tie, not a garbled one
+        assert abs(a.logprob - b.logprob) < (1e-2 if a.text == b.text else 5e-2), (a.text, b.text)
+    monkeypatch.setattr(precision, "tf32_matmuls", contextlib.nullcontext)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    strict = gpu(photos, beam=3)
+    assert [r.text for r in strict] == [r.text for r in cpu]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(cpu, strict)) < 1e-4
