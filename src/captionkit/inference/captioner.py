@@ -293,10 +293,15 @@ class Captioner:
         if self.encoder is None:
             raise RuntimeError("this Captioner was loaded without its encoder")
         with autocast(self.device, self.precision):
-            feats = self.encoder.encode(pixels)
-            if self.tta == "flip":
-                feats = torch.stack([feats, self.encoder.encode(pixels.flip(-1))], 1)
-        return feats.float()
+            if self.tta != "flip":
+                return self.encoder.encode(pixels).float()
+            # both views in one encoder pass (one call per layer for twice the images), image-
+            # major: rows 2b and 2b + 1 are image b and its mirror image, so the result is
+            # (B, 2, L, D) without a copy (the encoder's rows of an image do not depend on the
+            # other images of its batch)
+            both = torch.stack([pixels, pixels.flip(-1)], 1).flatten(0, 1)  # (2B, 3, S, S)
+            feats = self.encoder.encode(both)  # (2B, L, D)
+        return feats.unflatten(0, (-1, 2)).float()  # (B, 2, L, D)
 
     def caption_files(self, paths: list[Path], beam: int = 3, batch_size: int = 16,
                       length_penalty: float | None = None, workers: int = 1, nbest: int | None = None,

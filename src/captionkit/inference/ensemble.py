@@ -59,16 +59,29 @@ class EnsembleConfig:
 
 
 class EnsembleMemory:
-    """The members' memories, and how many tensors of the flat decoding state belong to each
-    member (recorded by ``init_state``; carried through ``index_select``, so beam search's
-    selection of memory rows and of state rows stay independent of each other)."""
+    """The memories of the ensemble's distinct decoders (one per group, see
+    :class:`EnsembleDecoder`), and how many tensors of the flat decoding state belong to each
+    (recorded by ``init_state``; carried through ``index_select``, so beam search's selection
+    of memory rows and of state rows stay independent of each other).
 
-    def __init__(self, members: list[Any], state_sizes: tuple[int, ...] | None = None):
+    A decoder that several members share (the same model over several views of the image)
+    holds one memory of ``views`` rows per image, image-major: row ``b * views + j`` is image
+    b's view j, so that the ensemble's row b is ``views`` consecutive rows of the decoder's."""
+
+    def __init__(self, members: list[Any], views: tuple[int, ...], state_sizes: tuple[int, ...] | None = None):
         self.members = members
+        self.views = views  # per group: how many rows of its memory make one row of the ensemble's
         self.state_sizes = state_sizes
 
     def index_select(self, idx: torch.Tensor) -> "EnsembleMemory":
-        return EnsembleMemory([m.index_select(idx) for m in self.members], self.state_sizes)
+        out = []
+        for m, n in zip(self.members, self.views):
+            if n > 1:  # ensemble row i -> the decoder's rows i * n .. i * n + n - 1
+                idx_n = (idx.unsqueeze(1) * n + torch.arange(n, device=idx.device)).view(-1)  # (len(idx) * n,)
+                out.append(m.index_select(idx_n))
+            else:
+                out.append(m.index_select(idx))
+        return EnsembleMemory(out, self.views, self.state_sizes)
 
 
 def normalised_weights(weights: Sequence[float] | None, n: int) -> list[float]:
@@ -126,6 +139,15 @@ class EnsembleDecoder(nn.Module):
         if self.views is not None and len(self.views) != len(members):
             raise ValueError(f"{len(self.views)} views for {len(members)} members: give one view per member")
         self.cfg = EnsembleConfig(*sizes.pop())
+        # Members that are one module (the same model over several views: with_flip_views)
+        # are decoded as one batch: one call of that module per step over all its views'
+        # rows, instead of one call per view -- half the per-step calls with flip averaging,
+        # and each matmul reads the weights once for twice the rows. A group: the module's
+        # member indices, in member order.
+        groups: dict[int, list[int]] = {}
+        for i, m in enumerate(members):
+            groups.setdefault(id(m), []).append(i)
+        self.groups = list(groups.values())
         # the weights as a tensor, made once per device the ensemble decodes on (not at every
         # step: on a GPU, torch.tensor(numbers) is a host-to-device copy)
         self._weight_tensors: dict[torch.device, torch.Tensor] = {}
@@ -145,32 +167,51 @@ class EnsembleDecoder(nn.Module):
 
     def prepare(self, feats: torch.Tensor) -> EnsembleMemory:
         """feats (B, L, D), or (B, V, L, D) when the members read views of the image."""
-        if self.views is None:
-            return EnsembleMemory([m.prepare(feats) for m in self.members])
-        if feats.dim() != 4 or feats.shape[1] <= max(self.views):
+        if self.views is not None and (feats.dim() != 4 or feats.shape[1] <= max(self.views)):
             raise ValueError(f"this ensemble reads {max(self.views) + 1} views of each image: feats must be "
                              f"(B, {max(self.views) + 1}, L, D), got {tuple(feats.shape)}")
-        return EnsembleMemory([m.prepare(feats[:, v]) for m, v in zip(self.members, self.views)])
+        mems = []
+        for group in self.groups:
+            rows = [feats if self.views is None else feats[:, self.views[i]] for i in group]  # (B, L, D) each
+            x = rows[0] if len(rows) == 1 else torch.stack(rows, 1).flatten(0, 1)  # (B * n, L, D), image-major
+            mems.append(self.members[group[0]].prepare(x))
+        return EnsembleMemory(mems, tuple(len(g) for g in self.groups))
 
     def init_state(self, mem: EnsembleMemory) -> tuple[torch.Tensor, ...]:
-        """The members' states, concatenated into one flat tuple of batch-first tensors (what
-        decoding selects rows of); ``mem`` records where each member's part begins."""
-        states = [m.init_state(x) for m, x in zip(self.members, mem.members)]
+        """The groups' states, concatenated into one flat tuple of batch-first tensors (what
+        decoding selects rows of); ``mem`` records where each group's part begins. A group of
+        n members' tensors are (B, n, ...): a view of the decoder's (B * n, ...)."""
+        states = []
+        for group, m in zip(self.groups, mem.members):
+            state = self.members[group[0]].init_state(m)
+            states.append(state if len(group) == 1 else tuple(t.unflatten(0, (-1, len(group))) for t in state))
         mem.state_sizes = tuple(len(s) for s in states)
         return tuple(t for s in states for t in s)
 
     def step(self, tokens: torch.Tensor, state: tuple[torch.Tensor, ...], mem: EnsembleMemory):
         if mem.state_sizes is None:
             raise RuntimeError("EnsembleDecoder.step needs a memory that init_state has seen")
-        logprobs, new_state, attention, start = [], [], None, 0
-        for member, member_mem, size in zip(self.members, mem.members, mem.state_sizes):
-            logp, st, att = member.step(tokens, tuple(state[start:start + size]), member_mem)
+        logprobs: list[torch.Tensor | None] = [None] * len(self.members)
+        attentions: list[torch.Tensor | None] = [None] * len(self.members)
+        new_state, start = [], 0
+        for group, group_mem, size in zip(self.groups, mem.members, mem.state_sizes):
+            part, n = state[start:start + size], len(group)
             start += size
-            logprobs.append(logp.float())
-            new_state += st
-            attention = att if attention is None else attention  # the first member's
+            member = self.members[group[0]]
+            if n == 1:
+                logp, st, att = member.step(tokens, tuple(part), group_mem)
+                logprobs[group[0]], attentions[group[0]] = logp.float(), att
+                new_state += st
+                continue
+            rows = tokens.unsqueeze(1).expand(-1, n).reshape(-1)  # (B * n,): each row's word, once per view
+            logp, st, att = member.step(rows, tuple(t.flatten(0, 1) for t in part), group_mem)
+            logp, att = logp.float().unflatten(0, (-1, n)), att.unflatten(0, (-1, n))  # (B, n, V), (B, n, L)
+            for j, i in enumerate(group):
+                logprobs[i], attentions[i] = logp[:, j], att[:, j]
+            new_state += (t.unflatten(0, (-1, n)) for t in st)
         weights = self.weight_tensor(logprobs[0].device)
-        return combine_logprobs(logprobs, weights, self.combine), tuple(new_state), attention
+        # the attention shown is the first member's
+        return combine_logprobs(logprobs, weights, self.combine), tuple(new_state), attentions[0]
 
 
 # ---- test-time augmentation: the photo and its mirror image --------------------------------
