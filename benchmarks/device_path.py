@@ -154,16 +154,25 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(rates))
 
 
+def run_in_tree(src: Path, script: str | Path, argv: list[str], env: dict[str, str] | None = None):
+    """Run the benchmark ``script`` with ``argv`` in a child process that imports the captionkit
+    of the tree ``src`` (its src/ folder, as PYTHONPATH), with ``env`` added to the environment
+    -> the JSON value the child printed on its last line of stdout. A child that fails ends this
+    run with the tail of its stderr. (benchmarks/speed.py --compare uses it too.)"""
+    cmd = [sys.executable, str(script), *argv]
+    out = subprocess.run(cmd, env={**os.environ, **(env or {}), "PYTHONPATH": str(src)}, capture_output=True,
+                         text=True)
+    if out.returncode:
+        sys.exit(f"{src}: {' '.join(argv)} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run_child(src: Path, what: str, args: argparse.Namespace, work: Path, cache: str) -> list[float]:
     # a cache per tree: the trees may store features differently
-    env = {**os.environ, "PYTHONPATH": str(src), "CAPTIONKIT_CACHE": str(work / cache)}
-    cmd = [sys.executable, __file__, "--child", what, "--work", str(work), "--images", str(args.images),
-           "--steps", str(args.steps), "--repeats", "1", "--precision", args.precision,
-           "--threads", str(args.threads)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if out.returncode:
-        sys.exit(f"{src}: {what} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_in_tree(src, __file__, ["--child", what, "--work", str(work), "--images", str(args.images),
+                                       "--steps", str(args.steps), "--repeats", "1", "--precision", args.precision,
+                                       "--threads", str(args.threads)],
+                       {"CAPTIONKIT_CACHE": str(work / cache)})
 
 
 def main() -> None:

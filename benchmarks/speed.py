@@ -1,6 +1,7 @@
 """Speed figures for the soft-attention pipeline, measured in one run on this machine.
 
-    python benchmarks/speed.py [--quick]
+    python benchmarks/speed.py [--quick] [--threads N]
+    python benchmarks/speed.py --compare OTHER/src [--quick] [--threads N]   # another tree beside this one
 
 Prints:
 1. the machine's matmul peak (fp32 and bf16, 2048^3), for reference;
@@ -10,13 +11,22 @@ Prints:
    (bf16 mixed precision and fp32) and for a tutorial-style decoder (recomputes the encoder's
    attention projection at every word), with the FLOP rate as a fraction of the fp32 peak;
 4. captioning images/s with beam 3, encoder included, and the encoder/decoder split, for the
-   default model (what ``captionkit caption`` uses with no --model) or each ``--model`` given.
+   default model (what ``captionkit caption`` uses with no --model) or each ``--model`` given,
+   as ``captionkit caption`` runs it (batches of 16, two reader threads, ``--precision``).
 Every figure is the median of several timed repeats. ``--captioning-only`` runs only 4.
+
+``--compare OTHER/src`` measures 2.-4. for another checkout of captionkit too (e.g. ``git worktree
+add --detach ../old HEAD~5``, then ``--compare ../old/src``): each measurement runs in a child
+process per tree (benchmarks/device_path.py's ``run_in_tree``), alternating old, new, old, new
+(``--rounds`` times), so both see the same machine; each figure is printed for both trees with
+the speed-up (new / old; old / new for times). Captioning figures also say whether the two trees wrote the same captions.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 import tempfile
 import time
@@ -27,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from device_path import run_in_tree  # noqa: E402
 from timing import median_time  # noqa: E402
 from tutorial_decoder import TutorialDecoder  # noqa: E402
 
@@ -36,8 +47,6 @@ from captionkit.training.config import TrainConfig  # noqa: E402
 from captionkit.training.stages import make_optimizer  # noqa: E402
 
 B, L, D, DIM, V, T = 32, 196, 1280, 512, 2633, 13
-
-
 
 
 def matmul_peak(dtype: torch.dtype, repeats: int) -> float:
@@ -115,21 +124,23 @@ def bench_extraction(n: int) -> float:
         return n / (time.perf_counter() - t)
 
 
-def bench_captioning(n: int, beam: int = 3, model: str | None = None) -> dict:
+def bench_captioning(n: int, beam: int = 3, model: str | None = None, precision: str = "auto") -> dict:
     from captionkit.data.images import load_rgb, to_tensor
     from captionkit.inference.captioner import Captioner
 
-    cap = Captioner.load(model, device="cpu")
+    cap = Captioner.load(model, device="cpu", precision=precision)
     paths = sample_photos(n)
     t = time.perf_counter()
-    results = list(cap.caption_files(paths, beam=beam, batch_size=16))
+    # as `captionkit caption` reads them: batches of 16, two reader threads (its --workers default)
+    results = list(cap.caption_files(paths, beam=beam, batch_size=16, workers=2))
     total = time.perf_counter() - t
     assert all(not isinstance(r, Exception) for _, r in results)
     x = [to_tensor(load_rgb(p), cap.encoder.preprocess) for p in paths[:16]]
     t_enc = median_time(lambda: cap.encode_batch(x), 3, warmup=1)  # both passes with flip averaging
     feats = cap.encode_batch(x)
     t_dec = median_time(lambda: cap.decode_features(feats, beam=beam), 3, warmup=1)
-    return {"images/s": n / total, "encoder ms/image": 1000 * t_enc / 16, "decoding ms/image": 1000 * t_dec / 16}
+    return {"images/s": n / total, "encoder ms/image": 1000 * t_enc / 16, "decoding ms/image": 1000 * t_dec / 16,
+            "precision": cap.precision, "captions": [r.text for _, r in results]}
 
 
 def main() -> None:
@@ -138,12 +149,24 @@ def main() -> None:
     ap.add_argument("--captioning-only", action="store_true", help="only the captioning figures (4.)")
     ap.add_argument("--model", action="append", help="caption with this model (repeat: each in turn; "
                                                      "default: the default model)")
+    ap.add_argument("--precision", default="auto", help="captioning's --precision (default auto, as the command's)")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
+    ap.add_argument("--compare", type=Path, metavar="OTHER/src",
+                    help="also measure the captionkit of another tree's src/ folder, alternating with this one")
+    ap.add_argument("--rounds", type=int, default=3, help="with --compare: alternating passes per tree (default 3)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     tune_allocator()  # as the captionkit command does
+    if args.threads:
+        torch.set_num_threads(args.threads)
     reps, n_img = (3, 32) if args.quick else (7, 160)
+    if args.child:  # one measurement for --compare, in the tree on PYTHONPATH: JSON on the last line
+        return print(json.dumps(child(args.child, reps, n_img, args.precision)))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.compare:
+        return compare(args, reps, n_img)
     if args.captioning_only:
-        return report_captioning(n_img, args.model or [None])
+        return report_captioning(n_img, args.model or [None], args.precision)
     peak32, peak16 = matmul_peak(torch.float32, reps), matmul_peak(torch.bfloat16, reps)
     print(f"matmul peak (2048^3): fp32 {peak32 / 1e9:.0f} GFLOP/s, bf16 {peak16 / 1e9:.0f} GFLOP/s")
 
@@ -157,16 +180,61 @@ def main() -> None:
         print(f"  {name:22s} {B / t:7.1f} captions/s  {flops / t / 1e9:6.1f} GFLOP/s "
               f"= {flops / t / peak32:5.1%} of fp32 peak  ({base / t:4.1f}x tutorial-style)")
 
-    report_captioning(n_img, args.model or [None])
+    report_captioning(n_img, args.model or [None], args.precision)
 
 
-def report_captioning(n_img: int, models: list[str | None]) -> None:
+def report_captioning(n_img: int, models: list[str | None], precision: str = "auto") -> None:
     for model in models:
-        c = bench_captioning(n_img, model=model)
+        c = bench_captioning(n_img, model=model, precision=precision)
         share = c["encoder ms/image"] / (c["encoder ms/image"] + c["decoding ms/image"])
-        print(f"captioning with {model or 'the default model'}, beam 3, encoder included ({n_img} JPEGs, "
-              f"batch 16): {c['images/s']:.1f} images/s; encoder {c['encoder ms/image']:.1f} ms/image "
+        print(f"captioning with {model or 'the default model'}, beam 3, {c['precision']}, encoder included "
+              f"({n_img} JPEGs, batch 16): {c['images/s']:.1f} images/s; encoder {c['encoder ms/image']:.1f} ms/image "
               f"({share:.0%}), beam decoding {c['decoding ms/image']:.1f} ms/image ({1 - share:.0%})", flush=True)
+
+
+# ---- --compare: this tree against another, each measurement in a child process per tree ------
+def child(what: str, reps: int, n_img: int, precision: str) -> dict:
+    """One --compare measurement in this process (the tree on PYTHONPATH): name -> figure."""
+    if what == "extraction":
+        return {"feature extraction images/s": bench_extraction(n_img)}
+    if what == "training":
+        return {f"decoder training {name} captions/s": B / t for name, t in bench_training(reps).items()
+                if name.startswith("captionkit")}
+    model = what.split(":", 1)[1] or None
+    c = bench_captioning(n_img, model=model, precision=precision)
+    name = model or "default model"
+    return {f"captioning {name} images/s": c["images/s"], f"  encoder {name} ms/image": c["encoder ms/image"],
+            f"  beam decoding {name} ms/image": c["decoding ms/image"], "captions " + name: c["captions"],
+            "precision " + name: c["precision"]}
+
+
+def compare(args: argparse.Namespace, reps: int, n_img: int) -> None:
+    """Each section measured in a child per tree, alternating old, new; the medians and the speed-up."""
+    trees = {"old": args.compare.resolve(), "new": ROOT / "src"}
+    sections = ([] if args.captioning_only else ["extraction", "training"]) + \
+        [f"captioning:{m or ''}" for m in args.model or [None]]
+    argv = ["--precision", args.precision] + (["--quick"] if args.quick else []) + \
+        (["--threads", str(args.threads)] if args.threads else [])
+    print(f"old: {trees['old']}\nnew: {trees['new']}\n{args.rounds} alternating rounds, precision {args.precision}")
+    print(f"{'figure':52} {'old':>9} {'new':>9} {'speed-up':>8}", flush=True)
+    for section in sections:
+        got: dict[str, dict[str, list]] = {"old": {}, "new": {}}
+        for _ in range(args.rounds):
+            for label, src in trees.items():
+                for name, value in run_in_tree(src, __file__, ["--child", section, *argv]).items():
+                    got[label].setdefault(name, []).append(value)
+        for name, values in got["new"].items():
+            old = got["old"][name]
+            if name.startswith("precision"):
+                continue
+            if name.startswith("captions"):
+                same = sum(a == b for a, b in zip(old[0], values[0]))
+                print(f"  same captions, old and new: {same} of {len(values[0])} "
+                      f"({got['new']['precision' + name[len('captions'):]][0]})", flush=True)
+                continue
+            a, b = statistics.median(old), statistics.median(values)
+            speedup = a / b if name.endswith("ms/image") else b / a  # (times: less is faster)
+            print(f"{name:52} {a:9.1f} {b:9.1f} {speedup:7.2f}x", flush=True)
 
 
 if __name__ == "__main__":

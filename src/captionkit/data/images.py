@@ -239,10 +239,12 @@ def to_tensor(im: Image.Image, pre: Preprocess) -> torch.Tensor:
     import torch
 
     im = im.resize((pre.size, pre.size), _RESAMPLE[pre.resample])
-    x = torch.from_numpy(np.asarray(im, dtype=np.float32).copy()).permute(2, 0, 1) / 255.0
+    # one new array, then the same arithmetic in place (each out-of-place step was a pass over
+    # a new (3, S, S) tensor, run for every photo by the reader threads beside the model)
+    x = torch.from_numpy(np.array(im, dtype=np.float32)).permute(2, 0, 1)  # (3, S, S)
     mean = torch.tensor(pre.mean).view(3, 1, 1)
     std = torch.tensor(pre.std).view(3, 1, 1)
-    return (x - mean) / std  # (3, S, S)
+    return x.div_(255.0).sub_(mean).div_(std)  # (3, S, S)
 
 
 @dataclass(frozen=True)

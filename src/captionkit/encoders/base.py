@@ -24,6 +24,12 @@ from ..core.registry import ENCODERS, list_encoders, register_encoder  # noqa: F
 from ..data.images import Preprocess
 
 IMAGENET = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+# Images per encoder pass on the CPU. A larger batch is no faster there (each layer is already
+# milliseconds of work), and its activation maps outgrow the size above which glibc maps fresh
+# memory for every tensor (128 MiB once captionkit.cli.main.tune_allocator has run, at most 32 MiB
+# by default), whose page faults then cost every pass: EfficientNet-Lite2's largest map is 6.6 MB
+# an image at 260 px, and 32 images a pass took 1.2x the time of 16 an image (docs/speed.md).
+CPU_PASS_IMAGES = 16
 
 
 def module_device(module: torch.nn.Module) -> torch.device:
@@ -67,10 +73,12 @@ class Encoder(nn.Module):
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         """Preprocessed pixels (B, 3, S, S) on any device -> annotation vectors (B, L, D) on the
         encoder's device, without autograd. The one place a batch of photos goes through an
-        encoder (captioning, serving, the feature cache)."""
+        encoder (captioning, serving, the feature cache); on the CPU, CPU_PASS_IMAGES at a time."""
         x = to_device(pixels, module_device(self)).contiguous(memory_format=torch.channels_last)
         with torch.inference_mode():
-            return self(x)
+            if x.device.type != "cpu" or x.shape[0] <= CPU_PASS_IMAGES:
+                return self(x)
+            return torch.cat([self(part) for part in x.split(CPU_PASS_IMAGES)])  # (B, L, D)
 
     def grid(self) -> tuple[int, int]:
         with torch.no_grad():

@@ -48,8 +48,23 @@ class SameConv2d(nn.Conv2d):
             # depthwise convolution that reads it; the output is bit for bit the same)
             return F.conv2d(x, self.weight, self.bias, self.stride, (pad_h // 2, pad_w // 2), self.dilation,
                             self.groups)
-        x = F.pad(x, [pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2])
-        return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+        return F.conv2d(_pad(x, pad_h // 2, pad_w // 2, pad_h - pad_h // 2, pad_w - pad_w // 2), self.weight,
+                        self.bias, self.stride, 0, self.dilation, self.groups)
+
+
+def _pad(x: torch.Tensor, top: int, left: int, bottom: int, right: int) -> torch.Tensor:
+    """F.pad with zeros, in x's memory format, writing each element once: F.pad fills the
+    whole output with zeros and then copies x over them, and that fill cost as much as the
+    depthwise convolution it feeds."""
+    B, C, H, W = x.shape
+    fmt = torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+    out = torch.empty((B, C, H + top + bottom, W + left + right), dtype=x.dtype, device=x.device, memory_format=fmt)
+    out[:, :, top:top + H, left:left + W] = x
+    out[:, :, :top].zero_()
+    out[:, :, top + H:].zero_()
+    out[:, :, top:top + H, :left].zero_()
+    out[:, :, top:top + H, left + W:].zero_()
+    return out
 
 
 def _bn(c: int) -> nn.BatchNorm2d:

@@ -191,8 +191,8 @@ class EnsembleDecoder(nn.Module):
     def step(self, tokens: torch.Tensor, state: tuple[torch.Tensor, ...], mem: EnsembleMemory):
         if mem.state_sizes is None:
             raise RuntimeError("EnsembleDecoder.step needs a memory that init_state has seen")
-        logprobs: list[torch.Tensor | None] = [None] * len(self.members)
-        attentions: list[torch.Tensor | None] = [None] * len(self.members)
+        logprobs: list[Any] = [None] * len(self.members)  # (B, V) each, in member order
+        attentions: list[Any] = [None] * len(self.members)  # (B, L) each
         new_state, start = [], 0
         for group, group_mem, size in zip(self.groups, mem.members, mem.state_sizes):
             part, n = state[start:start + size], len(group)

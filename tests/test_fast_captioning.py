@@ -1,0 +1,223 @@
+"""Captioning throughput without changing captions (issue 31, item 1): the flip views through the
+encoder in one pass, the members that are one model decoded as one batch, and EfficientNet-Lite's
+padding and ReLU6 without copies. Each is checked against the computation it replaced: the same
+captions, log-probabilities within float32 rounding, the same attention."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from captionkit.data.vocab import Vocab
+from captionkit.encoders import create_encoder
+from captionkit.encoders.efficientnet_lite import MBConv, SameConv2d
+from captionkit.inference.decoding import beam_nbest, greedy
+from captionkit.inference.ensemble import EnsembleDecoder, with_flip_views
+from captionkit.models import create_model
+
+V, FEAT, GRID = 14, 10, [2, 3]
+
+
+def peaked(model, scale: float):
+    """Weights scaled up, so that captions follow the features and beams differ (random decoders
+    at their usual scale give near-uniform word distributions, where float32 rounding decides)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+    return model.eval()
+
+
+def sat(seed: int = 0):
+    torch.manual_seed(seed)
+    return peaked(create_model("sat", {"vocab_size": V, "feat_dim": FEAT, "embed_dim": 8, "hidden_dim": 9,
+                                       "attn_dim": 7, "dropout": 0.0}), 3.0)
+
+
+def transformer(seed: int = 1):
+    torch.manual_seed(seed)
+    model = peaked(create_model("transformer", {"vocab_size": V, "feat_dim": FEAT, "grid": GRID, "width": 8,
+                                                "heads": 2, "decoder_layers": 2, "dropout": 0.0,
+                                                "max_positions": 16}), 6.0)
+    with torch.no_grad():  # scaled, it would hardly ever end a caption before max_len
+        model.head_bias[Vocab.end] += 2.0
+    return model
+
+
+def views(n: int = 6) -> torch.Tensor:
+    """Two different views of n images (B, 2, L, D)."""
+    torch.manual_seed(3)
+    return torch.randn(n, 2, GRID[0] * GRID[1], FEAT)
+
+
+DECODERS = {"sat": lambda: sat(), "transformer": lambda: transformer(),
+            "ensemble": lambda: EnsembleDecoder([transformer(), sat()], [0.4, 0.6])}
+
+
+def per_member(flip: EnsembleDecoder) -> EnsembleDecoder:
+    """The same ensemble with every member a module of its own: decoded one member at a time,
+    one view at a time, as before members were grouped."""
+    return EnsembleDecoder([copy.deepcopy(m) for m in flip.members], flip.weights, flip.combine, flip.views)
+
+
+def assert_same(got, want) -> None:
+    assert [[c.ids for c in n] for n in got] == [[c.ids for c in n] for n in want]
+    for g_list, w_list in zip(got, want):
+        for g, w in zip(g_list, w_list):
+            assert g.logprob == pytest.approx(w.logprob, rel=1e-5, abs=1e-5)
+            torch.testing.assert_close(g.attention, w.attention)
+
+
+def decodes(decoder, x: torch.Tensor) -> list:
+    with torch.no_grad():
+        return ([[c] for c in greedy(decoder, x, max_len=8)]
+                + beam_nbest(decoder, x, 3, beam=3, max_len=8, length_penalty=1.0)
+                + beam_nbest(decoder, x, 2, beam=4, max_len=8))
+
+
+# ---- members that are one model: one batch over their views ----------------------------------------
+@pytest.mark.parametrize("family", sorted(DECODERS))
+def test_views_decoded_as_one_batch_give_the_per_member_captions(family):
+    flip, x = with_flip_views(DECODERS[family]()), views()
+    captions = decodes(flip, x)
+    assert len({tuple(n[0].ids) for n in captions}) > 3  # captions that differ: the check means something
+    assert_same(captions, decodes(per_member(flip), x))
+
+
+def test_each_model_steps_once_per_decoding_step_over_all_its_views():
+    """With flip averaging, an ensemble of two models is four members; each step calls each model
+    once, with the rows of both views (it called each member: four calls of half the rows)."""
+    flip, x = with_flip_views(DECODERS["ensemble"]()), views(3)
+    calls = []
+    for model in {id(m): m for m in flip.members}.values():
+        step = model.step
+
+        def counted(tokens, state, mem, _step=step, _name=type(model).__name__):
+            calls.append((_name, tokens.shape[0]))
+            return _step(tokens, state, mem)
+
+        model.step = counted
+    with torch.no_grad():
+        beam_nbest(flip, x, 1, beam=3, max_len=4)
+    steps = len(calls) // 2
+    assert sorted(calls[:2]) == [("SoftAttentionDecoder", 3 * 3 * 2), ("TransformerCaptioner", 3 * 3 * 2)]
+    assert len(calls) == 2 * steps
+
+
+# ---- the encoder: both views in one pass; padding and ReLU6 without copies --------------------------
+def test_flip_views_go_through_the_encoder_in_one_pass():
+    from captionkit.inference.captioner import Captioner
+
+    encoder = create_encoder("efficientnet_lite0", weights="random")
+    cap = Captioner(sat(), None, {"encoder": {"grid": [7, 7]}}, encoder, tta="flip")
+    torch.manual_seed(0)
+    pixels = torch.randn(3, 3, 224, 224)
+    batches = []
+    forward = encoder.forward
+    encoder.forward = lambda x: batches.append(x.shape[0]) or forward(x)
+    feats = cap.encode(pixels)
+    assert batches == [6] and feats.shape == (3, 2, 49, 1280)
+    # what two passes gave (the photos, then their mirror images)
+    torch.testing.assert_close(feats[:, 0], encoder.encode(pixels), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(feats[:, 1], encoder.encode(pixels.flip(-1)), rtol=1e-4, atol=1e-4)
+
+
+def reference_same_conv(conv: SameConv2d, x: torch.Tensor) -> torch.Tensor:
+    """SameConv2d as it was: every input padded by F.pad, then convolved without padding."""
+    ih, iw = x.shape[-2:]
+    k, s = conv.kernel_size[0], conv.stride[0]
+    pad_h = max((-(-ih // s) - 1) * s + k - ih, 0)
+    pad_w = max((-(-iw // s) - 1) * s + k - iw, 0)
+    x = F.pad(x, [pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2])
+    return F.conv2d(x, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+
+
+@pytest.mark.parametrize("k,stride", [(3, 1), (5, 1), (3, 2), (5, 2)])
+@pytest.mark.parametrize("size", [16, 17])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_same_padding_is_tensorflows(k, stride, size, channels_last):
+    torch.manual_seed(0)
+    conv = SameConv2d(6, 6, k, stride, groups=6, bias=False)
+    x = torch.randn(2, 6, size, size)
+    if channels_last:
+        conv, x = conv.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        assert torch.equal(conv(x), reference_same_conv(conv, x))
+
+
+class Pads(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += func is F.pad
+        return func(*args, **(kwargs or {}))
+
+
+def test_same_convolutions_pad_without_f_pad():
+    """None of the 22 SAME convolutions of EfficientNet-Lite2 goes through F.pad (which fills a padded copy
+    with zeros and then copies the input over them): those that pad symmetrically pad inside the
+    convolution, the two that pad one pixel more on one side (stride 2) write the zeros around a
+    copy (it called F.pad 22 times)."""
+    encoder = create_encoder("efficientnet_lite2", weights="random")
+    convs = [m for m in encoder.modules() if isinstance(m, SameConv2d)]
+    with Pads() as pads, torch.no_grad():
+        encoder.encode(torch.zeros(1, 3, 260, 260))
+    assert len(convs) == 22 and pads.count == 0
+
+
+def test_in_place_relu6_and_residual_keep_outputs_and_gradients():
+    """MBConv computes in place what it computed out of place, forward and backward (the
+    fine-tuned blocks train through it)."""
+    torch.manual_seed(0)
+    block = MBConv(8, 8, 6, 3, 1)
+    x = torch.randn(2, 8, 9, 9, requires_grad=True)
+
+    def reference(x):
+        y = F.relu6(block._bn0(block._expand_conv(x)))
+        y = F.relu6(block._bn1(block._depthwise_conv(y)))
+        return block._bn2(block._project_conv(y)) + x
+
+    for train in (True, False):
+        block.train(train)
+        got, want = block(x), reference(x)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        (g_got,) = torch.autograd.grad(got.square().sum(), x)
+        (g_want,) = torch.autograd.grad(want.square().sum(), x)
+        torch.testing.assert_close(g_got, g_want)
+
+
+def test_to_tensor_in_place_gives_the_out_of_place_numbers():
+    """The reader threads' preprocessing, in place: bit for bit what the out-of-place arithmetic
+    gave, in the same (3, S, S) layout."""
+    import numpy as np
+    from helpers import shape_image
+
+    from captionkit.data.images import Preprocess, to_tensor
+
+    pre = Preprocess(size=40, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+    for k in range(3):
+        im = shape_image(k, size=64, jitter=k)
+        small = im.resize((pre.size, pre.size), 3)  # Image.Resampling.BICUBIC
+        x = torch.from_numpy(np.asarray(small, dtype=np.float32).copy()).permute(2, 0, 1) / 255.0
+        want = (x - torch.tensor(pre.mean).view(3, 1, 1)) / torch.tensor(pre.std).view(3, 1, 1)
+        got = to_tensor(im, pre)
+        assert torch.equal(got, want) and got.stride() == want.stride()
+
+
+def test_the_cpu_encodes_sixteen_images_a_pass():
+    from captionkit.encoders.base import CPU_PASS_IMAGES
+
+    encoder = create_encoder("efficientnet_lite0", weights="random")
+    batches = []
+    forward = encoder.forward
+    encoder.forward = lambda x: batches.append(x.shape[0]) or forward(x)
+    torch.manual_seed(0)
+    pixels = torch.randn(CPU_PASS_IMAGES + 3, 3, 32, 32)
+    out = encoder.encode(pixels)
+    assert batches == [CPU_PASS_IMAGES, 3] and out.shape[0] == CPU_PASS_IMAGES + 3
+    torch.testing.assert_close(out[-3:], encoder.encode(pixels[-3:]), rtol=1e-4, atol=1e-4)
