@@ -6,6 +6,8 @@ captions, log-probabilities within float32 rounding, the same attention."""
 from __future__ import annotations
 
 import copy
+import json
+import threading
 
 import pytest
 import torch
@@ -221,3 +223,54 @@ def test_the_cpu_encodes_sixteen_images_a_pass():
     out = encoder.encode(pixels)
     assert batches == [CPU_PASS_IMAGES, 3] and out.shape[0] == CPU_PASS_IMAGES + 3
     torch.testing.assert_close(out[-3:], encoder.encode(pixels[-3:]), rtol=1e-4, atol=1e-4)
+
+
+# ---- the fast single model by one flag -------------------------------------------------------------
+def test_caption_fast_is_the_fast_single_model(tmp_path, monkeypatch, capsys):
+    from helpers import shape_image
+
+    import captionkit.cli.caption as caption_cli
+    from captionkit.cli.main import main
+    from captionkit.inference.shipped import FAST_MODEL
+
+    shape_image(0, size=64).save(tmp_path / "a.jpg")
+    assert main(["caption", str(tmp_path / "a.jpg"), "--fast", "--model", "sat-lite2-flickr8k"]) == 2
+    assert "--fast is --model transformer-lite2-flickr8k" in capsys.readouterr().err
+
+    class Loaded(Exception):
+        pass
+
+    def load(models, weights, tta=None, device=None, precision="auto"):
+        raise Loaded(models)
+
+    monkeypatch.setattr(caption_cli, "_load_captioner", load)
+    with pytest.raises(Loaded) as e:
+        main(["caption", str(tmp_path / "a.jpg"), "--fast", "--jsonl", str(tmp_path / "out.jsonl")])
+    assert e.value.args == ([FAST_MODEL.name],)
+    assert json.loads((tmp_path / "out.jsonl.meta.json").read_text())["settings"]["model"] == FAST_MODEL.name
+
+
+def test_the_api_reads_the_next_batch_while_it_captions_one(picky_models, picky_data, monkeypatch):
+    """cap(images) reads batch k + 1 while batch k is encoded and decoded (it read each batch only
+    after the one before was captioned): the first encode waits for a read of the second batch."""
+    import captionkit.inference.captioner as captioner_module
+    from captionkit.inference.captioner import Captioner
+
+    cap = Captioner.load(picky_models[0])
+    photos = sorted((picky_data / "Flicker8k_Dataset").iterdir())[:4]
+    second = threading.Event()
+    read, encode = captioner_module.read_input, Captioner.encode
+
+    def reading(item, *a):
+        if item in photos[2:]:
+            second.set()
+        return read(item, *a)
+
+    def encoding(self, pixels):
+        assert second.wait(10), "the second batch was not being read while the first was captioned"
+        return encode(self, pixels)
+
+    monkeypatch.setattr(captioner_module, "read_input", reading)
+    monkeypatch.setattr(Captioner, "encode", encoding)
+    results = cap(photos, batch_size=2)
+    assert [r.ok for r in results] == [True] * 4

@@ -349,7 +349,8 @@ class Captioner:
         cannot be read (a missing file, bytes that are no image, a URL that fails, an array of
         the wrong shape) gives a result with ``ok`` False and ``error`` its one-line reason;
         the others are captioned as usual. ``batch_size`` inputs are read (by ``workers``
-        threads, so downloads overlap) and captioned together on this captioner's device;
+        threads, so downloads overlap, while the batch before is captioned) and captioned
+        together on this captioner's device;
         ``attention=True`` keeps each word's attention. ``url_max_bytes``, ``url_timeout``:
         a URL's limits (default 20 MiB and 30 s; captionkit.data.fetch)."""
         if self.encoder is None:
@@ -368,9 +369,16 @@ class Captioner:
                 return e
 
         out: list[CaptionResult] = []
+        starts = range(0, len(items), batch_size)
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            for start in range(0, len(items), batch_size):
-                read = list(pool.map(pixels, range(start, min(start + batch_size, len(items)))))
+            def reading(start: int) -> list:  # a batch's reads, under way
+                return [pool.submit(pixels, k) for k in range(start, min(start + batch_size, len(items)))]
+
+            ahead = reading(starts[0]) if starts else []
+            for n, start in enumerate(starts):
+                read = [f.result() for f in ahead]
+                if n + 1 < len(starts):  # the next batch is read while this one is captioned
+                    ahead = reading(starts[n + 1])
                 good = [k for k, x in enumerate(read) if isinstance(x, torch.Tensor)]
                 caps = {}
                 if good:
