@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -151,6 +152,7 @@ def main() -> None:
                                                      "default: the default model)")
     ap.add_argument("--precision", default="auto", help="captioning's --precision (default auto, as the command's)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
+    ap.add_argument("--images", type=int, help="JPEGs to caption and to extract (default 160, --quick 32)")
     ap.add_argument("--compare", type=Path, metavar="OTHER/src",
                     help="also measure the captionkit of another tree's src/ folder, alternating with this one")
     ap.add_argument("--rounds", type=int, default=3, help="with --compare: alternating passes per tree (default 3)")
@@ -160,6 +162,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     reps, n_img = (3, 32) if args.quick else (7, 160)
+    n_img = args.images or n_img
     if args.child:  # one measurement for --compare, in the tree on PYTHONPATH: JSON on the last line
         return print(json.dumps(child(args.child, reps, n_img, args.precision)))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -213,9 +216,10 @@ def compare(args: argparse.Namespace, reps: int, n_img: int) -> None:
     trees = {"old": args.compare.resolve(), "new": ROOT / "src"}
     sections = ([] if args.captioning_only else ["extraction", "training"]) + \
         [f"captioning:{m or ''}" for m in args.model or [None]]
-    argv = ["--precision", args.precision] + (["--quick"] if args.quick else []) + \
+    argv = ["--precision", args.precision, "--images", str(n_img)] + (["--quick"] if args.quick else []) + \
         (["--threads", str(args.threads)] if args.threads else [])
-    print(f"old: {trees['old']}\nnew: {trees['new']}\n{args.rounds} alternating rounds, precision {args.precision}")
+    print(f"old: {trees['old']}\nnew: {trees['new']}\n{args.rounds} alternating rounds, precision {args.precision}, "
+          f"{n_img} JPEGs; load average {os.getloadavg()[0]:.2f} (a shared machine's load shows in every figure)")
     print(f"{'figure':52} {'old':>9} {'new':>9} {'speed-up':>8}", flush=True)
     for section in sections:
         got: dict[str, dict[str, list]] = {"old": {}, "new": {}}
@@ -235,6 +239,7 @@ def compare(args: argparse.Namespace, reps: int, n_img: int) -> None:
             a, b = statistics.median(old), statistics.median(values)
             speedup = a / b if name.endswith("ms/image") else b / a  # (times: less is faster)
             print(f"{name:52} {a:9.1f} {b:9.1f} {speedup:7.2f}x", flush=True)
+        print(f"  (load average {os.getloadavg()[0]:.2f})", flush=True)
 
 
 if __name__ == "__main__":
