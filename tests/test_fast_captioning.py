@@ -193,9 +193,20 @@ def test_in_place_relu6_and_residual_keep_outputs_and_gradients():
         torch.testing.assert_close(g_got, g_want)
 
 
-def test_to_tensor_in_place_gives_the_out_of_place_numbers():
-    """The reader threads' preprocessing, in place: bit for bit what the out-of-place arithmetic
-    gave, in the same (3, S, S) layout."""
+class TorchCalls(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.add(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_to_tensor_computes_in_numpy_the_numbers_torch_computed():
+    """The reader threads' preprocessing does its arithmetic in numpy (torch's would start an
+    OpenMP team in each reader thread, beside the model's): bit for bit what torch's (x / 255 -
+    mean) / std gave, in the same (3, S, S) layout."""
     import numpy as np
     from helpers import shape_image
 
@@ -207,8 +218,10 @@ def test_to_tensor_in_place_gives_the_out_of_place_numbers():
         small = im.resize((pre.size, pre.size), 3)  # Image.Resampling.BICUBIC
         x = torch.from_numpy(np.asarray(small, dtype=np.float32).copy()).permute(2, 0, 1) / 255.0
         want = (x - torch.tensor(pre.mean).view(3, 1, 1)) / torch.tensor(pre.std).view(3, 1, 1)
-        got = to_tensor(im, pre)
+        with TorchCalls() as calls:
+            got = to_tensor(im, pre)
         assert torch.equal(got, want) and got.stride() == want.stride()
+        assert calls.names == {"permute"}  # no torch arithmetic
 
 
 def test_the_cpu_encodes_sixteen_images_a_pass():

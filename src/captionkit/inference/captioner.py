@@ -295,10 +295,10 @@ class Captioner:
         with autocast(self.device, self.precision):
             if self.tta != "flip":
                 return self.encoder.encode(pixels).float()
-            # both views in one encoder pass (one call per layer for twice the images), image-
+            # both views in one encoder call (one call per layer for twice the images), image-
             # major: rows 2b and 2b + 1 are image b and its mirror image, so the result is
-            # (B, 2, L, D) without a copy (the encoder's rows of an image do not depend on the
-            # other images of its batch)
+            # (B, 2, L, D) without a copy (an image's rows do not depend on the other images of
+            # its batch, up to float32 rounding: bit for bit the same with two threads here)
             both = torch.stack([pixels, pixels.flip(-1)], 1).flatten(0, 1)  # (2B, 3, S, S)
             feats = self.encoder.encode(both)  # (2B, L, D)
         return feats.unflatten(0, (-1, 2)).float()  # (B, 2, L, D)

@@ -3,7 +3,8 @@
 :class:`EnsembleDecoder` keeps the decoder step contract (``prepare`` / ``init_state`` /
 ``step``, see :mod:`captionkit.inference.decoding`), so greedy and beam search decode an ensemble as they
 decode one model: every member keeps its own memory and state, and each step combines the
-members' next-word log-probabilities.
+members' next-word log-probabilities. Members that are one model over several views of the image
+(flip averaging) keep theirs as rows of one batch, which that model steps once per step.
 
 How they are combined (``combine``):
 
