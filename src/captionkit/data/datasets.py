@@ -440,11 +440,25 @@ def read_title_csv(csv_path: str | Path, images: str | Path, image_column: str =
     return CaptionDataset(csv_path.stem, _assign_splits(items, splits))
 
 
-def load_dataset(path: str | Path, images: str | Path | None = None, image_column: str = "Image_Name",
+def load_dataset(path, images: str | Path | None = None, image_column: str = "Image_Name",
                  title_column: str = "Title", image_suffix: str = ".jpg") -> CaptionDataset:
     """Pick the reader from what ``path`` holds (a Flickr8k or Kaggle folder, a Karpathy or
     COCO JSON file, a title CSV; JSON and CSV files need ``images``, the folder their image
-    names are relative to). The column and suffix arguments are read_title_csv's."""
+    names are relative to; an imagefolder, WebDataset shards or a folder a Hugging Face
+    dataset was saved to). The column and suffix arguments are read_title_csv's. ``path`` may
+    also be a ``datasets.Dataset`` or ``DatasetDict`` (captionkit.data.hf_datasets) or a
+    CaptionDataset."""
+    if isinstance(path, CaptionDataset):
+        return path
+    if not isinstance(path, (str, Path)):
+        from .hf_datasets import is_hf_dataset, read_hf
+        if is_hf_dataset(path):
+            return read_hf(path)
+        raise UserError(f"not a dataset: a {type(path).__qualname__}; give a path, a datasets.Dataset or DatasetDict")
+    from .hf_datasets import is_saved_dataset, read_saved
+    from .imagefolder import is_imagefolder, read_imagefolder
+    from .webdataset import is_webdataset, read_webdataset
+
     path = Path(path)
     if path.suffix.lower() == ".csv" and path.is_file():
         if images is None:
@@ -455,7 +469,16 @@ def load_dataset(path: str | Path, images: str | Path | None = None, image_colum
             return read_flickr8k(path)
         if (path / "captions.txt").is_file():
             return read_kaggle_flickr(path)
-        raise DatasetError(f"{path}: neither Flickr8k.token.txt nor captions.txt found")
+        if is_imagefolder(path):
+            return read_imagefolder(path)
+        if is_saved_dataset(path):
+            return read_saved(path)
+        if is_webdataset(path):
+            return read_webdataset(path)
+        raise DatasetError(f"{path}: not a dataset folder (no Flickr8k.token.txt, captions.txt, metadata.jsonl or "
+                           f"metadata.csv, saved Hugging Face dataset or .tar shards)")
+    if path.is_file() and is_webdataset(path):
+        return read_webdataset(path)
     if path.suffix == ".json" and path.is_file():
         if images is None:
             raise DatasetError(f"{path}: a JSON dataset needs --images, the folder of its image files")
@@ -465,4 +488,4 @@ def load_dataset(path: str | Path, images: str | Path | None = None, image_colum
         if not isinstance(doc, dict):
             raise DatasetError(f"{path}: expected a JSON object")
         return read_karpathy(path, images, doc=doc)
-    raise DatasetError(f"{path}: no such dataset folder, JSON or CSV file")
+    raise DatasetError(f"{path}: no such dataset folder, JSON, CSV or .tar file")

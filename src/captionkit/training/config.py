@@ -240,8 +240,9 @@ class RunConfig:
         return cls(data, encoder, model, train)
 
     @classmethod
-    def load(cls, path: str | Path, init: str | None = None) -> "RunConfig":
-        """Read and check a TOML config; ``init`` (a checkpoint folder) replaces its train.init."""
+    def load(cls, path: str | Path, init: str | None = None, dataset: str | None = None) -> "RunConfig":
+        """Read and check a TOML config; ``init`` (a checkpoint folder) replaces its train.init,
+        ``dataset`` its data.dataset (which the file may then leave out)."""
         path = Path(path)
         try:
             d = tomllib.loads(path.read_bytes().decode("utf-8"))  # as written: no newline translation
@@ -257,6 +258,8 @@ class RunConfig:
             train = d.setdefault("train", {})
             if isinstance(train, dict):
                 train["init"] = init
+        if dataset is not None and isinstance(data := d.setdefault("data", {}), dict):
+            data["dataset"] = dataset
         return cls.from_dict(d, str(path))
 
     def to_dict(self) -> dict:
