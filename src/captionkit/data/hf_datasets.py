@@ -27,11 +27,9 @@ import os
 import shutil
 from pathlib import Path
 
-from PIL import Image
-
 from ..core.cache import cache_dir
 from ..core.errors import DatasetError, UserError
-from .datasets import CaptionDataset, _warn
+from .items import CaptionDataset, _warn
 from .imagefolder import read_imagefolder
 from .layouts import CAPTION_FIELDS, building_folder, captions_of, is_file, split_name, split_of
 
@@ -147,6 +145,8 @@ def _image(value, where: str, column: str) -> tuple[bytes | None, Path | None, s
 
 def _suffix(data: bytes) -> str:
     """An image file's usual suffix, from its header (.img where Pillow cannot tell)."""
+    from PIL import Image
+
     try:
         with Image.open(io.BytesIO(data)) as im:
             fmt = im.format

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from ..core.errors import DatasetError
-from .datasets import CaptionDataset, _read_text
+from .items import CaptionDataset, _read_text
 from .layouts import CAPTION_FIELDS, Row, assemble, captions_of, is_file, known_split, shown, split_of
 
 METADATA = ("metadata.jsonl", "metadata.csv")

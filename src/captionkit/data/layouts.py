@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..core.diskspace import disk_errors
 from ..core.errors import DatasetError
-from .datasets import CaptionDataset, ImageItem, _deterministic_splits, _warn
+from .items import CaptionDataset, ImageItem, _deterministic_splits, _warn
 
 # split names as people write them -> captionkit's (train, dev, test); any other is kept as written
 SPLIT_ALIASES = {"train": "train", "restval": "train", "validation": "dev", "valid": "dev", "val": "dev",

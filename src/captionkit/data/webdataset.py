@@ -29,7 +29,7 @@ from pathlib import Path, PurePosixPath
 
 from ..core.cache import cache_dir
 from ..core.errors import DatasetError
-from .datasets import CaptionDataset
+from .items import CaptionDataset
 from .layouts import Row, assemble, building_folder, captions_of, is_file, known_split, shown
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
