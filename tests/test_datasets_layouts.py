@@ -121,9 +121,17 @@ def hf_saved(ref, root: Path) -> Path:
     return root
 
 
+def imagefolder_jsonl_in(ref, tmp: Path) -> Path:
+    return imagefolder_jsonl(ref, tmp / "if")
+
+
+def csv_folders_in(ref, tmp: Path) -> Path:
+    return imagefolder_csv_split_folders(ref, tmp / "if")
+
+
 LAYOUTS = {  # name -> (data from (ref, tmp folder), whether it is a path for [data] dataset)
-    "imagefolder-jsonl": (lambda ref, tmp: imagefolder_jsonl(ref, tmp / "if"), True),
-    "imagefolder-csv-split-folders": (lambda ref, tmp: imagefolder_csv_split_folders(ref, tmp / "if"), True),
+    "imagefolder-jsonl": (imagefolder_jsonl_in, True),
+    "imagefolder-csv-split-folders": (csv_folders_in, True),
     "webdataset": (lambda ref, tmp: webdataset(ref, tmp / "wds"), True),
     "datasets-dict-bytes": (lambda ref, tmp: hf_dict(ref), False),
     "datasets-pil-split-column": (lambda ref, tmp: hf_pil_rows(ref), False),
@@ -136,6 +144,22 @@ def test_each_layout_reads_as_the_flickr8k_layout_of_the_same_data(layout, ref, 
     make, _ = LAYOUTS[layout]
     ds = load_dataset(make(ref, tmp_path))
     assert contents(ds) == contents(ref)
+
+
+def hf_imagefolder_loader(make):
+    """datasets' own imagefolder loader over one of the imagefolders above (it puts every row of
+    a single metadata file in "train": captionkit takes the split column's)."""
+    def load(ref, tmp: Path):
+        datasets = pytest.importorskip("datasets")
+        return datasets.load_dataset("imagefolder", data_dir=str(make(ref, tmp)), cache_dir=str(tmp / "hf-cache"))
+    return load
+
+
+@pytest.mark.parametrize("make", [hf_imagefolder_loader(imagefolder_jsonl_in), hf_imagefolder_loader(csv_folders_in)],
+                         ids=["jsonl", "csv-split-folders"])
+def test_datasets_own_imagefolder_loader_reads_the_same_layouts(make, ref, tmp_path):
+    """The imagefolders captionkit reads are those datasets reads: through it, the same data."""
+    assert contents(load_dataset(make(ref, tmp_path))) == contents(ref)
 
 
 @pytest.fixture(scope="module")
@@ -339,6 +363,38 @@ def test_features_of_shards_are_computed_from_their_images(tmp_path, monkeypatch
     assert cli.main(["features", "--dataset", str(tmp_path / "wds"), "--encoder", "patches", "--workers", "0"]) == 0
     store = build_features(create_encoder("patches"), [it.path for it in ds.all_items()], progress=False)
     assert sorted(store.index) == ["p0.jpg", "p1.jpg", "p2.jpg", "p3.jpg", "q.png"]
+
+
+@pytest.mark.slow  # starts a local Ray (~10 s)
+def test_features_engine_ray_reads_the_shards_images(tmp_path, monkeypatch):
+    """features --engine ray on shards: Ray's workers read the unpacked members, by name, as
+    the local engine does."""
+    import numpy as np
+
+    from captionkit.cli import main as cli
+    from captionkit.encoders import create_encoder
+    from captionkit.encoders.features import ShardedFeatureStore, build_features
+    from captionkit.inference.ray_engine import ray_missing
+
+    if ray_missing():
+        pytest.skip(ray_missing())
+    import ray
+
+    monkeypatch.setenv("CAPTIONKIT_CACHE", str(tmp_path / "cache"))
+    write_shard(tmp_path / "wds" / "train-0.tar", [(f"p{k}", {"jpg": jpg(k), "txt": b"x"}) for k in range(5)])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        assert cli.main(["features", "--dataset", str(tmp_path / "wds"), "--encoder", "patches", "--engine", "ray",
+                         "--shard-size", "2", "--batch-size", "2"]) == 0
+    finally:
+        ray.shutdown()
+    paths = [it.path for it in load_dataset(tmp_path / "wds").all_items()]
+    store = build_features(create_encoder("patches"), paths, progress=False)  # the store Ray wrote
+    assert isinstance(store, ShardedFeatureStore) and store.num_shards == 3
+    names = [f"p{k}.jpg" for k in range(5)]
+    assert sorted(store.index) == names
+    local = build_features(create_encoder("patches"), paths, root=tmp_path / "local", progress=False, workers=0)
+    np.testing.assert_array_equal(store.rows(names), local.rows(names))
 
 
 # ---- datasets ------------------------------------------------------------------------------------

@@ -1,12 +1,12 @@
 """A Hugging Face ``datasets`` object -- a ``Dataset`` or a ``DatasetDict`` -- or a folder one was
 saved to (``save_to_disk``) as a captionkit dataset (``datasets`` must be installed:
-``pip install datasets``).
+``pip install 'captionkit[hf-datasets]'``).
 
 Columns: the image column is the one of ``datasets.Image`` type (or ``image``): the images'
 files' bytes, or a column of image paths; the caption column is ``text``, ``caption`` or
 ``captions`` (a string, or a list of strings for several captions; several rows of one image
-also give several). Splits: a ``DatasetDict``'s (``validation`` is captionkit's ``dev``), or a
-``split`` column, or else a seeded split (captionkit.data.layouts.assemble).
+also give several). Splits: a ``split`` column where there is one, else a ``DatasetDict``'s
+(``validation`` is captionkit's ``dev``), else a seeded split (captionkit.data.layouts.assemble).
 
 Training, features and the Ray engine read image files, so the data is written once as an
 imagefolder (captionkit.data.imagefolder) in ``~/.cache/captionkit/datasets/<digest>/``, named
@@ -41,7 +41,8 @@ def _module():
     try:
         import datasets
     except ImportError:
-        raise UserError("reading a Hugging Face dataset needs the datasets package: pip install datasets") from None
+        raise UserError("reading a Hugging Face dataset needs the 'datasets' package "
+                        "(pip install 'captionkit[hf-datasets]')") from None
     return datasets
 
 
@@ -163,7 +164,10 @@ def as_imagefolder(ds, image_column: str | None = None, text_column: str | None 
     plan = []
     for split, where, d in parts:
         img, text = _columns(d, where, image_column, text_column)
-        plan.append((split, where, d, img, text, "split" if split is None and "split" in d.column_names else None))
+        # a split column wins over the DatasetDict's split: datasets' imagefolder puts every row in
+        # "train" whatever the metadata's split says; a Hub copy of Flickr30k is one "test" split
+        # whose column holds Karpathy's splits
+        plan.append((split, where, d, img, text, "split" if "split" in d.column_names else None))
     # the images: one entry per image and split, in order of their first rows; names by image
     entries: dict[tuple[str | None, str], dict] = {}
     names: dict[str, str] = {}  # image identity -> name

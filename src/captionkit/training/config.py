@@ -33,8 +33,9 @@ VAL_METRICS = tuple(m for m in METRICS if m != "SPICE")  # SPICE is too slow for
 
 @dataclass
 class DataConfig:
-    """dataset: a Flickr8k/Kaggle folder, a Karpathy/COCO JSON file or a title CSV (one title
-        per image, see captionkit.data.datasets.read_title_csv).
+    """dataset: a Flickr8k/Kaggle folder, a Karpathy/COCO JSON file, a title CSV (one title
+        per image, see captionkit.data.datasets.read_title_csv), an imagefolder, WebDataset
+        shards or a saved Hugging Face dataset (docs/datasets.md).
     images: the image folder of a JSON or CSV dataset.
     image_column / title_column / image_suffix: a CSV's columns of image names and titles, and
         what turns an image name into its file name (Epicurious' layout by default).
