@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 from helpers import TINY_CONFIG, write_flickr8k
+from hypothesis import given
+from hypothesis import strategies as st
+from test_fuzz_datasets import FUZZ, IMAGES, anything, captions, check, encoded, json_values, names
 
 from captionkit.core.errors import DatasetError, UserError
 from captionkit.data.datasets import load_dataset, read_flickr8k
@@ -300,6 +303,8 @@ WEBDATASET_MISTAKES = [
      r"train-0.tar: sample 'a': .json: 'caption' is an empty caption$"),
     ({"train-0.tar": [("a", {"jpg": jpg(), "json": b'{"url": "x"}'})]}, r"sample 'a': no caption: .*its .json has no"),
     ({"train-0.tar": [("a", {"jpg": jpg(), "png": jpg(), "txt": b"x"})]}, r"sample 'a': two images \(a.jpg, a.png\)"),
+    ({"train-0.tar": [("x" * 300, {"jpg": jpg(), "txt": b"x"})]},
+     r"train-0.tar: sample 'x+': its image's name is over 255 bytes"),
     ({"train-0.tar": [("a", {"txt": b"x"})]},
      r"train-0.tar: sample 'a': no image \(.jpg, .png, ...\) among its files$"),
     ({"train-0.tar": [("a", {"jpg": jpg(), "txt": b"x"})], "test-0.tar": [("a", {"jpg": jpg(), "txt": b"y"})]},
@@ -324,6 +329,18 @@ def test_a_shard_that_is_not_a_tar_is_named(tmp_path):
     (tmp_path / "train-0.tar").write_bytes(b"not a tar at all" * 100)
     with pytest.raises(DatasetError, match=r"train-0.tar: not a readable tar file"):
         load_dataset(tmp_path / "train-0.tar")
+
+
+def test_a_shards_other_files_are_not_samples(tmp_path, monkeypatch):
+    """Keys with folders, macOS's hidden ._ files, other kinds of image (.seg.png), .cls: ignored."""
+    monkeypatch.setenv("CAPTIONKIT_CACHE", str(tmp_path / "cache"))
+    shard = write_shard(tmp_path / "train-0.tar", [("batch1/p0", {"jpg": jpg(0), "txt": b"a red circle\n",
+                                                                  "seg.png": jpg(1), "cls": b"3"}),
+                                                   ("batch1/._p0", {"jpg": b"AppleDouble"})])
+    with tarfile.open(shard, "a") as tar:
+        add_member(tar, "__meta__", b"x")
+    items = load_dataset(shard).split("train")
+    assert [(it.name, it.raw, it.path.read_bytes() == jpg(0)) for it in items] == [("p0.jpg", ["a red circle"], True)]
 
 
 def test_shards_are_unpacked_once_and_again_when_they_change(tmp_path, monkeypatch):
@@ -430,3 +447,56 @@ def test_datasets_data_is_written_once(ref, tmp_path, monkeypatch, capsys):
     changed = hf_dict(ref)
     changed["test"] = changed["test"].map(lambda row: {"text": row["text"][:4]})
     assert as_imagefolder(changed) != folder  # other captions, another folder
+
+
+# ---- fuzzed: whatever the files hold, a dataset or one DatasetError line naming the file --------
+splits = st.sampled_from(["train", "validation", "val", "test", "", "other"])
+metadata_rows = st.fixed_dictionaries({}, optional={
+    "file_name": anything(names), "text": anything(captions | st.lists(captions, max_size=3)),
+    "caption": anything(captions), "split": anything(splits)}) | json_values
+
+
+def _images(root: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for n in IMAGES:
+        (root / n).write_bytes(b"")  # the readers only look for the file
+
+
+@FUZZ
+@given(rows=encoded(st.lists(metadata_rows.map(json.dumps), max_size=8).map("\n".join)),
+       csv_text=encoded(st.lists(st.lists(st.one_of(names, captions, splits), min_size=1, max_size=4)
+                                 .map(",".join), max_size=8).map("\n".join)),
+       header=st.sampled_from(["file_name,text", "file_name,caption,split", "file_name,text,caption", "image,text",
+                               ""]))
+def test_fuzzed_imagefolder(rows, csv_text, header):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "jsonl"
+        _images(root)
+        (root / "metadata.jsonl").write_bytes(rows)
+        check(lambda: load_dataset(root), root)
+        root = Path(tmp) / "csv"
+        _images(root)
+        (root / "metadata.csv").write_bytes(header.encode() + b"\n" + csv_text)
+        check(lambda: load_dataset(root), root)
+
+
+members = st.tuples(st.sampled_from(["a", "b", "sub/c", "", ".", "..", "x" * 300, "é", "a.b"]),
+                    st.sampled_from(["jpg", "txt", "json", "png", "seg.png", "", "JPG", "cls"]),
+                    st.one_of(encoded(captions), json_values.map(lambda v: json.dumps(v).encode()),
+                              st.lists(captions, max_size=3).map(lambda c: json.dumps({"captions": c}).encode())))
+
+
+@FUZZ
+@given(shard_members=st.lists(members, max_size=8), name=st.sampled_from(["train-0.tar", "s.tar", "x.tgz"]))
+def test_fuzzed_webdataset_shard(shard_members, name):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CAPTIONKIT_CACHE", str(Path(tmp) / "cache"))
+        shard = Path(tmp) / name
+        with tarfile.open(shard, "w:gz" if name.endswith("tgz") else "w") as tar:
+            for key, ext, data in shard_members:
+                add_member(tar, f"{key}.{ext}" if ext else key or "empty", data)
+        check(lambda: load_dataset(shard), shard)

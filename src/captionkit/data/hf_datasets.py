@@ -183,7 +183,9 @@ def as_imagefolder(ds, image_column: str | None = None, text_column: str | None 
             # one image: the same bytes under the same file name (two files may hold the same bytes)
             ident = f"{hashlib.sha256(data).hexdigest()}:{file_name or ''}" if data is not None else f"path:{path}"
             if ident not in names:
-                name = file_name if file_name and Path(file_name).suffix else \
+                # the dataset's file name where it is one (with room for a row-number prefix)
+                kept = file_name and Path(file_name).suffix and len(os.fsencode(file_name)) <= 200
+                name = file_name if kept else \
                     f"{i:06d}{_suffix(data) if data is not None else Path(file_name or '').suffix or '.img'}"
                 if split is not None and not file_name:
                     name = f"{split}-{name}"

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import shutil
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -37,6 +39,7 @@ IMAGE_EXTENSIONS = {"jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "t
 INDEX = "index.json"
 FORMAT = 1  # of index.json
 MAX_TEXT = 1 << 20  # bytes of a .txt/.json member read: a caption file, not data
+NAME_MAX = 255  # bytes of a file name on the usual file systems
 
 
 def is_shard(path: Path) -> bool:
@@ -82,7 +85,7 @@ class Sample:
     @property
     def name(self) -> str:
         """The image's id: the key's last part and the image member's extension."""
-        return PurePosixPath(self.key).name + "." + self.image.split("/")[-1].split(".", 1)[1]
+        return PurePosixPath(self.key).name + "." + _split_member(self.image)[1]
 
 
 def _split_member(name: str) -> tuple[str, str]:
@@ -107,10 +110,12 @@ def _scan(shard: Path) -> list[Sample]:
             for m in tar:
                 key, ext = _split_member(m.name)
                 base = m.name.rsplit("/", 1)[-1]
-                if not m.isfile() or not ext or (base.startswith("__") and base.endswith("__")):
+                # not a sample's file: folders, links, webdataset's __meta__ members, hidden files
+                # (macOS's ._photo.jpg beside photo.jpg in a tar made there)
+                if not m.isfile() or not ext or base.startswith(".") or (base.startswith("__") and base.endswith("__")):
                     continue
                 s = samples.setdefault(key, Sample(key))
-                kind = ext.lower().rsplit(".", 1)[-1]
+                kind = ext.lower()  # the whole extension: x.seg.png is another kind of file than x.png
                 where = f"{shard}: sample {key!r}"
                 if kind in IMAGE_EXTENSIONS:
                     if s.image is not None:
@@ -138,6 +143,8 @@ def _scan(shard: Path) -> list[Sample]:
         where = f"{shard}: sample {s.key!r}"
         if s.image is None:
             raise DatasetError(f"{where}: no image (.jpg, .png, ...) among its files")
+        if len(os.fsencode(s.name)) > NAME_MAX:  # unpacked under its name: a file name the disk takes
+            raise DatasetError(f"{where}: its image's name is over {NAME_MAX} bytes, too long for a file name")
         given = [f for f in ("captions", "caption", "text") if isinstance(s.meta, dict) and f in s.meta]
         if len(given) > 1:
             raise DatasetError(f"{where}: its .json has both {given[0]!r} and {given[1]!r}; keep one")
@@ -207,6 +214,8 @@ def read_webdataset(path: str | Path) -> CaptionDataset:
     for shard, split in shards:  # every shard checked before any is unpacked
         name, source = _stamp(shard)
         cached = _cached(root / name, source)
+        if cached is None and (root / name).is_dir():  # (no index of this shard's: broken; unpacked again)
+            shutil.rmtree(root / name, ignore_errors=True)
         samples = cached if cached is not None else _scan(shard)
         plan.append((shard, split, samples, root / name, source, cached is not None))
     rows, where_of = [], {}
