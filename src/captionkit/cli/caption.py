@@ -388,7 +388,9 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
     e.set_defaults(func=cmd_evaluate)
     e.add_argument("--model", action="append", help="as caption's --model; repeat for an ensemble")
     _add_ensemble_opts(e)
-    e.add_argument("--dataset", required=True, help="a Flickr8k or Kaggle folder, a Karpathy or COCO JSON file, or a title CSV")
+    e.add_argument("--dataset", required=True,
+                   help="a Flickr8k, Kaggle or imagefolder folder, WebDataset shards, a saved Hugging Face "
+                        "dataset, a Karpathy or COCO JSON file, or a title CSV (docs/datasets.md)")
     e.add_argument("--images", help="image folder of a JSON or CSV dataset")
     e.add_argument("--split", default="test", help="the split to caption and score (default test)")
     e.add_argument("--max-images", type=positive_int, metavar="N",
