@@ -295,8 +295,8 @@ def add_caption(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--paths-from", metavar="FILE",
                    help="also caption the images this file lists, one path or URL a line")
     c.add_argument("--model", action="append",
-                   help=f"checkpoint or ensemble folder, or a shipped model by name: {shipped_models_text()}; "
-                        "repeat for an ensemble (docs/ensembles.md)")
+                   help=f"checkpoint or ensemble folder, a shipped model by name: {shipped_models_text()}, or "
+                        "hub:ORG/NAME[@REVISION] (docs/hf-models.md); repeat for an ensemble (docs/ensembles.md)")
     _add_ensemble_opts(c)
     _add_candidates_opt(c)
     c.add_argument("--beam", type=positive_int, default=3, help="beam width (1: greedy; default 3)")

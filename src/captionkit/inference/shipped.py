@@ -34,12 +34,16 @@ SCORES_FILE = "scores.json"  # a shipped model's Flickr8k test scores (x100), as
 
 
 def model_folder(path: str | Path | None) -> Path:
-    """A checkpoint folder from what a user typed: a path, the name of a shipped model, or
-    nothing (the default model). A folder of that name in the working directory wins. (Here,
-    without torch, so the command line checks --model before torch loads; Captioner.load uses
-    the same rule.)"""
+    """A checkpoint folder from what a user typed: a path, the name of a shipped model,
+    ``hub:ORG/NAME[@REVISION]`` (downloaded and checked: captionkit.inference.hub), or nothing
+    (the default model). A folder of that name in the working directory wins over a shipped
+    name. (Here, without torch, so the command line checks --model before torch loads;
+    Captioner.load uses the same rule.)"""
     if path is None:
         return DEFAULT_MODEL
+    if isinstance(path, str) and path.startswith("hub:"):
+        from .hub import hub_model_folder
+        return hub_model_folder(path)
     path = Path(path)
     if not path.exists() and len(path.parts) == 1 and (SHIPPED / path).is_dir():
         return SHIPPED / path
