@@ -137,6 +137,24 @@ def test_human_row_of_a_tiny_set():
     assert two["captions"].mbleu_4 is not None and two["captions"].novel_captions is None
 
 
+def test_novelty_counts_on_the_scorers_tokens_and_tokenises_only_what_could_match():
+    """Novel: not equal, as PTB tokens, to a training caption. Only the training captions that
+    could equal a caption are tokenised (a large split would cost seconds): the plain ones whose
+    letters and digits match a caption's, and every one the tokenizer might rewrite (entities,
+    brackets, non-ASCII letters)."""
+    from captionkit.scoring.diversity import training_tokens
+    from captionkit.scoring.ptb_tokenize import tokenize
+    train = ["A dog &amp; a cat.", "the (dog) runs", "A dog runs.", "Two dogs.", "\u00dcber dog", "a cat"]
+    caps = {"1": "a dog & a cat", "2": "the (dog) runs", "3": "a dog runs", "4": "\u00fcber dog", "5": "two cats"}
+    d = diversity_rows(caps, train=train, tokenizer="python")["captions"]
+    assert d.novel_captions == 1  # only "two cats"
+    full, _ = tokenize({"": train}, "python")
+    toks, _ = tokenize({k: [v] for k, v in caps.items()}, "python")
+    got = training_tokens(train, [v[0] for v in toks.values()], "python")
+    assert got <= set(full[""]) and "two dogs" not in got and "a cat" not in got  # plain, no caption's letters
+    assert {"a dog & a cat", "the -lrb- dog -rrb- runs", "a dog runs", "\u00fcber dog"} <= got
+
+
 def test_java_and_python_tokenizers_give_the_same_figures():
     pytest.importorskip("pycocoevalcap")
     from captionkit.scoring.ptb_tokenize import java_available

@@ -32,6 +32,7 @@ references). numpy only, like the rest of the scoring wing.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -209,6 +210,30 @@ def measure(tokens: dict[str, list[str]], train: set[str] | None = None) -> Dive
     return d
 
 
+# A line of these characters keeps its letters and digits, in order, through the PTB tokenizer
+# (which splits, lower-cases and drops punctuation, but changes letters and digits only for
+# entities, currency signs, fractions, brackets and characters it does not know).
+_PLAIN = re.compile(r"[A-Za-z0-9 \t\r\n.,;:!?'\"-]*")
+_NOT_ALNUM = re.compile(r"[^a-z0-9]+")
+
+
+def _squash(text: str) -> str:
+    return _NOT_ALNUM.sub("", text.lower())
+
+
+def training_tokens(train: list[str], tokens: list[str], tokenizer: str = "auto") -> set[str]:
+    """The token strings of the training captions that could equal one of ``tokens`` (token
+    strings): for novelty. Tokenising all of a large training split (COCO: 560,000 captions)
+    would cost seconds; a plain caption (_PLAIN) whose letters and digits differ from every one
+    of ``tokens``' cannot tokenise to any of them, so only the others are tokenised."""
+    wanted = {_squash(t) for t in tokens}
+    maybe = [t for t in train if not _PLAIN.fullmatch(t) or _squash(t) in wanted]
+    if not maybe:
+        return set()
+    (got,), _ = tokenize_sets([{"": maybe}], tokenizer)
+    return set(got[""])
+
+
 def diversity_rows(captions: dict, refs: dict[str, list[str]] | None = None, train: list[str] | None = None,
                    tokenizer: str = "auto") -> dict[str, Diversity]:
     """{"captions": the set's figures, "human": the references' (when given)}.
@@ -220,9 +245,9 @@ def diversity_rows(captions: dict, refs: dict[str, list[str]] | None = None, tra
     train: the training split's captions (raw), for the novel captions of both rows. Every set
     is tokenised as coco-caption tokenises, each as its own text."""
     sets = as_sets(captions)
-    texts = [sets] + ([refs] if refs is not None else []) + ([{"": list(train)}] if train is not None else [])
-    toks, _ = tokenize_sets(texts, tokenizer)
-    seen = set(toks[-1][""]) if train is not None else None
+    toks, _ = tokenize_sets([sets] + ([refs] if refs is not None else []), tokenizer)
+    seen = None if train is None else training_tokens(train, [c for t in toks for v in t.values() for c in v],
+                                                      tokenizer)
     rows = {"captions": measure(toks[0], seen)}
     if refs is not None:
         k = max(len(v) for v in sets.values())
