@@ -20,6 +20,7 @@ from pathlib import Path
 
 from captionkit.data.datasets import load_dataset
 from captionkit.scoring.diversity import Diversity, diversity_rows, markdown_table
+from captionkit.scoring.ptb_tokenize import resolve_backend
 
 
 def read_captions(path: Path) -> dict:
@@ -65,7 +66,8 @@ def main() -> int:
         human[1] = diversity_rows({k: v[0] for k, v in refs.items()}, refs, train, args.tokenizer)["human"]
     table = {(f"references (human), first {k}" if k > 1 else "references (human)"): d for k, d in sorted(human.items())}
     print(f"{args.dataset}, {args.split} split, {len(refs):,} images; words: PTB tokens, lower case "
-          f"({args.tokenizer} tokenizer); novel: not a {'training caption' if train else '(no training split)'}\n")
+          f"({resolve_backend(args.tokenizer)} tokenizer); "
+          f"novel: {'not a training caption' if train else '- (no training split)'}\n")
     print(markdown_table({**table, **rows}))
     return 0
 
