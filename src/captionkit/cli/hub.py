@@ -37,7 +37,8 @@ def cmd_push(model: str, repo_id: str, private: bool, revision: str | None, dry_
              scores: str | None, samples: list[str] | None, license: str | None, dataset_ids: list[str] | None,
              message: str | None, overwrite: bool) -> int:
     from ..core.outputs import check_folder_target
-    from ..inference.hub import check_login, plan_push, push, require_hub, stage_push
+    from ..inference.hub import require_hub
+    from ..inference.hub_push import check_login, plan_push, push, stage_push
 
     # everything the user gave is checked before the model loads and its samples are captioned
     plan = plan_push(model, repo_id, scores, samples, license, dataset_ids)

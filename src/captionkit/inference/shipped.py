@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .folders import ENSEMBLE_FILE, SCORES_FILE, is_ensemble  # noqa: F401 (names of this module too)
+
 SHIPPED = Path(__file__).parent.parent / "pretrained"
 # the best Flickr8k captioner we have: a self-critical transformer and LSTM decoded as one, each
 # photo also mirrored (pretrained/ensemble-lite2-flickr8k/README.md, docs/ensembles.md)
@@ -15,7 +17,6 @@ DEFAULT_MODEL = SHIPPED / "ensemble-lite2-flickr8k"
 # export takes when no --model is given (it exports one model); the Show, Attend and Tell LSTM
 # ships too, as --model sat-lite2-flickr8k
 FAST_MODEL = SHIPPED / "transformer-lite2-flickr8k"
-ENSEMBLE_FILE = "ensemble.json"  # captionkit.inference.ensemble's folder file (named here to keep torch out)
 
 
 def list_shipped_models() -> list[str]:
@@ -30,7 +31,6 @@ def shipped_models_text() -> str:
     return ", ".join(f"{n} (the default)" if n == DEFAULT_MODEL.name else n for n in list_shipped_models())
 
 
-SCORES_FILE = "scores.json"  # a shipped model's Flickr8k test scores (x100), as its card's table gives them
 
 
 def model_folder(path: str | Path | None) -> Path:
@@ -58,10 +58,6 @@ def existing_model_folder(path: str | Path | None) -> Path:
     if not folder.exists():
         raise CheckpointError(f"{folder}: no such model folder (shipped models: {shipped_models_text()})")
     return folder
-
-
-def is_ensemble(folder: Path) -> bool:
-    return (folder / ENSEMBLE_FILE).is_file()
 
 
 def single_models() -> list[str]:
