@@ -14,6 +14,7 @@ from ..inference.zero_shot import DEFAULT_VLM, DTYPES
 from .argtypes import float_at_least, int_at_least, positive_floats, positive_int
 from .common import (UsageError, _add_csv_opts, _add_device_opts, _add_engine_opts, _add_overwrite, _add_score_opts,
                      _check_targets, _device, _load_dataset, _print_report, _ray_options, _score_opts, _write_json)
+from .common import _diversity_doc, _print_diversity
 
 
 DEFAULT_NBEST = 5  # beams --rerank mbr chooses among when --nbest is not given
@@ -295,8 +296,8 @@ def add_caption(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--paths-from", metavar="FILE",
                    help="also caption the images this file lists, one path or URL a line")
     c.add_argument("--model", action="append",
-                   help=f"checkpoint or ensemble folder, or a shipped model by name: {shipped_models_text()}; "
-                        "repeat for an ensemble (docs/ensembles.md)")
+                   help=f"checkpoint or ensemble folder, a shipped model by name: {shipped_models_text()}, or "
+                        "hub:ORG/NAME[@REVISION] (docs/hf-models.md); repeat for an ensemble (docs/ensembles.md)")
     _add_ensemble_opts(c)
     _add_candidates_opt(c)
     c.add_argument("--beam", type=positive_int, default=3, help="beam width (1: greedy; default 3)")
@@ -388,7 +389,9 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
     e.set_defaults(func=cmd_evaluate)
     e.add_argument("--model", action="append", help="as caption's --model; repeat for an ensemble")
     _add_ensemble_opts(e)
-    e.add_argument("--dataset", required=True, help="a Flickr8k or Kaggle folder, a Karpathy or COCO JSON file, or a title CSV")
+    e.add_argument("--dataset", required=True,
+                   help="a Flickr8k, Kaggle or imagefolder folder, WebDataset shards, a saved Hugging Face "
+                        "dataset, a Karpathy or COCO JSON file, or a title CSV (docs/datasets.md)")
     e.add_argument("--images", help="image folder of a JSON or CSV dataset")
     e.add_argument("--split", default="test", help="the split to caption and score (default test)")
     e.add_argument("--max-images", type=positive_int, metavar="N",
@@ -413,12 +416,14 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
                  tta: str | None = None, device: str = "auto", precision: str = "auto", workers: int = 2,
                  max_images: int | None = None) -> int:
     _check_targets(out, overwrite=overwrite)  # before torch, the dataset and the model load
+    from ..scoring.diversity import diversity_rows
     from ..scoring.evaluation import score_captions
 
     _check_models(model, weights, rerank, nbest)
     _check_model_folders(model)
     where, precision = _device(device, precision)
-    items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
+    data = _load_dataset(dataset, images, image_column, title_column, image_suffix)
+    items = data.split(split)
     split_size = len(items)
     items = items[:max_images] if max_images else items  # the split's order: the same N every time
     cap = _load_captioner(model, weights, tta, where, precision)
@@ -427,6 +432,8 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     rep = score_captions(captions, {it.name: it.raw for it in items}, source="the model's captions",
                          refs_source=f"{dataset} ({split} split)",
                          **_score_opts(tokenizer, meteor, no_brevity_penalty, metrics))
+    train = [c for it in data.splits["train"] for c in it.raw] if "train" in data.splits else None
+    diversity = diversity_rows(captions, {it.name: it.raw for it in items}, train, tokenizer)
     lp = cap.length_penalty_or(length_penalty)
     mbr = _nbest(rerank, nbest)
     scored = f"{len(items)} of its {split_size} images (--max-images)" if len(items) < split_size else \
@@ -434,6 +441,7 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     print(f"{split} split, {scored}, beam {beam}, length penalty {lp:g}"
           + (f", MBR over the {mbr} best beams" if mbr else "") + (f", test-time {cap.tta}" if cap.tta else ""))
     _print_report(rep)
+    _print_diversity(diversity)
     if out:
         _write_json(out, {"model": _models_setting(model, weights), "dataset": dataset, "split": split,
                           "beam": beam, "length_penalty": lp, "mbr_nbest": mbr, "tta": cap.tta, "scale": "x100",
@@ -441,7 +449,7 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
                           "implementation": rep.implementation, "tokenizer": rep.tokenizer,
                           "empty_captions": len(rep.empty), "notes": rep.notes, "captions": captions,
                           **({"max_images": max_images, "images": len(items), "split_images": split_size}
-                             if max_images else {})})
+                             if max_images else {}), "diversity": _diversity_doc(diversity)})
     return 0
 
 

@@ -74,6 +74,26 @@ def _print_report(rep, ci: dict | None = None) -> None:
         print(f"note: {note}")
 
 
+def _print_diversity(rows: dict) -> None:
+    """The diversity figures (captionkit.scoring.diversity) of the captions and, when the
+    references are known, of the references: the human row."""
+    from ..scoring.diversity import format_diversity
+
+    d = rows["captions"]
+    human = ("; human: the references, " + ("the first of each image" if d.captions_per_image == 1 else
+             f"the first {d.captions_per_image} of each image") +
+             (" (all of them for the per-image figures)" if d.mbleu_4 is not None or
+              rows["human"].mbleu_4 is not None else "")) if "human" in rows else ""
+    novel = "; novel: not a training caption" if d.novel_captions is not None else ""
+    print(f"diversity: PTB words, {d.captions:,} captions of {d.images:,} images{human}{novel}")
+    print(format_diversity(rows))
+
+
+def _diversity_doc(rows: dict) -> dict:
+    """The diversity figures as the JSON outputs write them (shares 0..1, counts, words)."""
+    return {label: d.as_dict() for label, d in rows.items()}
+
+
 def _add_overwrite(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help=f"{what} (a folder captionkit did not write is never replaced; see docs/outputs.md)")

@@ -175,6 +175,23 @@ class Captioner:
         return cap.place(device, precision)
 
     @classmethod
+    def from_pretrained(cls, repo_id: str, revision: str | None = None, *, cache_dir: str | Path | None = None,
+                        local_files_only: bool = False, **load_options) -> "Captioner":
+        """A model ``captionkit push`` put on the Hugging Face Hub (``"ORG/NAME"``), at ``revision``
+        (a branch, tag or commit; default main), downloaded into huggingface_hub's cache
+        (``cache_dir``, or HF_HUB_CACHE / HF_HOME; the cache alone with ``local_files_only`` or
+        HF_HUB_OFFLINE=1), every file checked against the digest pushed with it
+        (captionkit.inference.hub), then loaded as :meth:`load` loads a folder (``load_options``:
+        its ``device``, ``precision``, ``tta``...)."""
+        from .hub import HUB_PREFIX, hub_folder, parse_hub_ref
+
+        name, at = parse_hub_ref(repo_id.removeprefix(HUB_PREFIX))
+        if at and revision and at != revision:
+            raise UserError(f"{repo_id}: names revision {at!r}, and revision={revision!r} another")
+        folder = hub_folder(name, revision or at, cache_dir=cache_dir, local_files_only=local_files_only)
+        return cls.load(folder, **load_options)
+
+    @classmethod
     def load_ensemble(cls, paths: Sequence[str | Path], weights: Sequence[float] | None = None, *,
                       length_penalty: float | None = None, max_len: int | None = None,
                       combine: str = "loglinear", with_encoder: bool = True,

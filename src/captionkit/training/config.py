@@ -33,8 +33,9 @@ VAL_METRICS = tuple(m for m in METRICS if m != "SPICE")  # SPICE is too slow for
 
 @dataclass
 class DataConfig:
-    """dataset: a Flickr8k/Kaggle folder, a Karpathy/COCO JSON file or a title CSV (one title
-        per image, see captionkit.data.datasets.read_title_csv).
+    """dataset: a Flickr8k/Kaggle folder, a Karpathy/COCO JSON file, a title CSV (one title
+        per image, see captionkit.data.datasets.read_title_csv), an imagefolder, WebDataset
+        shards or a saved Hugging Face dataset (docs/datasets.md).
     images: the image folder of a JSON or CSV dataset.
     image_column / title_column / image_suffix: a CSV's columns of image names and titles, and
         what turns an image name into its file name (Epicurious' layout by default).
@@ -240,8 +241,9 @@ class RunConfig:
         return cls(data, encoder, model, train)
 
     @classmethod
-    def load(cls, path: str | Path, init: str | None = None) -> "RunConfig":
-        """Read and check a TOML config; ``init`` (a checkpoint folder) replaces its train.init."""
+    def load(cls, path: str | Path, init: str | None = None, dataset: str | None = None) -> "RunConfig":
+        """Read and check a TOML config; ``init`` (a checkpoint folder) replaces its train.init,
+        ``dataset`` its data.dataset (which the file may then leave out)."""
         path = Path(path)
         try:
             d = tomllib.loads(path.read_bytes().decode("utf-8"))  # as written: no newline translation
@@ -257,6 +259,8 @@ class RunConfig:
             train = d.setdefault("train", {})
             if isinstance(train, dict):
                 train["init"] = init
+        if dataset is not None and isinstance(data := d.setdefault("data", {}), dict):
+            data["dataset"] = dataset
         return cls.from_dict(d, str(path))
 
     def to_dict(self) -> dict:
