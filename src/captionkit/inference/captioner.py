@@ -158,16 +158,17 @@ class Captioner:
     @classmethod
     def load(cls, path: str | Path | None = None, with_encoder: bool = True,
              encoder_weights: str | None = None, tta: str | None = None, device: str | torch.device = "auto",
-             precision: str = "auto") -> "Captioner":
+             precision: str = "auto", prompt: str | None = None) -> "Captioner":
         """Load a checkpoint folder, an ensemble folder (captionkit.inference.ensemble), or a shipped model
         by name (the default one when ``path`` is None), onto ``device`` (see :meth:`place`; "auto",
         as the command line's --device: the first CUDA GPU, else MPS, else the CPU).
         ``tta``: see :class:`Captioner` (default: none, or what the ensemble folder says;
         "none" switches the folder's off). A Hugging Face model (``hf:ORG/NAME``, or a folder
-        ``save_pretrained`` wrote) captions as it is: captionkit.inference.hf_models."""
+        ``save_pretrained`` wrote) captions as it is, its captions following ``prompt`` (None: the
+        model's own; captionkit.inference.hf_models)."""
         source = hf_source(path)
         if source is not None:
-            decoder, vocab, config, encoder = hf_parts(source, with_encoder=with_encoder)
+            decoder, vocab, config, encoder = hf_parts(source, prompt, with_encoder)
             return cls(decoder, vocab, config, encoder, tta).place(device, precision)
         path = existing_model_folder(path)
         if is_ensemble_folder(path):

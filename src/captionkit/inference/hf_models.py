@@ -4,11 +4,13 @@ wrote (its ``config.json`` has a ``model_type``; a captionkit checkpoint's names
 
 The model is one of the ``hf_*`` families (:mod:`captionkit.models.hf_captioner`, picked by its
 ``model_type``) with nothing trained, the ``hf_pixels`` encoder at its input size, and its own
-tokenizer: a :class:`~captionkit.inference.captioner.Captioner` like any checkpoint's, so caption,
+tokenizer: a :class:`~captionkit.inference.captioner.Captioner` like any checkpoint's
+(``Captioner.load("hf:ORG/NAME", prompt=...)``, ``captionkit.load("hf:ORG/NAME")``), so caption,
 evaluate, serve, the Ray engine, the outputs, bad-image handling and resuming are the same. A model
 that needs an instruction (Idefics3/SmolVLM) gets the ``caption`` template of
 ``vlm_prompts.toml`` unless ``prompt`` says otherwise; a folder ``captionkit export hf`` wrote
-keeps the prompt it was trained with.
+keeps the prompt it was trained with and its checkpoint's decoding settings (longest caption,
+length penalty).
 
 :func:`hf_source` reads what a user typed without torch (the command line checks --model before
 torch loads)."""
@@ -71,30 +73,18 @@ def hf_parts(source: str, prompt: str | None = None, with_encoder: bool = True):
     from ..data.tokenizers import LMTokenizer
     from ..encoders import create_encoder
     from ..models import create_model, model_class
-    from ..models.hf_captioner import family_of, read_prompt, reference_config
+    from ..models.hf_captioner import family_of, read_export_settings, reference_config
 
     family = family_of(source)
-    if prompt is None:  # the prompt an exported model was trained with, or the template if it needs one
-        prompt = read_prompt(Path(source)) if Path(source).is_dir() else None
-        if prompt is None:
-            prompt = caption_prompt() if model_class(family).needs_prompt else ""
+    # an exported model's prompt and decoding settings, as it was trained and tuned
+    exported = (read_export_settings(Path(source)) if Path(source).is_dir() else None) or {}
+    if prompt is None:  # (the template when the model needs an instruction and has none)
+        prompt = exported.get("prompt", caption_prompt() if model_class(family).needs_prompt else "")
     model_cfg = reference_config(source, prompt)
     decoder = create_model(family, model_cfg)
     vocab = LMTokenizer.build(source)
     config = {"family": family, "model": model_cfg, "vocab": vocab.to_json(),
               "encoder": {"name": ENCODER, "weights": source, "grid": model_cfg["grid"]},
-              "decoding": {"max_len": MAX_TOKENS, "length_penalty": 0.0}}
+              "decoding": {"max_len": MAX_TOKENS, "length_penalty": 0.0, **exported.get("decoding", {})}}
     encoder = create_encoder(ENCODER, weights=source) if with_encoder else None
     return decoder, vocab, config, encoder
-
-
-def load_hf_captioner(model: str, prompt: str | None = None, *, device: str = "auto", precision: str = "auto",
-                      tta: str | None = None, with_encoder: bool = True):
-    """A Captioner of a Hugging Face model (``hf:ORG/NAME``, ``ORG/NAME``, or a folder) on ``device``
-    under ``precision`` (as Captioner.load); ``prompt``: the text a caption follows (the
-    instruction of an Idefics3/SmolVLM model; None: the model's own, see the module docstring)."""
-    from .captioner import Captioner
-
-    source = hf_source(model if str(model).startswith(HF_PREFIX) else HF_PREFIX + str(model))
-    decoder, vocab, config, encoder = hf_parts(source, prompt, with_encoder)
-    return Captioner(decoder, vocab, config, encoder, tta).place(device, precision)

@@ -52,6 +52,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from ..core.checkpoint import read_config
 from ..core.errors import CheckpointError, UserError, WeightsUnavailable
 from ..core.fields import check_fields, spec
 from ..core.hf import load_lm_tokenizer, load_pretrained, refuse_missing
@@ -72,7 +73,7 @@ TRAINING = ("full", "decoder", "lora", "frozen")
 # decoders), GPT-2's fused ones (its self- and cross-attention) and LLaMA's -- those of them the
 # language side has
 DEFAULT_LORA_TARGETS = ("query", "value", "c_attn", "q_attn", "q_proj", "v_proj")
-PROMPT_FILE = "captionkit-hf.json"  # beside an exported model: the prompt it was trained with
+PROMPT_FILE = "captionkit-hf.json"  # beside an exported model: its prompt and decoding settings
 BY_MODEL_TYPE: dict[str, str] = {}  # a transformers model_type -> the family that takes it
 
 
@@ -301,12 +302,11 @@ class HFCaptioner(TrainedTensorsMixin, LMTokens, CaptionModel):
             warnings.simplefilter("ignore", FutureWarning)
             return peft.get_peft_model(model, lora)  # freezes everything but the adapters
 
-    def param_groups(self) -> dict[str, list[nn.Parameter]]:
-        groups = super().param_groups()
-        if not groups:
-            raise UserError(f"{self.family}: training = \"frozen\" trains nothing; set [model] training to "
+    @classmethod
+    def check_trainable(cls, cfg: HFCaptionerConfig) -> None:
+        if cfg.training == "frozen":
+            raise UserError(f"model.training = \"frozen\" trains nothing of the {cls.family} model; set it to "
                              f"\"full\", \"decoder\" or \"lora\"")
-        return groups
 
     # ---- shared pieces -----------------------------------------------------------------------
     def pixels(self, feats: torch.Tensor) -> torch.Tensor:
@@ -369,23 +369,27 @@ def save_processor(source: str, folder: Path) -> None:
         load_pretrained(tf.AutoImageProcessor, source, WHAT).save_pretrained(folder)
 
 
-def read_prompt(folder: Path) -> str | None:
-    """The prompt an exported model was trained with (None: no such file)."""
+def read_export_settings(folder: Path) -> dict | None:
+    """What ``captionkit export hf`` kept beside a model (its prompt and decoding settings); None
+    for a folder it did not write."""
     path = Path(folder) / PROMPT_FILE
-    return json.loads(path.read_text())["prompt"] if path.is_file() else None
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def transformers_export(model: HFCaptioner, checkpoint: str, out: Path) -> TransformersExport:
-    """The transformers model, LoRA merged, with its processor, and the prompt it was trained with
-    (``captionkit-hf.json``, which ``--model hf:FOLDER`` reads): a folder ``from_pretrained`` of
-    the model's class loads."""
+    """The transformers model, LoRA merged, with its processor: a folder ``from_pretrained`` of the
+    model's class loads. Beside it (``captionkit-hf.json``, which ``--model hf:FOLDER`` reads) the
+    prompt it was trained with and the checkpoint's decoding settings (its longest caption, the
+    length penalty chosen on dev), so that it captions as the checkpoint does."""
     if model.cfg.training == "frozen":
         raise CheckpointError(f"{checkpoint}: nothing of it was trained (training = \"frozen\"); "
                               f"{model.cfg.source!r} is the model as it is")
+    settings = {"family": model.family, "prompt": model.cfg.prompt,
+                "decoding": read_config(checkpoint).get("decoding", {})}
 
     def save(folder: Path) -> None:
         model.standalone().save_pretrained(folder)
         save_processor(model.cfg.source, folder)
-        (folder / PROMPT_FILE).write_text(json.dumps({"prompt": model.cfg.prompt, "family": model.family}) + "\n")
+        (folder / PROMPT_FILE).write_text(json.dumps(settings, indent=1) + "\n")
 
     return TransformersExport(save)
