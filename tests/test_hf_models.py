@@ -19,6 +19,7 @@ test_meta_contract.py, which build these families from the same tiny models.)"""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -89,8 +90,8 @@ def hf_generate(model, arch: str, feats: torch.Tensor, max_new: int, core=None) 
             images = px[:, None] if arch == "idefics3" else px  # Idefics3: (B, images, 3, S, S)
             out = core.generate(input_ids=model.prompt(B), pixel_values=images, **options)
             out = out[:, model.prompt_ids.shape[1]:]
-    rows = out.tolist()
-    return [row[:row.index(model.eos_id)] if model.eos_id in row else row for row in rows]
+    ends = set(model.end_ids.tolist())
+    return [row[:next((i for i, t in enumerate(row) if t in ends), len(row))] for row in out.tolist()]
 
 
 def caption_inputs(tok: LMTokenizer) -> torch.Tensor:
@@ -109,6 +110,30 @@ def test_greedy_steps_give_the_tokens_of_the_models_own_generate(arch, tiny_hf):
     ours = [[i - 4 for i in c.ids] for c in greedy(model, feats, 8)]  # captionkit ids: the model's + 4
     assert ours == hf_generate(model, arch, feats, 8)
     assert any(ours)  # (a random model: the tokens are noise, but there are some)
+
+
+def test_a_model_with_several_ends_ends_at_the_most_probable(tiny_hf, tmp_path):
+    """A generation config that lists several end tokens (SmolVLM's lists more than one): <end>
+    is the most probable of them, as generate() stops at any; training teaches the tokenizer's own."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "two_ends"
+    shutil.copytree(tiny_hf["idefics3"], folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    im_end, own = tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id  # <end_of_utterance>
+    gen = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [im_end, own]}))
+    model = model_of(str(folder), "idefics3")
+    assert model.end_ids.tolist() == [im_end, own] and model.eos_id == own
+    logits = torch.zeros(2, model.n_lm)
+    logits[0, im_end], logits[1, own], logits[1, im_end] = 5.0, 4.0, 3.0
+    logp = model.to_vocab(logits)
+    assert logp.argmax(1).tolist() == [Vocab.end, Vocab.end]
+    allowed = logits.masked_fill(model.suppressed, float("-inf")).log_softmax(1)  # the other specials masked
+    torch.testing.assert_close(logp[:, Vocab.end], allowed[[0, 1], [im_end, own]])
+    assert torch.isinf(logp[:, 4 + im_end]).all() and torch.isinf(logp[:, 4 + own]).all()  # never as words
+    feats = feats_for(model)
+    assert [[i - 4 for i in c.ids] for c in greedy(model, feats, 8)] == hf_generate(model, "idefics3", feats, 8)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

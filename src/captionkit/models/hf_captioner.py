@@ -17,9 +17,10 @@ GIT's ``[CLS]``, the decoder start of a VisionEncoderDecoderModel, followed by t
 ``prompt`` when one is given (BLIP's "a picture of"); for Idefics3 the chat template's user turn
 (the image, ``prompt`` as the instruction) and "Assistant:". captionkit's <start> stands for the
 prompt's last id and <end> for the model's own end of caption (BLIP's [SEP], the generation
-config's first ``eos_token_id``). The tokenizer's other special tokens ([PAD], [UNK], <image>...)
-are never produced: their logits are masked before the softmax, as ``generate(suppress_tokens=
-...)`` would; a trained model gives them no mass anyway.
+config's ``eos_token_id``: the most probable of them when it lists several). The tokenizer's
+other special tokens ([PAD], [UNK], <image>...) are never produced: their logits are masked
+before the softmax, as ``generate(suppress_tokens=...)`` would; a trained model gives them no
+mass anyway.
 
 Decoding uses captionkit's own greedy and beam search over the step contract (not the model's
 ``generate``): ``prepare`` runs the vision tower and the prompt once per image and keeps what the
@@ -50,6 +51,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..core.checkpoint import read_config
@@ -65,6 +67,7 @@ from ..core.hf_image_text import (
     pixel_geometry,
 )
 from ..core.registry import register_exporter, register_family
+from ..data.vocab import Vocab
 from .base import CaptionModel, KVMemory, TrainedTensorsMixin, TransformersExport
 from .lm_tokens import N_SPECIAL, LMTokens
 
@@ -141,11 +144,13 @@ def reference_config(source: str, prompt: str = "") -> dict:
             "grid": [size // patch] * 2, "prompt": prompt, "training": "frozen"}
 
 
-def first_id(value) -> int | None:
-    """A token id from a config field that holds one, a list of them (the first) or none."""
-    if isinstance(value, (list, tuple)):
-        value = value[0] if value else None
-    return None if value is None else int(value)
+def token_ids(*values) -> list[int]:
+    """The token ids of the first config field of ``values`` that names any (an id or a list)."""
+    for value in values:
+        ids = [int(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None]
+        if ids:
+            return ids
+    return []
 
 
 def grid_attention(att: torch.Tensor, grid: list[int]) -> torch.Tensor:
@@ -229,24 +234,31 @@ class HFCaptioner(TrainedTensorsMixin, LMTokens, CaptionModel):
         self.register_buffer("pixel_mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("pixel_std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
 
-        prompt, end = self.setup(model, tok)  # the family's own (before LoRA wraps the model)
-        if not prompt or end is None:
+        prompt, ends = self.setup(model, tok)  # the family's own (before LoRA wraps the model)
+        self.n_lm = len(tok)
+        ends = [i for i in ends if i < self.n_lm]
+        if not prompt or not ends:
             raise UserError(f"{cfg.source!r}: its config names no {'start' if not prompt else 'end'} token")
         self.register_buffer("prompt_ids", torch.tensor([prompt]), persistent=False)  # (1, n)
-        self.bos_id, self.eos_id, self.n_lm = prompt[-1], end, len(tok)
+        # a model may end a caption with any of several tokens (a generation config's list):
+        # <end> stands for the most probable of them, and is taught as the tokenizer's own end
+        # when it is one of them (SmolVLM's <end_of_utterance>), else as the first
+        self.register_buffer("end_ids", torch.tensor(ends), persistent=False)
+        self.bos_id = prompt[-1]
+        self.eos_id = tok.eos_token_id if tok.eos_token_id in ends else ends[0]
         width = self.output_layer(model).out_features
         if self.n_lm > width:
             raise UserError(f"{cfg.source!r}: the tokenizer has more tokens ({self.n_lm}) than the model's output layer")
         suppressed = torch.zeros(self.n_lm, dtype=torch.bool)
-        suppressed[[i for i in tok.all_special_ids if i != end and i < self.n_lm]] = True
+        suppressed[[i for i in tok.all_special_ids if i not in ends and i < self.n_lm]] = True
         self.register_buffer("suppressed", suppressed, persistent=False)
         self.hf = self._trainable(model)
         # what training changes: saved in checkpoints, everything else comes from cfg.source
         self.set_trained({n: self._group(n) for n, p in self.named_parameters() if p.requires_grad})
 
     # ---- the family's part -------------------------------------------------------------------
-    def setup(self, model: nn.Module, tok) -> tuple[list[int], int | None]:
-        """Read what the family needs of its model -> (the prompt's ids, the end-of-caption id)."""
+    def setup(self, model: nn.Module, tok) -> tuple[list[int], list[int]]:
+        """Read what the family needs of its model -> (the prompt's ids, the ids that end a caption)."""
         raise NotImplementedError
 
     @staticmethod
@@ -322,8 +334,15 @@ class HFCaptioner(TrainedTensorsMixin, LMTokens, CaptionModel):
         return self.prompt_ids.expand(batch, -1)
 
     def to_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """As LMTokens', with the special tokens other than the end masked before the softmax."""
-        return super().to_vocab(logits[..., :self.n_lm].masked_fill(self.suppressed, float("-inf")))
+        """The model's logits (..., >= n_lm) -> log-probabilities over captionkit ids (..., n_lm + 4),
+        as LMTokens' but with the special tokens other than the ends masked before the softmax,
+        and <end> the most probable of the ends (so greedy ends where generate() stops)."""
+        logp = F.log_softmax(logits[..., :self.n_lm].float().masked_fill(self.suppressed, float("-inf")), dim=-1)
+        never = torch.full((*logp.shape[:-1], 1), float("-inf"), device=logp.device)
+        specials = [never] * N_SPECIAL
+        specials[Vocab.end] = logp.index_select(-1, self.end_ids).amax(-1, keepdim=True)
+        words = logp.index_fill(-1, self.end_ids, float("-inf"))
+        return torch.cat([*specials, words], -1)  # (..., n_lm + 4)
 
     # ---- the step contract and teacher forcing -----------------------------------------------
     def init_state(self, mem) -> tuple[torch.Tensor, ...]:

@@ -25,7 +25,7 @@ from ..core.errors import UserError
 from ..core.hf import kv_cache, load_pretrained, with_cache
 from ..core.hf_image_text import WHAT, hf_transformers
 from .base import KVMemory
-from .hf_captioner import CrossMemory, HFCaptioner, first_id, grid_attention, hf_family
+from .hf_captioner import CrossMemory, HFCaptioner, grid_attention, hf_family, token_ids
 
 
 def _pairs(layers) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -93,7 +93,7 @@ class BlipCaptioner(CrossAttentionCaptioner):
 
     def setup(self, model, tok):
         text = model.config.text_config
-        return [text.bos_token_id, *_text_ids(tok, self.cfg.prompt)], first_id(text.sep_token_id)
+        return [text.bos_token_id, *_text_ids(tok, self.cfg.prompt)], token_ids(text.sep_token_id)
 
     @staticmethod
     def output_layer(model) -> nn.Module:
@@ -121,11 +121,9 @@ class VisionEncoderDecoderCaptioner(CrossAttentionCaptioner):
 
     def setup(self, model, tok):
         gen, config = model.generation_config, model.config
-        start = first_id(gen.decoder_start_token_id) if gen.decoder_start_token_id is not None else \
-            first_id(config.decoder_start_token_id)
-        end = next((first_id(x) for x in (gen.eos_token_id, config.eos_token_id, config.decoder.eos_token_id)
-                    if x is not None), None)
-        return ([start, *_text_ids(tok, self.cfg.prompt)] if start is not None else []), end
+        start = token_ids(gen.decoder_start_token_id, config.decoder_start_token_id)[:1]
+        ends = token_ids(gen.eos_token_id, config.eos_token_id, config.decoder.eos_token_id)
+        return ([*start, *_text_ids(tok, self.cfg.prompt)] if start else []), ends
 
     def decoder(self) -> nn.Module:
         return self.core.decoder
@@ -184,7 +182,8 @@ class GitCaptioner(PrefixCaptioner):
                              f"frames (video); captionkit captions photos")
         self.n_image = model.git.encoder.layer[0].attention.self.image_patch_tokens  # class token + patches
         self.register_buffer("image_positions", torch.arange(self.n_image), persistent=False)
-        return [model.config.bos_token_id, *_text_ids(tok, self.cfg.prompt)], first_id(model.config.eos_token_id)
+        ends = token_ids(model.generation_config.eos_token_id, model.config.eos_token_id)
+        return [model.config.bos_token_id, *_text_ids(tok, self.cfg.prompt)], ends
 
     def prefix_cache(self, pixels: torch.Tensor):
         from transformers import DynamicCache
@@ -239,8 +238,7 @@ class Idefics3Captioner(PrefixCaptioner):
             raise UserError(f"{self.cfg.source!r}: its processor writes {len(positions)} image tokens for a "
                              f"{size} px photo, its model makes {per_image ** 2}")
         self.register_buffer("image_positions", positions, persistent=False)
-        end = first_id(model.generation_config.eos_token_id)
-        return ids.tolist(), end if end is not None else first_id(model.config.text_config.eos_token_id)
+        return ids.tolist(), token_ids(model.generation_config.eos_token_id, model.config.text_config.eos_token_id)
 
     def prefix_cache(self, pixels: torch.Tensor):
         from transformers import DynamicCache
