@@ -18,6 +18,7 @@ from helpers import (
     import_graph_module,
     shape_image,
 )
+from meta_models import HF_FAMILIES, tiny_hf_model
 from tiny_family import TinyCaptioner, TinyConfig
 from torch import nn
 
@@ -64,6 +65,8 @@ def build(family: str, request) -> tuple[CaptionModel, torch.Tensor]:
         model = create_model("vit_gpt2", {"vocab_size": _lm_vocab(lm), "feat_dim": 3 * 8 * 8, "grid": [4, 4],
                                           "vit": vit, "lm": lm, "freeze_encoder_blocks": 1,
                                           "freeze_decoder_blocks": 1})
+    elif family in HF_FAMILIES:
+        model = tiny_hf_model(family, request.getfixturevalue("tiny_hf"))
     elif family == TINY:
         request.getfixturevalue("tiny_family")
         model = create_model(TINY, {"vocab_size": 12, "feat_dim": FEAT})

@@ -39,8 +39,11 @@ def _caption_writer(command: str, paths: list[str], settings: dict, **outputs):
 def _model_setting(model: str | None) -> str:
     """A checkpoint as recorded beside resumable outputs: a shipped model by its name, any
     other folder by its absolute path (so `runs/x` and `./runs/x/` compare equal)."""
+    from ..inference.hf_models import hf_setting
     from ..inference.shipped import SHIPPED, model_folder
 
+    if hf_setting(model):  # a Hugging Face model: hf: and its Hub name or folder
+        return hf_setting(model)
     folder = model_folder(model)
     return folder.name if folder.parent == SHIPPED else str(folder.resolve())
 
@@ -68,10 +71,12 @@ def _check_models(models: list[str] | None, weights: list[float] | None, rerank:
 def _check_model_folders(models: list[str] | None) -> None:
     """Each --model (or the default) is a folder or a shipped name: one line otherwise, before
     torch loads."""
+    from ..inference.hf_models import hf_source
     from ..inference.shipped import existing_model_folder
 
     for m in models or [None]:
-        existing_model_folder(m)
+        if hf_source(m) is None:  # (an hf: folder that is not there is refused by hf_source)
+            existing_model_folder(m)
 
 
 def _load_captioner(models: list[str] | None, weights: list[float] | None, tta: str | None = None,
@@ -297,7 +302,8 @@ def add_caption(sub: argparse._SubParsersAction) -> None:
                    help="also caption the images this file lists, one path or URL a line")
     c.add_argument("--model", action="append",
                    help=f"checkpoint or ensemble folder, a shipped model by name: {shipped_models_text()}, or "
-                        "hub:ORG/NAME[@REVISION] (docs/hf-models.md); repeat for an ensemble (docs/ensembles.md)")
+                        "hub:ORG/NAME[@REVISION], or a Hugging Face captioner hf:ORG/NAME (docs/hf-models.md); "
+                        "repeat for an ensemble (docs/ensembles.md)")
     _add_ensemble_opts(c)
     _add_candidates_opt(c)
     c.add_argument("--beam", type=positive_int, default=3, help="beam width (1: greedy; default 3)")

@@ -37,6 +37,7 @@ from .ensemble import (
     read_ensemble,
     with_flip_views,
 )
+from .hf_models import hf_parts, hf_source
 from .rerank import RERANKERS, mbr_choice
 from .shipped import SHIPPED, existing_model_folder
 
@@ -157,12 +158,18 @@ class Captioner:
     @classmethod
     def load(cls, path: str | Path | None = None, with_encoder: bool = True,
              encoder_weights: str | None = None, tta: str | None = None, device: str | torch.device = "auto",
-             precision: str = "auto") -> "Captioner":
+             precision: str = "auto", prompt: str | None = None) -> "Captioner":
         """Load a checkpoint folder, an ensemble folder (captionkit.inference.ensemble), or a shipped model
         by name (the default one when ``path`` is None), onto ``device`` (see :meth:`place`; "auto",
         as the command line's --device: the first CUDA GPU, else MPS, else the CPU).
         ``tta``: see :class:`Captioner` (default: none, or what the ensemble folder says;
-        "none" switches the folder's off)."""
+        "none" switches the folder's off). A Hugging Face model (``hf:ORG/NAME``, or a folder
+        ``save_pretrained`` wrote) captions as it is, its captions following ``prompt`` (None: the
+        model's own; captionkit.inference.hf_models)."""
+        source = hf_source(path)
+        if source is not None:
+            decoder, vocab, config, encoder = hf_parts(source, prompt, with_encoder)
+            return cls(decoder, vocab, config, encoder, tta).place(device, precision)
         path = existing_model_folder(path)
         if is_ensemble_folder(path):
             spec = read_ensemble(path)
@@ -208,6 +215,8 @@ class Captioner:
             raise UserError(f"unknown combine {combine!r} (known: {', '.join(COMBINE)})")
         folders = []
         for p in paths:
+            if hf_source(p) is not None:
+                raise UserError(f"{p}: a Hugging Face model captions alone, not as an ensemble's member")
             folder = existing_model_folder(p)
             if is_ensemble_folder(folder):
                 raise CheckpointError(f"{folder}: is an ensemble; an ensemble's members are checkpoints"

@@ -69,6 +69,11 @@ class CaptionModel(nn.Module, metaclass=ABCMeta):
         the model is built (the run config's train.max_len is checked against it at load)."""
         return None
 
+    @classmethod
+    def check_trainable(cls, cfg: Any) -> None:
+        """Refuse, with a one-line UserError, a config of this family that cannot be trained (the
+        run config is checked with it before any data or model loads). Default: every config can."""
+
     @property
     def max_positions(self) -> int | None:
         """The longest token sequence (<start> + tokens) the model can take; None: no limit."""

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..core.devices import DEVICE_HELP, check_device_name
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, UserError
 from ..core.fields import FieldError, check_fields, field_error, field_names, required_fields, show, spec
 from ..core.precision import PRECISIONS
 from ..data.datasets import WORD_STYLES
@@ -305,8 +305,9 @@ def read_section(cls: type, table: Any, where: str) -> Any:
 
 def check_model_fits_training(model: dict, train: TrainConfig, where: str) -> None:
     """What the [model] and [train] tables must agree on, known from the family's declarations
-    before any model exists: train.lr_groups names the family's parameter groups, and decoding
-    (train.max_len words and <start>) fits in the family's positions."""
+    before any model exists: the family can train this config (its check_trainable),
+    train.lr_groups names the family's parameter groups, and decoding (train.max_len words and
+    <start>) fits in the family's positions."""
     from ..models import family_config, model_class
 
     cls = model_class(model["family"])
@@ -315,6 +316,10 @@ def check_model_fits_training(model: dict, train: TrainConfig, where: str) -> No
         raise ConfigError(f"{where}: train.lr_groups: the {model['family']} family has no parameter group "
                           f"{unknown[0]!r} (its groups: {', '.join(cls.GROUPS)})")
     fields = family_config(model["family"], {**_stand_ins(model["family"]), **{k: v for k, v in model.items() if k != "family"}})
+    try:
+        cls.check_trainable(fields)
+    except UserError as e:
+        raise ConfigError(f"{where}: {e}") from None
     limit = cls.position_limit(fields)
     if limit is not None and train.max_len + 1 > limit:
         raise ConfigError(f"{where}: train.max_len is {train.max_len}, but decoding needs max_len + 1 = "
