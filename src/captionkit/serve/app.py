@@ -165,13 +165,14 @@ class ModelWorker:
             by_beam: dict[tuple, list[_Job]] = {}
             for job in jobs:
                 by_beam.setdefault((job.beam, job.controls), []).append(job)
-            for (beam, controls), group in by_beam.items():
-                self._caption(beam, controls, group)
+            for (beam, _), group in by_beam.items():
+                self._caption(beam, group)
             if stop:
                 return
 
-    def _caption(self, beam: int | None, controls: Controls, group: list[_Job]) -> None:
-        cap = self.captioner
+    def _caption(self, beam: int | None, group: list[_Job]) -> None:
+        """Caption a group of jobs of one beam width and one set of controls."""
+        cap, controls = self.captioner, group[0].controls
         try:
             x = torch.stack([j.x for j in group])
             feats = cap.encode(x)  # on the captioner's device; both views when it averages flips
