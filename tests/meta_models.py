@@ -15,7 +15,7 @@ from devicecheck import MetaAnswers, SyncCounter, count_syncs, strict_devices
 from torch import nn
 
 from captionkit.data.vocab import SPECIALS, Vocab
-from captionkit.inference.decoding import beam_nbest, greedy
+from captionkit.inference.decoding import beam_nbest, decode_lists, greedy
 from captionkit.models import CaptionModel, create_model
 
 META = torch.device("meta")
@@ -136,13 +136,16 @@ def count_steps(model) -> list[int]:
     return calls
 
 
-def decode_syncs(model, batch: int, max_len: int, beam: int) -> Measured:
-    """Host syncs of one greedy (beam 1) or beam search of ``batch`` images on a meta ``model``."""
+def decode_syncs(model, batch: int, max_len: int, beam: int, controls=None) -> Measured:
+    """Host syncs of one greedy (beam 1) or beam search of ``batch`` images on a meta ``model``
+    (with caption ``controls``: whatever decode_lists decodes for them)."""
     feats = features(model, batch)
     calls = count_steps(model)
     try:
         with strict_devices(decoding_answers(max_len)), count_syncs() as syncs:
-            if beam == 1:
+            if controls is not None:
+                decode_lists(model, feats, beam, max_len, 0.0, controls)
+            elif beam == 1:
                 greedy(model, feats, max_len)
             else:
                 beam_nbest(model, feats, 1, beam, max_len)
@@ -151,13 +154,13 @@ def decode_syncs(model, batch: int, max_len: int, beam: int) -> Measured:
     return Measured(syncs, calls[0])
 
 
-def per_step_and_image(model, beam: int, lens=(3, 7), batches=(2, 4)) -> tuple[float, float, Measured]:
+def per_step_and_image(model, beam: int, lens=(3, 7), batches=(2, 4), controls=None) -> tuple[float, float, Measured]:
     """(host syncs per extra decoding step, per extra image, the larger run): the slopes of
     the sync count in max_len and in the batch, so the one copy of the result at the end of a
     call is not counted against a step."""
-    a, b = (decode_syncs(model, batches[0], n, beam) for n in lens)
+    a, b = (decode_syncs(model, batches[0], n, beam, controls) for n in lens)
     per_step = (b.syncs.total - a.syncs.total) / (b.steps - a.steps)
-    c = decode_syncs(model, batches[1], lens[0], beam)
+    c = decode_syncs(model, batches[1], lens[0], beam, controls)
     per_image = (c.syncs.total - a.syncs.total) / (batches[1] - batches[0])
     return per_step, per_image, b
 
