@@ -164,6 +164,21 @@ class PrefixCaptioner(HFCaptioner):
         return out.logits, _flat(cache.layers), att
 
 
+# GIT's text steps after a cache (masks, positions) changed inside transformers 5.x: on 5.17
+# captionkit's steps no longer gave generate()'s tokens (measured on 2026-11-26; 5.24 is what the
+# tests pass on). Versions between were not tried.
+GIT_MIN_TRANSFORMERS = (5, 24)
+
+
+def check_git_transformers() -> None:
+    import transformers
+
+    have = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+    if have < GIT_MIN_TRANSFORMERS:
+        raise UserError(f"hf_git needs transformers >= {'.'.join(map(str, GIT_MIN_TRANSFORMERS))} "
+                        f"(this environment has {transformers.__version__}): pip install -U transformers")
+
+
 @hf_family("hf_git")
 class GitCaptioner(PrefixCaptioner):
     """GitForCausalLM (microsoft/git-base-coco, ...): the image tokens (CLIP's, projected), then a
@@ -177,6 +192,7 @@ class GitCaptioner(PrefixCaptioner):
     language_prefixes = ("git.encoder.", "git.embeddings.", "output.")
 
     def setup(self, model, tok):
+        check_git_transformers()
         if model.config.num_image_with_embedding:
             raise UserError(f"{self.cfg.source!r} is a GIT model of {model.config.num_image_with_embedding} "
                              f"frames (video); captionkit captions photos")
