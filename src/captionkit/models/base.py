@@ -148,6 +148,15 @@ def view_attention(attention: torch.Tensor, view: str) -> torch.Tensor:
     return attention
 
 
+def pixel_rows_to_images(feats: torch.Tensor, grid: tuple[int, int], patch: int) -> torch.Tensor:
+    """Pixel-patch rows (B, H*W, 3*p*p) in [0, 1], each row one patch channel-major (the
+    vit_pixels and hf_pixels encoders' output) -> the images they cut (B, 3, H*p, W*p)."""
+    B = feats.shape[0]
+    (H, W), p = grid, patch
+    x = feats.float().reshape(B, H, W, 3, p, p)
+    return x.permute(0, 3, 1, 4, 2, 5).reshape(B, 3, H * p, W * p)  # (B, 3, rows, p, cols, p) -> (B, 3, S, S)
+
+
 class KVMemory:
     """An image's memory as per-layer attention keys and values (B, heads, L, head_dim), computed
     once per image and reused at every step: a transformer's cross-attention keys/values of the

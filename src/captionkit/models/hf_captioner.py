@@ -68,7 +68,7 @@ from ..core.hf_image_text import (
 )
 from ..core.registry import register_exporter, register_family
 from ..data.vocab import Vocab
-from .base import CaptionModel, KVMemory, TrainedTensorsMixin, TransformersExport
+from .base import CaptionModel, KVMemory, TrainedTensorsMixin, TransformersExport, pixel_rows_to_images
 from .lm_tokens import N_SPECIAL, LMTokens
 
 TRAINING = ("full", "decoder", "lora", "frozen")
@@ -323,11 +323,7 @@ class HFCaptioner(TrainedTensorsMixin, LMTokens, CaptionModel):
     # ---- shared pieces -----------------------------------------------------------------------
     def pixels(self, feats: torch.Tensor) -> torch.Tensor:
         """hf_pixels rows (B, H*W, 3*p*p) in [0, 1] -> the model's normalised input (B, 3, S, S)."""
-        B = feats.shape[0]
-        (H, W), p = self.cfg.grid, self.patch
-        x = feats.float().reshape(B, H, W, 3, p, p)  # each row is one patch, channel-major
-        x = x.permute(0, 3, 1, 4, 2, 5).reshape(B, 3, H * p, W * p)  # (B, 3, rows, p, cols, p) -> (B, 3, S, S)
-        return (x - self.pixel_mean) / self.pixel_std
+        return (pixel_rows_to_images(feats, self.cfg.grid, self.patch) - self.pixel_mean) / self.pixel_std
 
     def prompt(self, batch: int) -> torch.Tensor:
         """The prompt's ids for every image (B, n)."""
