@@ -35,12 +35,14 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 import torch  # noqa: E402
 from devicecheck import MetaAnswers, count_syncs, strict_devices  # noqa: E402
 from helpers import TINY_CONFIG, write_flickr8k, write_tiny_gpt2, write_tiny_lm, write_tiny_vit  # noqa: E402
-from meta_models import META, per_step_and_image, tiny_model, train_syncs  # noqa: E402
+from hf_tiny import write_tiny_hf_models  # noqa: E402
+from meta_models import HF_FAMILIES, META, per_step_and_image, tiny_model, train_syncs  # noqa: E402
 
 from captionkit.data.vocab import Vocab  # noqa: E402
 from captionkit.models import list_models  # noqa: E402
 
-WRITERS = {"tiny_lm": write_tiny_lm, "tiny_vit": write_tiny_vit, "tiny_gpt2": write_tiny_gpt2}
+WRITERS = {"tiny_lm": write_tiny_lm, "tiny_vit": write_tiny_vit, "tiny_gpt2": write_tiny_gpt2,
+           "tiny_hf": write_tiny_hf_models}
 
 
 def sites(counter, per: float, indent: str = "      ") -> str:
@@ -113,7 +115,7 @@ def main() -> None:
                 folders[name] = WRITERS[name](path)
             return folders[name]
 
-        families = [f for f in list_models() if not (args.quick and f in ("prefix_lm", "vit_gpt2"))]
+        families = [f for f in list_models() if not (args.quick and f in ("prefix_lm", "vit_gpt2", *HF_FAMILIES))]
         print(f"host syncs on the meta device (torch {torch.__version__}); budget: <= 1 per training step "
               "and per decoding step, 0 per image\n")
         for family in [*families, "sat_hard"]:

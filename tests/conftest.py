@@ -113,6 +113,15 @@ def tiny_vit(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory) -> dict[str, str]:
+    """Tiny random Hugging Face captioners (BLIP, GIT, VisionEncoderDecoderModel, Idefics3) with
+    their processors, as save_pretrained writes them: {architecture: folder} (hf_tiny.py)."""
+    pytest.importorskip("transformers")
+    from hf_tiny import write_tiny_hf_models
+    return write_tiny_hf_models(tmp_path_factory.mktemp("tiny_hf"))
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt2(tmp_path_factory) -> str:
     """A random 2-block GPT-2 (without cross-attention, as a pretrained GPT-2 comes) and a
     GPT-2 tokenizer whose byte-level BPE is trained here on the shapes captions."""

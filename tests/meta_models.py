@@ -15,13 +15,16 @@ from devicecheck import MetaAnswers, SyncCounter, count_syncs, strict_devices
 from torch import nn
 
 from captionkit.data.vocab import SPECIALS, Vocab
-from captionkit.inference.decoding import beam_nbest, greedy
+from captionkit.inference.decoding import beam_nbest, decode_lists, greedy
 from captionkit.models import CaptionModel, create_model
 
 META = torch.device("meta")
 FEAT, GRID = 8, (2, 3)
 # the pretrained folders each LM family is built from (conftest fixtures / helpers.write_tiny_*)
 LM_FOLDERS = {"prefix_lm": ("tiny_lm",), "vit_gpt2": ("tiny_vit", "tiny_gpt2")}
+# the Hugging Face captioner families and the tiny model of each (conftest's tiny_hf, hf_tiny.py)
+HF_FAMILIES = {"hf_blip": "blip", "hf_git": "git", "hf_ved": "ved", "hf_idefics3": "idefics3"}
+HF_PROMPT = "Describe this image briefly."  # the instruction of the tiny Idefics3 (its tokenizer knows the words)
 
 
 class NoTinyModel(LookupError):
@@ -51,12 +54,24 @@ def tiny_model(family: str, folder: Callable[[str], str]) -> CaptionModel:
         model = create_model("vit_gpt2", {"vocab_size": lm_vocab_size(lm), "feat_dim": 3 * 8 * 8, "grid": [4, 4],
                                           "vit": vit, "lm": lm, "freeze_encoder_blocks": 1,
                                           "freeze_decoder_blocks": 1})
+    elif family in HF_FAMILIES:
+        model = tiny_hf_model(family, folder("tiny_hf"))
     else:
         raise NoTinyModel(f"no tiny {family!r} model: add one to tiny_model() in {__file__}")
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
     return model.eval()
+
+
+def tiny_hf_model(family: str, folders: dict[str, str], training: str = "lora") -> CaptionModel:
+    """The tiny Hugging Face model of an hf_* family, LoRA adapters on its language side (so a
+    training step has something to train), no dropout in them."""
+    from captionkit.models.hf_captioner import reference_config
+
+    arch = HF_FAMILIES[family]
+    cfg = reference_config(folders[arch], HF_PROMPT if arch == "idefics3" else "")
+    return create_model(family, {**cfg, "training": training, "lora_rank": 2, "lora_dropout": 0.0})
 
 
 def lm_vocab_size(source: str) -> int:
@@ -66,7 +81,7 @@ def lm_vocab_size(source: str) -> int:
 
 def tiny_tokenizer(model: CaptionModel):
     """The tokenizer a tiny model's ids mean (the LM's own for the LM families)."""
-    source = getattr(model.cfg, "lm", None)
+    source = getattr(model.cfg, "lm", None) or getattr(model.cfg, "source", None)
     if source:
         from captionkit.data.tokenizers import LMTokenizer
         return LMTokenizer.build(source)
@@ -121,13 +136,16 @@ def count_steps(model) -> list[int]:
     return calls
 
 
-def decode_syncs(model, batch: int, max_len: int, beam: int) -> Measured:
-    """Host syncs of one greedy (beam 1) or beam search of ``batch`` images on a meta ``model``."""
+def decode_syncs(model, batch: int, max_len: int, beam: int, controls=None) -> Measured:
+    """Host syncs of one greedy (beam 1) or beam search of ``batch`` images on a meta ``model``
+    (with caption ``controls``: whatever decode_lists decodes for them)."""
     feats = features(model, batch)
     calls = count_steps(model)
     try:
         with strict_devices(decoding_answers(max_len)), count_syncs() as syncs:
-            if beam == 1:
+            if controls is not None:
+                decode_lists(model, feats, beam, max_len, 0.0, controls)
+            elif beam == 1:
                 greedy(model, feats, max_len)
             else:
                 beam_nbest(model, feats, 1, beam, max_len)
@@ -136,13 +154,13 @@ def decode_syncs(model, batch: int, max_len: int, beam: int) -> Measured:
     return Measured(syncs, calls[0])
 
 
-def per_step_and_image(model, beam: int, lens=(3, 7), batches=(2, 4)) -> tuple[float, float, Measured]:
+def per_step_and_image(model, beam: int, lens=(3, 7), batches=(2, 4), controls=None) -> tuple[float, float, Measured]:
     """(host syncs per extra decoding step, per extra image, the larger run): the slopes of
     the sync count in max_len and in the batch, so the one copy of the result at the end of a
     call is not counted against a step."""
-    a, b = (decode_syncs(model, batches[0], n, beam) for n in lens)
+    a, b = (decode_syncs(model, batches[0], n, beam, controls) for n in lens)
     per_step = (b.syncs.total - a.syncs.total) / (b.steps - a.steps)
-    c = decode_syncs(model, batches[1], lens[0], beam)
+    c = decode_syncs(model, batches[1], lens[0], beam, controls)
     per_image = (c.syncs.total - a.syncs.total) / (batches[1] - batches[0])
     return per_step, per_image, b
 

@@ -54,7 +54,8 @@ def load(tmp_path, text: str) -> RunConfig:
      'train.scst_baseline = "mean" needs train.samples >= 2'),
     ('[data]\ntokenizer = "bpe"\n[train]\nglove = "g.txt"', "train.glove: word vectors need a word tokenizer"),
     ('[model]\nfamily = "transformer"\nwidth = 10', r"model.width \(10\) must be a multiple of heads \(4\)"),
-    ('[model]\nfamily = "rnn"', "model.family: unknown model family 'rnn'; known: prefix_lm, sat, transformer, vit_gpt2"),
+    ('[model]\nfamily = "rnn"', "model.family: unknown model family 'rnn'; known: hf_blip, hf_git, hf_idefics3, "
+                                "hf_ved, prefix_lm, sat, transformer, vit_gpt2"),
     ("[model]\nvocab_size = 100", r"model.vocab_size is set by the trainer \(the tokenizer's size\); leave it out"),
 ])
 def test_a_bad_field_is_one_line_naming_the_file_and_the_field(tmp_path, text, message):

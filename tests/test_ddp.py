@@ -21,6 +21,7 @@ import captionkit
 from captionkit.core.checkpoint import read_config
 from captionkit.training.distributed import SINGLE, World, shard
 from captionkit.training.run import train
+from ddpsteps import assert_same_steps, free_port, record_steps, tiny_trainer
 
 pytestmark = pytest.mark.slow  # each torchrun start costs several seconds of imports per process
 
@@ -42,9 +43,10 @@ def weights(run: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_same_weights(a: Path, b: Path, tol: float = 1e-6) -> None:
-    """Equal up to float rounding: a sum of two shards' gradients is not bitwise the whole
-    batch's (after 4 steps the weights differ by < 1e-7); Adam's later steps, which divide by
-    the gradients' running size, grow such differences (measured: < 1e-5 after 4 more)."""
+    """Equal up to what float rounding grows to under Adam: a sum of two shards' gradients is
+    not bitwise the whole batch's, and Adam's grad / (|grad| + eps) turns such differences of
+    ~0 gradients into shares of the learning rate (tests/ddpsteps.py). Measured on the tiny
+    run (lr 1e-2): up to 3e-5 after 4 steps."""
     wa, wb = weights(a), weights(b)
     assert wa.keys() == wb.keys()
     for k in wa:
@@ -71,10 +73,40 @@ def test_shards_are_disjoint_and_cover_the_batch():
     assert shard([4], World(1, 2)) == ([4], False)  # nothing left: the first item, weight 0
 
 
+def _pinned_rank(rank: int, config: str, out: str, port: int) -> None:
+    """One of 2 gloo processes: the trainer as run.train builds it, each step from the
+    parameters one process had before it (out/pinned.pt); rank 0 saves what the steps computed."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        trainer = tiny_trainer(Path(config), Path(out), world=World(rank, 2, rank))
+        pinned = torch.load(Path(out) / "pinned.pt")
+        seen = record_steps(trainer, pinned)
+        trainer.fit(max_steps=len(pinned), progress=False)
+        if rank == 0:
+            torch.save(seen, Path(out) / "steps.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_two_processes_train_what_one_process_trains(two_process_run, tiny_config, tmp_path):
+    """Each step in 2 processes computes one process's loss and gradients from the same
+    parameters (tests/ddpsteps.py: not the weights after Adam, which turns float rounding of
+    ~0 gradients into lr-sized differences); and torchrun's run counts, reports and saves as
+    one process does."""
+    single = tiny_trainer(tiny_config, tmp_path / "single")
+    expected = record_steps(single)
+    single.fit(max_steps=STEPS, progress=False)
+    two = tmp_path / "two"
+    two.mkdir()
+    torch.save(expected, two / "pinned.pt")
+    torch.multiprocessing.spawn(_pinned_rank, args=(str(tiny_config), str(two), free_port()), nprocs=2)
+    assert_same_steps(expected, torch.load(two / "steps.pt"))
     one = tmp_path / "one"
     train(tiny_config, out=one, max_steps=STEPS, progress=False)
-    assert_same_weights(one, two_process_run)
     a, b = read_config(one / "last")["state"], read_config(two_process_run / "last")["state"]
     assert (a["step"], a["batch_in_epoch"], a["epoch_progress"]["seen"]) == \
         (b["step"], b["batch_in_epoch"], b["epoch_progress"]["seen"]) == (STEPS, STEPS, a["epoch_progress"]["seen"])

@@ -36,6 +36,25 @@ def test_random_weights_are_reproducible():
         assert torch.equal(a(x), b(x))
 
 
+@pytest.mark.parametrize("name", ["efficientnet_lite0", "efficientnet_lite2"])
+def test_random_lite_weights_see_the_photo(name):
+    """The tests' tiny runs train on "random" Lite features: with PyTorch's default
+    initialisation every location of every photo came out the same to 1e-8, so no test could
+    see attention or a photo mixed up with another. Now locations and photos differ, and the
+    weights are the same whatever the global random state (the cache key says only "random")."""
+    torch.manual_seed(1)
+    enc = create_encoder(name, weights="random")
+    torch.manual_seed(2)
+    again = create_encoder(name, weights="random")
+    photos = [Image.open(p).convert("RGB") for p in sorted(SAMPLES.glob("*.jpg"))[:2]]
+    x = torch.stack([to_tensor(im, enc.preprocess) for im in photos])
+    with torch.no_grad():
+        f = enc(x)  # (2, L, C)
+        assert torch.equal(f, again(x))
+    assert float(f.std(dim=1).mean()) > 0.1  # over the grid's locations
+    assert float((f[0] - f[1]).abs().mean()) > 0.05 * float(f.abs().mean())  # between the two photos
+
+
 def test_unknown_encoder():
     with pytest.raises(ValueError, match="unknown encoder 'vgg20'"):
         create_encoder("vgg20")

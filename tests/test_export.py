@@ -55,11 +55,16 @@ def test_onnx_captions_equal_pytorch(tiny_export, flickr_dir, beam):
     rep = parity_check(cap, out, files, beam=beam)
     assert rep["images"] == len(files) and rep["identical"] == len(files), rep["differ"]
     assert rep["numeric"]["features"] < 1e-3 and rep["numeric"]["logprobs"] < 1e-3
-    # attention weights come through too
+    assert rep["numeric"]["attention"] < 1e-6  # the decoder's, from the same features (measured: 7e-9)
+    # attention weights come through too. The ONNX encoder's features differ from PyTorch's by
+    # float32 rounding (the check's image: 6.9e-5 at most, features up to 6), and the trained
+    # tiny attention's scores amplify that: its weights (up to 0.12 over 49 locations) moved by
+    # 4.5e-3, 65x the feature difference. Held to 150x this run's feature difference.
     onnx_cap = load_onnx_captioner(out)
     (_, res), = list(onnx_cap.caption_files(files[:1], beam=beam))
     (_, ref), = list(cap.caption_files(files[:1], beam=beam))
-    assert res.words == ref.words and torch.allclose(res.attention, ref.attention, atol=1e-4)
+    atol = max(1e-4, 150 * rep["numeric"]["features"])
+    assert res.words == ref.words and torch.allclose(res.attention, ref.attention, atol=atol)
 
 
 @pytest.mark.slow  # quantises and runs the ONNX graphs

@@ -33,7 +33,8 @@ from meta_models import (
 from captionkit.data.vocab import Vocab
 from captionkit.encoders import create_encoder, list_encoders
 from captionkit.inference.captioner import Captioner
-from captionkit.inference.decoding import Caption, beam_nbest, greedy
+from captionkit.inference.controls import Controls
+from captionkit.inference.decoding import Caption, beam_nbest, decode_lists, greedy
 from captionkit.inference.ensemble import EnsembleDecoder, with_flip_views
 from captionkit.models import create_model, list_models
 from captionkit.training.scst import SelfCritical, sample
@@ -308,6 +309,39 @@ def test_decoding_syncs_at_most_once_per_step(family, beam, request):
     host at the end of a call is all the rest (slopes in max_len and in the batch)."""
     model = meta_model(family, request)
     per_step, per_image, run = per_step_and_image(model, beam)
+    report = run.syncs.report(per=run.steps, unit=" per step")
+    assert per_step <= 1, f"{per_step:g} host syncs per decoding step:\n{report}"
+    assert per_image == 0, f"{per_image:g} host syncs per image:\n{report}"
+
+
+# the caption controls' paths (issue 32): the step rules, sampling, diverse beam search
+CONTROLLED = {"rules": Controls(no_repeat_ngram=2, repetition_penalty=1.2, min_words=1),
+              "sample": Controls(sample=True, temperature=0.8, top_k=3, top_p=0.9, seed=1, no_repeat_ngram=2),
+              "groups": Controls(num_captions=2, beam_groups=3, diversity_strength=0.5, repetition_penalty=1.2)}
+CONTROLLED_BEAM = {"rules": 3, "sample": 1, "groups": 3}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_caption_controls_build_no_host_tensors(family, request):
+    """Blocking, the penalty, the minimum length, sampling's noise and filters and diverse beam
+    search's groups: every tensor of a step made on the device, no host data, no op mixing
+    devices (greedy and n-best with the rules too)."""
+    model = meta_model(family, request)
+    feats = features(model, 3)
+    with strict_devices(decoding_answers(MAX_LEN)), factory_sentinel(META, strict_data=True):
+        assert_captions(greedy(model, feats, MAX_LEN, CONTROLLED["rules"]), 3)
+        assert [len(n) for n in beam_nbest(model, feats, 2, 3, MAX_LEN, 0.0, CONTROLLED["rules"])] == [2, 2, 2]
+        for name, controls in CONTROLLED.items():
+            lists = decode_lists(model, feats, CONTROLLED_BEAM[name], MAX_LEN, 0.0, controls)
+            assert len(lists) == 3 and all(assert_captions(caps, len(caps)) is None for caps in lists)
+
+
+@pytest.mark.parametrize("name", sorted(CONTROLLED))
+@pytest.mark.parametrize("family", ["sat", "transformer"])
+def test_caption_controls_sync_at_most_once_per_step(family, name, request):
+    """The controls add no host sync: still at most one per decoding step, none per image."""
+    model = meta_model(family, request)
+    per_step, per_image, run = per_step_and_image(model, CONTROLLED_BEAM[name], controls=CONTROLLED[name])
     report = run.syncs.report(per=run.steps, unit=" per step")
     assert per_step <= 1, f"{per_step:g} host syncs per decoding step:\n{report}"
     assert per_image == 0, f"{per_image:g} host syncs per image:\n{report}"

@@ -18,6 +18,7 @@ from helpers import (
     import_graph_module,
     shape_image,
 )
+from meta_models import HF_FAMILIES, tiny_hf_model
 from tiny_family import TinyCaptioner, TinyConfig
 from torch import nn
 
@@ -64,6 +65,8 @@ def build(family: str, request) -> tuple[CaptionModel, torch.Tensor]:
         model = create_model("vit_gpt2", {"vocab_size": _lm_vocab(lm), "feat_dim": 3 * 8 * 8, "grid": [4, 4],
                                           "vit": vit, "lm": lm, "freeze_encoder_blocks": 1,
                                           "freeze_decoder_blocks": 1})
+    elif family in HF_FAMILIES:
+        model = tiny_hf_model(family, request.getfixturevalue("tiny_hf"))
     elif family == TINY:
         request.getfixturevalue("tiny_family")
         model = create_model(TINY, {"vocab_size": 12, "feat_dim": FEAT})
@@ -219,10 +222,13 @@ def test_the_tiny_family_trains_decodes_and_captions(tiny_family_run, tmp_path, 
     from captionkit.inference.captioner import Captioner
     from captionkit.inference.decoding import beam_search, greedy
 
-    cfg = read_config(tiny_family_run / "best")
+    # "last" holds the whole run: "best" is the epoch with the best dev CIDEr, which for a model
+    # this small that sees the photo can be the first (it was, from the random Lite features)
+    cfg = read_config(tiny_family_run / "last")
     assert cfg["family"] == TINY and cfg["state"]["epoch"] == 2 and cfg["trained_parameters"]["decoder"] > 0
     history = [e for e in cfg["state"]["history"] if "loss" in e]
     assert len(history) == 2 and history[1]["loss"] < history[0]["loss"]  # it learnt
+    assert read_config(tiny_family_run / "best")["family"] == TINY
     cap = Captioner.load(tiny_family_run / "best")
     assert isinstance(cap.decoder, TinyCaptioner)
     images = [shape_image(k, size=96) for k in range(3)]
@@ -233,11 +239,17 @@ def test_the_tiny_family_trains_decodes_and_captions(tiny_family_run, tmp_path, 
     g = assert_beam_one_is_greedy(cap.decoder, feats, max_len=8)
     wide = beam_search(cap.decoder, feats, beam=3, max_len=8)
     assert [c.ids for c in g] == [c.ids for c in greedy(cap.decoder, feats, max_len=8)]
-    assert all(w.ids and w.logprob >= c.logprob - 1e-4 for w, c in zip(wide, g))
+    # Two epochs leave it near a unigram model (dev loss 2.72) that gives <end> ~0.2 at the first
+    # step: beam search rightly finds the empty caption (log-prob -1.6; greedy's "a a a ..."
+    # -13.7). Its words are greedy's to ask for, not beam's (from the photo-blind random Lite
+    # features it had happened to prefer words).
+    assert all(c.ids for c in g) and all(w.logprob >= c.logprob - 1e-4 for w, c in zip(wide, g))
     results = dict(cap.caption_files(sorted(tmp_path.glob("*.jpg")), beam=3))
-    for path, res in results.items():
-        assert res.words and res.attention.shape == (len(res.words), feats.shape[1])
+    greedy_results = dict(cap.caption_files(sorted(tmp_path.glob("*.jpg")), beam=1))
+    assert all(res.words for res in greedy_results.values())
+    for res in [*results.values(), *greedy_results.values()]:
+        assert res.attention.shape == (len(res.words), feats.shape[1])  # a row of attention per word
     rc = main(["caption", "--model", str(tiny_family_run / "best"), str(tmp_path / "shape0.jpg")])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    assert out.strip().split("\t") == ["shape0.jpg", results[tmp_path / "shape0.jpg"].text]
+    assert out.rstrip("\n").split("\t") == ["shape0.jpg", results[tmp_path / "shape0.jpg"].text]

@@ -4,6 +4,7 @@ the same captions and error records, the same features, and shard-level resume."
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -101,6 +102,24 @@ def test_caption_engine_ray_matches_local(local_ray, tiny_run, photos, tmp_path,
     ray_out.unlink()
     assert cli.main(other) == 2
     assert "other settings" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_engine_ray_prints_no_ray_error_line_on_success(local_ray, tiny_run, tmp_path, capfd):
+    """A run that goes well prints captionkit's lines only: not the "E ... core_worker.cc" line
+    that Ray's C++ core worker writes to file descriptor 2 on every actor pool (capfd reads the
+    descriptor, where capsys would not see it)."""
+    folder = tmp_path / "ok"
+    folder.mkdir()
+    for i in range(3):
+        shape_image(i).save(folder / f"p{i}.jpg", quality=95)
+    out = tmp_path / "ray.jsonl"
+    capfd.readouterr()
+    assert cli.main(["caption", str(folder), "--model", str(tiny_run / "best"), "--beam", "2",
+                     "--jsonl", str(out), "--engine", "ray"]) == 0
+    err = capfd.readouterr().err
+    assert len(out.read_text().splitlines()) == 3
+    assert "core_worker" not in err and not re.search(r"(?m)^\[[^\]]* E \d", err), err
 
 
 @pytest.mark.slow

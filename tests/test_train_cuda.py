@@ -1,6 +1,6 @@
 """Training on a CUDA GPU: a few steps match the CPU's, fp16 trains under its gradient scaler,
-the checkpoints load on the CPU, SCST samples on the GPU. Skipped without a GPU (this
-project's development machine has none: these tests have not run there)."""
+the checkpoints load on the CPU, SCST samples on the GPU. Skipped without a GPU (CI has none;
+they ran on an H200 on 2026-11-26: docs/devices.md, "What ran on a GPU")."""
 
 from __future__ import annotations
 

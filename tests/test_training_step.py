@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from ddpsteps import assert_same_steps, record_steps
 from devicecheck import MetaAnswers, count_syncs, factory_sentinel, strict_devices
 from safetensors.torch import load_file, save_file
 
@@ -263,7 +264,8 @@ def baselines_per_step(trainer: Trainer) -> list[torch.Tensor]:
 
 
 def _ddp_rank(rank: int, config: str, out: str, port: int, steps: int) -> None:
-    """One of 2 gloo processes: the trainer as run.train builds it, ``steps`` steps."""
+    """One of 2 gloo processes: the trainer as run.train builds it, ``steps`` steps, each from
+    the parameters one process had before it (out/pinned.pt, tests/ddpsteps.py)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.multinomial = first_location
@@ -272,8 +274,11 @@ def _ddp_rank(rank: int, config: str, out: str, port: int, steps: int) -> None:
     try:
         trainer = tiny_trainer(Path(config), Path(out), world=World(rank, 2, rank))
         seen = baselines_per_step(trainer)
+        computed = record_steps(trainer, torch.load(Path(out) / "pinned.pt"))
         trainer.fit(max_steps=steps, progress=False)
         save_file({"baselines": torch.stack(seen)}, str(Path(out) / f"rank{rank}.safetensors"))
+        if rank == 0:
+            torch.save(computed, Path(out) / "steps.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -290,26 +295,26 @@ def test_hard_attention_under_two_gloo_processes_trains_what_one_process_trains(
     """Real DDP (buffers broadcast from rank 0 at every forward): 10 steps of the tiny hard-
     attention model (the first epoch, which has batches of one caption, so a rank stands in
     with weight 0; then rank 0 validates alone; then a step more) in 2 processes: after every
-    step each rank holds one process's baseline; at the end, the weights one process trains. (Not the
-    attention MLP's: its gradients are ~1e-7 here, float noise that Adam's per-parameter
-    normalisation turns into steps of the learning rate in one run and the other.)"""
+    step each rank holds one process's baseline, and each step, from the parameters one process
+    had before it, computes one process's loss and gradients, the attention's included (not the
+    weights after Adam, which turns float rounding of ~0 gradients into lr-sized differences:
+    tests/ddpsteps.py)."""
     config = variant(tiny_config, tmp_path, model='attention = "hard"\nexpected_prob = 0.0\n')
     steps = 10
     monkeypatch.setattr(torch, "multinomial", first_location)
     one = tiny_trainer(config, tmp_path / "one")
     expected = baselines_per_step(one)
+    one_steps = record_steps(one)
     one.fit(max_steps=steps, progress=False)
     two = tmp_path / "two"
     two.mkdir()
+    torch.save(one_steps, two / "pinned.pt")
     torch.multiprocessing.spawn(_ddp_rank, args=(str(config), str(two), free_port(), steps), nprocs=2)
     ranks = [load_file(two / f"rank{r}.safetensors")["baselines"] for r in range(2)]  # (steps, 2) each
     assert torch.equal(ranks[0], ranks[1])
     assert ranks[0][:, 1].tolist() == list(range(1, steps + 1))  # one update a step; validation added none
     torch.testing.assert_close(ranks[0], torch.stack(expected), rtol=1e-5, atol=0)
-    saved = load_file(two / "last" / "model.safetensors")
-    for k, v in one.model.state_dict().items():
-        if not k.startswith(("att_w", "att_feat.", "h_proj.")):
-            torch.testing.assert_close(saved[k], v, rtol=1e-5, atol=1e-5, msg=k)
+    assert_same_steps(one_steps, torch.load(two / "steps.pt"))
 
 
 # ---- host syncs: none in a step, one per LOG_EVERY steps ----------------------------------------

@@ -86,7 +86,7 @@ def test_the_tiny_vlm_captions_with_each_shipped_template(tiny_vlm, photos, monk
 
     monkeypatch.setattr(cap.model, "generate", spy)
     prompts = load_prompts()
-    assert set(prompts.templates) == {"ingredients", "title", "descriptive"}
+    assert set(prompts.templates) == {"ingredients", "title", "descriptive", "caption"}
     files = sorted(photos.iterdir())
     for name, text in prompts.templates.items():
         sent.clear()

@@ -12,8 +12,10 @@ from ..core.errors import ImageError
 from ..inference.shipped import FAST_MODEL, list_shipped_models, shipped_models_text
 from ..inference.zero_shot import DEFAULT_VLM, DTYPES
 from .argtypes import float_at_least, int_at_least, positive_floats, positive_int
-from .common import (UsageError, _add_csv_opts, _add_device_opts, _add_engine_opts, _add_overwrite, _add_score_opts,
-                     _check_targets, _device, _load_dataset, _print_report, _ray_options, _score_opts, _write_json)
+from .common import (UsageError, _add_control_opts, _add_csv_opts, _add_device_opts, _add_engine_opts, _add_overwrite,
+                     _add_score_opts, _check_targets, _controls, _device, _load_dataset, _print_report, _ray_options,
+                     _score_opts, _write_json)
+from .common import _diversity_doc, _print_diversity
 
 
 DEFAULT_NBEST = 5  # beams --rerank mbr chooses among when --nbest is not given
@@ -38,8 +40,11 @@ def _caption_writer(command: str, paths: list[str], settings: dict, **outputs):
 def _model_setting(model: str | None) -> str:
     """A checkpoint as recorded beside resumable outputs: a shipped model by its name, any
     other folder by its absolute path (so `runs/x` and `./runs/x/` compare equal)."""
+    from ..inference.hf_models import hf_setting
     from ..inference.shipped import SHIPPED, model_folder
 
+    if hf_setting(model):  # a Hugging Face model: hf: and its Hub name or folder
+        return hf_setting(model)
     folder = model_folder(model)
     return folder.name if folder.parent == SHIPPED else str(folder.resolve())
 
@@ -67,10 +72,12 @@ def _check_models(models: list[str] | None, weights: list[float] | None, rerank:
 def _check_model_folders(models: list[str] | None) -> None:
     """Each --model (or the default) is a folder or a shipped name: one line otherwise, before
     torch loads."""
+    from ..inference.hf_models import hf_source
     from ..inference.shipped import existing_model_folder
 
     for m in models or [None]:
-        existing_model_folder(m)
+        if hf_source(m) is None:  # (an hf: folder that is not there is refused by hf_source)
+            existing_model_folder(m)
 
 
 def _load_captioner(models: list[str] | None, weights: list[float] | None, tta: str | None = None,
@@ -103,6 +110,19 @@ def _check_caption_sources(model: list[str] | None, onnx: str | None, weights: l
         raise UsageError("--rerank, --nbest and --candidates need a PyTorch model (--model), not --onnx")
 
 
+def _check_controls_fit(given: dict, rerank: str | None, nbest: int | None, candidates: str | None,
+                        engine: str = "local") -> None:
+    """Caption controls that do not fit the other options (refused before anything loads)."""
+    if given and engine == "ray":
+        raise UsageError(f"--engine ray does not support --{next(iter(given)).replace('_', '-')}; use the local "
+                         f"engine for it")
+    several = [f"--{k.replace('_', '-')}" for k in ("num_captions", "sample", "beam_groups")
+               if given.get(k) not in (None, False, 1)]
+    if several and (rerank or nbest or candidates):
+        raise UsageError(f"{several[0]} does not go with --rerank, --nbest or --candidates (they take the beam's "
+                         f"n best): give one or the other")
+
+
 def _caption_settings(model: list[str] | None, weights: list[float] | None, onnx: str | None, beam: int,
                       length_penalty: float | None, rerank: str | None, nbest: int | None,
                       tta: str | None = None) -> dict:
@@ -117,14 +137,17 @@ def _caption_settings(model: list[str] | None, weights: list[float] | None, onnx
     return settings
 
 
-def _caption_with_candidates(writer, load, candidates: Path | None, **options) -> int:
+def _caption_with_candidates(writer, load, candidates: Path | None, controls: dict | None = None, **options) -> int:
     """Run the writer on the PyTorch captioner ``load()`` returns (called only when there are
     images to caption); with ``candidates``, also write each image's n best beams there
-    ({key: [caption, ...]}) at the end."""
+    ({key: [caption, ...]}) at the end. ``controls``: the caption controls given (over the
+    model's own)."""
     lists: dict[str, list[str]] = {}
 
     def results(files: list[Path]):
-        for path, res in load().caption_files(files, **options):
+        cap = load()
+        given = cap.controls_for(None, options.get("beam"), **(controls or {}))
+        for path, res in cap.caption_files(files, controls=given, **options):
             if not isinstance(res, ImageError) and res.candidates is not None:
                 lists[writer.keys[path]] = res.candidates
             yield path, res
@@ -295,7 +318,8 @@ def add_caption(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--paths-from", metavar="FILE",
                    help="also caption the images this file lists, one path or URL a line")
     c.add_argument("--model", action="append",
-                   help=f"checkpoint or ensemble folder, or a shipped model by name: {shipped_models_text()}; "
+                   help=f"checkpoint or ensemble folder, a shipped model by name: {shipped_models_text()}, or "
+                        "hub:ORG/NAME[@REVISION], or a Hugging Face captioner hf:ORG/NAME (docs/hf-models.md); "
                         "repeat for an ensemble (docs/ensembles.md)")
     c.add_argument("--fast", action="store_true",
                    help=f"caption with the fastest good shipped model, {FAST_MODEL.name} (--model "
@@ -304,18 +328,19 @@ def add_caption(sub: argparse._SubParsersAction) -> None:
                         f"(docs/speed.md)")
     _add_ensemble_opts(c)
     _add_candidates_opt(c)
-    c.add_argument("--beam", type=positive_int, default=3, help="beam width (1: greedy; default 3)")
+    c.add_argument("--beam", type=positive_int, help="beam width (1: greedy; default 3)")
     c.add_argument("--attention", metavar="DIR", help="write one attention figure per image here (x.jpg -> DIR/x.jpg.png)")
     c.add_argument("--batch-size", type=positive_int, default=16, help="images captioned together (default 16)")
     c.add_argument("--length-penalty", type=float_at_least(0), default=None,
                    help="rank beams by logprob / (words + 1) ** this (0: plain sum; default: the model's)")
     c.add_argument("--onnx", metavar="DIR", help="caption with an ONNX export (captionkit export onnx) instead")
+    _add_control_opts(c, default="the model's")
     _add_device_opts(c, workers=True)
     _add_caption_outputs(c)
     _add_engine_opts(c)
 
 
-def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: str | None,
+def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, json_out: str | None,
                 attention: str | None, batch_size: int, length_penalty: float | None,
                 jsonl: str | None = None, csv_out: str | None = None, workers: int = 2,
                 onnx: str | None = None, overwrite: bool = False, retry_failed: bool = False,
@@ -323,7 +348,8 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
                 nbest: int | None = None, candidates: str | None = None, engine: str = "local",
                 address: str | None = None, replicas: int = 1, shard_size: int | None = None,
                 gpus_per_replica: float = 0, paths_from: str | None = None, tta: str | None = None,
-                device: str = "auto", precision: str = "auto", fast: bool = False) -> int:
+                device: str = "auto", precision: str = "auto", fast: bool = False, **controls) -> int:
+    """``controls``: the caption controls' options (cli/common.py: _add_control_opts), None where not given."""
     from ..core.outputs import check_file_target
 
     if fast:  # one flag for the fast single model: recorded, checked and loaded as --model NAME is
@@ -340,13 +366,16 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
         _check_ray_caption(jsonl or csv_out, onnx=onnx, attention=attention, rerank=rerank, nbest=nbest,
                            candidates=candidates, tta=tta)
     _check_caption_sources(model, onnx, weights, rerank, nbest, candidates, tta)
+    given, beam_used = _controls(controls, beam)
+    _check_controls_fit(given, rerank, nbest, candidates, engine)
     if onnx and (device not in ("auto", "cpu") or precision != "auto"):
         raise UsageError("--device and --precision apply to PyTorch models; --onnx runs on onnxruntime's CPU")
     if onnx:
         from ..export.checks import check_onnx_extra, read_manifest
         read_manifest(onnx)
         check_onnx_extra("--onnx", ("onnxruntime",))
-    settings = _caption_settings(model, weights, onnx, beam, length_penalty, rerank, nbest, tta)
+    settings = _caption_settings(model, weights, onnx, beam_used, length_penalty, rerank, nbest, tta)
+    settings.update(given)  # recorded only when given: other runs' settings stay as they were
     candidates_path = check_file_target(candidates, overwrite=overwrite) if candidates else None
     writer = _caption_writer("caption", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
                              attention=attention, overwrite=overwrite, retry_failed=retry_failed, verbose=verbose,
@@ -363,21 +392,23 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int, json_out: 
     if not writer.readable:  # every path given is missing or refused: said without torch or a model
         return writer.run(lambda files: iter(()))
     if engine == "ray":
-        return _caption_ray(writer, model, weights, beam, length_penalty, overwrite, retry_failed, jsonl or csv_out,
+        return _caption_ray(writer, model, weights, beam_used, length_penalty, overwrite, retry_failed, jsonl or csv_out,
                             _ray_options(address, replicas, gpus_per_replica, batch_size, shard_size),
                             precision=asked_precision)
     options = {"beam": beam, "batch_size": batch_size, "length_penalty": length_penalty, "workers": workers}
     if onnx:
         def onnx_results(files: list[Path]):
             from ..export.onnx_runtime import load_onnx_captioner
-            yield from load_onnx_captioner(onnx).caption_files(files, **options)
+            cap = load_onnx_captioner(onnx)
+            yield from cap.caption_files(files, controls=cap.controls_for(None, beam, **given), **options)
         return writer.run(onnx_results)
     return _caption_with_candidates(writer, lambda: _load_captioner(model, weights, tta, where, precision),
-                                    candidates_path, nbest=_nbest(rerank, nbest), rerank=rerank, **options)
+                                    candidates_path, given, nbest=_nbest(rerank, nbest), rerank=rerank, **options)
 
 
-def _caption_split(cap, items: list, split: str, **options) -> dict[str, str]:
-    """{image name: caption} of a dataset split; one line if any of its images cannot be read."""
+def _caption_split(cap, items: list, split: str, lists: dict | None = None, **options) -> dict[str, str]:
+    """{image name: caption} of a dataset split; one line if any of its images cannot be read.
+    ``lists``: filled with {image name: [caption, ...]} when the controls ask for several."""
     from ..core.progress import progress
 
     captions, failed = {}, []
@@ -387,6 +418,8 @@ def _caption_split(cap, items: list, split: str, **options) -> dict[str, str]:
             failed.append(str(res))
         else:
             captions[path.name] = res.text
+            if lists is not None and res.captions is not None:
+                lists[path.name] = res.captions
     if failed:
         raise UsageError(f"{len(failed)} {split} images could not be read, e.g. {failed[0]}")
     return captions
@@ -397,60 +430,75 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
     e.set_defaults(func=cmd_evaluate)
     e.add_argument("--model", action="append", help="as caption's --model; repeat for an ensemble")
     _add_ensemble_opts(e)
-    e.add_argument("--dataset", required=True, help="a Flickr8k or Kaggle folder, a Karpathy or COCO JSON file, or a title CSV")
+    e.add_argument("--dataset", required=True,
+                   help="a Flickr8k, Kaggle or imagefolder folder, WebDataset shards, a saved Hugging Face "
+                        "dataset, a Karpathy or COCO JSON file, or a title CSV (docs/datasets.md)")
     e.add_argument("--images", help="image folder of a JSON or CSV dataset")
     e.add_argument("--split", default="test", help="the split to caption and score (default test)")
     e.add_argument("--max-images", type=positive_int, metavar="N",
                    help="caption and score only the split's first N images (a quick look; scores on part of "
                         "a split are not comparable to the whole split's)")
-    e.add_argument("--beam", type=positive_int, default=3, help="beam width (1: greedy; default 3)")
-    e.add_argument("--out", help="write scores and every caption to this JSON")
+    e.add_argument("--beam", type=positive_int, help="beam width (1: greedy; default 3)")
+    e.add_argument("--out", help="write scores and every caption to this JSON (with --num-captions, each "
+                                 "image's list too, as caption_lists; the first caption is scored)")
     e.add_argument("--batch-size", type=int, default=16, help="images captioned together (default 16)")
     e.add_argument("--length-penalty", type=float, default=None,
                    help="rank beams by logprob / (words + 1) ** this (0: plain sum; default: the model's)")
     _add_overwrite(e, "replace the --out file if it exists")
+    _add_control_opts(e, default="the model's")
     _add_device_opts(e, workers=True)
     _add_score_opts(e)
     _add_csv_opts(e)
 
 
-def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, split: str, beam: int,
+def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, split: str, beam: int | None,
                  out: str | None, batch_size: int, length_penalty: float | None,
                  tokenizer: str, meteor: str, no_brevity_penalty: bool, metrics: str,
                  image_column: str, title_column: str, image_suffix: str, overwrite: bool = False,
                  weights: list[float] | None = None, rerank: str | None = None, nbest: int | None = None,
                  tta: str | None = None, device: str = "auto", precision: str = "auto", workers: int = 2,
-                 max_images: int | None = None) -> int:
+                 max_images: int | None = None, **controls) -> int:
     _check_targets(out, overwrite=overwrite)  # before torch, the dataset and the model load
+    from ..scoring.diversity import diversity_rows
     from ..scoring.evaluation import score_captions
 
     _check_models(model, weights, rerank, nbest)
+    given, beam = _controls(controls, beam)  # the caption controls given, and the beam width used
+    _check_controls_fit(given, rerank, nbest, None)
     _check_model_folders(model)
     where, precision = _device(device, precision)
-    items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
+    data = _load_dataset(dataset, images, image_column, title_column, image_suffix)
+    items = data.split(split)
     split_size = len(items)
     items = items[:max_images] if max_images else items  # the split's order: the same N every time
     cap = _load_captioner(model, weights, tta, where, precision)
-    captions = _caption_split(cap, items, split, beam=beam, batch_size=batch_size, length_penalty=length_penalty,
-                              nbest=_nbest(rerank, nbest), rerank=rerank, workers=workers)
+    lists: dict[str, list[str]] = {}
+    captions = _caption_split(cap, items, split, lists, beam=beam, batch_size=batch_size,
+                              length_penalty=length_penalty, nbest=_nbest(rerank, nbest), rerank=rerank,
+                              workers=workers, controls=cap.controls_for(None, beam, **given))
     rep = score_captions(captions, {it.name: it.raw for it in items}, source="the model's captions",
                          refs_source=f"{dataset} ({split} split)",
                          **_score_opts(tokenizer, meteor, no_brevity_penalty, metrics))
+    train = [c for it in data.splits["train"] for c in it.raw] if "train" in data.splits else None
+    diversity = diversity_rows(captions, {it.name: it.raw for it in items}, train, tokenizer)
     lp = cap.length_penalty_or(length_penalty)
     mbr = _nbest(rerank, nbest)
     scored = f"{len(items)} of its {split_size} images (--max-images)" if len(items) < split_size else \
         f"{len(items)} images"
     print(f"{split} split, {scored}, beam {beam}, length penalty {lp:g}"
-          + (f", MBR over the {mbr} best beams" if mbr else "") + (f", test-time {cap.tta}" if cap.tta else ""))
+          + (f", MBR over the {mbr} best beams" if mbr else "") + (f", test-time {cap.tta}" if cap.tta else "")
+          + "".join(f", {k.replace('_', ' ')} {v}" for k, v in given.items()))
     _print_report(rep)
+    _print_diversity(diversity)
     if out:
         _write_json(out, {"model": _models_setting(model, weights), "dataset": dataset, "split": split,
                           "beam": beam, "length_penalty": lp, "mbr_nbest": mbr, "tta": cap.tta, "scale": "x100",
                           "scores": {k: round(100 * v, 4) for k, v in rep.scores.items()},
                           "implementation": rep.implementation, "tokenizer": rep.tokenizer,
                           "empty_captions": len(rep.empty), "notes": rep.notes, "captions": captions,
+                          **({"controls": given} if given else {}), **({"caption_lists": lists} if lists else {}),
                           **({"max_images": max_images, "images": len(items), "split_images": split_size}
-                             if max_images else {})})
+                             if max_images else {}), "diversity": _diversity_doc(diversity)})
     return 0
 
 

@@ -74,6 +74,26 @@ def _print_report(rep, ci: dict | None = None) -> None:
         print(f"note: {note}")
 
 
+def _print_diversity(rows: dict) -> None:
+    """The diversity figures (captionkit.scoring.diversity) of the captions and, when the
+    references are known, of the references: the human row."""
+    from ..scoring.diversity import format_diversity
+
+    d = rows["captions"]
+    human = ("; human: the references, " + ("the first of each image" if d.captions_per_image == 1 else
+             f"the first {d.captions_per_image} of each image") +
+             (" (all of them for the per-image figures)" if d.mbleu_4 is not None or
+              rows["human"].mbleu_4 is not None else "")) if "human" in rows else ""
+    novel = "; novel: not a training caption" if d.novel_captions is not None else ""
+    print(f"diversity: PTB words, {d.captions:,} captions of {d.images:,} images{human}{novel}")
+    print(format_diversity(rows))
+
+
+def _diversity_doc(rows: dict) -> dict:
+    """The diversity figures as the JSON outputs write them (shares 0..1, counts, words)."""
+    return {label: d.as_dict() for label, d in rows.items()}
+
+
 def _add_overwrite(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help=f"{what} (a folder captionkit did not write is never replaced; see docs/outputs.md)")
@@ -121,3 +141,65 @@ def _add_engine_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-replica", type=float_at_least(0), default=0,
                    help="ray: GPUs each replica holds (e.g. 1, or 0.5 for two replicas a GPU; default 0: CPU)")
     p.add_argument("--shard-size", type=positive_int, help="ray: images per output shard (default 1000)")
+
+
+def _add_control_opts(p: argparse.ArgumentParser, default: str = "none") -> None:
+    """The caption controls (captionkit.inference.controls; docs/decoding-controls.md) of caption,
+    evaluate and serve; each None unless given. ``default``: what an option not given means."""
+    g = p.add_argument_group("caption controls (docs/decoding-controls.md)")
+    g.add_argument("--no-repeat-ngram", type=int_at_least(0), metavar="N",
+                   help=f"block a word that would repeat an N-gram of the caption (0: none; default {default})")
+    g.add_argument("--repetition-penalty", type=float_at_least(0), metavar="P",
+                   help=f"CTRL's penalty on words the caption already holds (1: none, 1.2: the paper's; "
+                        f"default {default})")
+    g.add_argument("--min-words", type=int_at_least(0), metavar="N", help="no <end> before N words")
+    g.add_argument("--max-words", type=positive_int, metavar="N",
+                   help="end captions at N words (at most the model's own longest)")
+    g.add_argument("--sample", action="store_true", default=None,
+                   help="draw each word from the model's distribution instead of beam search (reproducible by "
+                        "--seed)")
+    g.add_argument("--temperature", type=float_at_least(0), metavar="T",
+                   help="--sample: flatten (> 1) or sharpen (< 1) the distribution; 0: the most probable word "
+                        "(default 1)")
+    g.add_argument("--top-k", type=int_at_least(0), metavar="K", help="--sample: only among the K most probable "
+                                                                       "words (0: all; default 0)")
+    g.add_argument("--top-p", type=float_at_least(0), metavar="P",
+                   help="--sample: only among the most probable words that together hold P of the probability "
+                        "(nucleus sampling; default 1: all)")
+    g.add_argument("--seed", type=int_at_least(0), metavar="S",
+                   help="--sample: the seed (default 0); an image's draws depend only on it, the image and "
+                        "the options, not on the batch")
+    g.add_argument("--num-captions", type=positive_int, metavar="K",
+                   help="K distinct captions per image: the beam's K best (K <= --beam), K draws with "
+                        "--sample, or one per group in turn with --beam-groups; written as lists")
+    g.add_argument("--beam-groups", type=positive_int, metavar="G",
+                   help="diverse beam search (Vijayakumar et al. 2018): the beam split into G groups, each "
+                        "penalised for the words of the groups before it (--beam a multiple of G)")
+    g.add_argument("--diversity-strength", type=float_at_least(0), metavar="L",
+                   help="--beam-groups: what a word costs per earlier group that chose it at that step "
+                        "(default 0.5)")
+
+
+CONTROLS_NEED = {"temperature": "sample", "top_k": "sample", "top_p": "sample", "seed": "sample",
+                 "diversity_strength": "beam_groups"}
+
+
+def _controls(options: dict, beam: int | None) -> tuple[dict, int]:
+    """The caption controls given on the command line -> ({field: value} of those given, the
+    beam width decoding uses: --beam, else 1 to sample and 3 for beam search), checked alone
+    and against --beam (None: not given) without torch: one line for a value out of range or
+    options that do not fit together."""
+    from ..inference.controls import DEFAULT
+
+    given = {k: v for k, v in options.items() if v is not None}
+    for name, needs in CONTROLS_NEED.items():
+        if name in given and not given.get(needs):
+            raise UsageError(f"--{name.replace('_', '-')} is a --{needs.replace('_', '-')} option: give "
+                             f"--{needs.replace('_', '-')} too")
+    controls = DEFAULT.with_options(**given).check(beam)
+    # what asks for nothing is not recorded (so a resumed file needs no option it was written
+    # without); the rules are, even at their defaults: they override a model's own
+    for name in ("num_captions", "beam_groups", "sample"):
+        if name in given and given[name] == getattr(DEFAULT, name):
+            del given[name]
+    return given, controls.beam(beam)

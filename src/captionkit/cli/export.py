@@ -92,14 +92,15 @@ def cmd_export_onnx(model: str | None, out: str, int8: bool, int8_encoder: bool,
 
 def _add_export_hf_opts(p: argparse.ArgumentParser) -> None:
     """The options of export hf and of merge-lora, its old name."""
-    p.add_argument("--model", required=True, help="a prefix_lm or vit_gpt2 checkpoint folder")
+    p.add_argument("--model", required=True, help="a prefix_lm, vit_gpt2 or hf_* checkpoint folder")
     p.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
     _add_overwrite(p, "replace OUT if it is a transformers export captionkit wrote")
 
 
 def _add_export_hf(xf: argparse._SubParsersAction) -> None:
     h = xf.add_parser("hf", help="a plain Hugging Face transformers folder (prefix_lm: its LM with LoRA merged; "
-                      "vit_gpt2: a VisionEncoderDecoderModel)")
+                      "vit_gpt2: a VisionEncoderDecoderModel; hf_*: the fine-tuned model, LoRA merged, with its "
+                      "processor)")
     h.set_defaults(func=cmd_export_hf)
     _add_export_hf_opts(h)
 

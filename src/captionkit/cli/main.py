@@ -1,5 +1,5 @@
 """The ``captionkit`` command line: it parses and calls the library. Each command group has its
-module (caption, score, training, experiments, export, serve), which holds its subcommands'
+module (caption, score, training, experiments, export, hub, serve), which holds its subcommands'
 functions ``cmd_NAME`` and, beside each, the function that adds its parser and options and binds
 it by ``set_defaults(func=...)``; options and helpers several groups share are in ``common``.
 This module assembles the parser and runs a command. A user's mistake
@@ -15,12 +15,12 @@ import sys
 from ..core.errors import UserError, WeightsUnavailable
 from ..core.signals import EXIT_PREEMPTED, Preempted
 from ..inference.writer import EXIT_STDOUT_CLOSED, silence_stdout
-from . import caption, experiments, export, score, serve, training
+from . import caption, experiments, export, hub, score, serve, training
 
 # the order of captionkit --help's commands: each function adds one command's parser and options
 COMMANDS = (caption.add_caption, caption.add_evaluate, score.add_score, training.add_train, training.add_features,
             training.add_pack, export.add_merge_lora, caption.add_zero_shot, export.add_export, caption.add_models,
-            caption.add_ensemble, caption.add_rerank, serve.add_serve, experiments.add_sweep, experiments.add_plot,
+            caption.add_ensemble, caption.add_rerank, hub.add_push, serve.add_serve, experiments.add_sweep, experiments.add_plot,
             experiments.add_report)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from .common import (UsageError, _add_csv_opts, _add_overwrite, _add_score_opts, _check_targets, _load_dataset,
-                     _print_report, _score_opts, _write_json)
+from .common import (UsageError, _add_csv_opts, _add_overwrite, _add_score_opts, _check_targets, _diversity_doc,
+                     _load_dataset, _print_diversity, _print_report, _score_opts, _write_json)
 
 
 def _check_score_inputs(captions: str | None, compare: list[str] | None, per_image: str | None,
@@ -21,25 +21,33 @@ def _check_score_inputs(captions: str | None, compare: list[str] | None, per_ima
     if refs and dataset:
         raise UsageError("give the references once: --refs R.json or --dataset D --split S")
     if not refs and not dataset:
-        raise UsageError("give the references: --refs R.json or --dataset D --split S")
+        # --captions alone: the diversity figures, which need no references
+        needs = [opt for opt, given in (("--compare", compare), ("--per-image", per_image),
+                                         ("--bootstrap", bootstrap)) if given]
+        if needs:
+            raise UsageError(f"{needs[0]} needs the references: --refs R.json or --dataset D --split S")
     if bootstrap < 0:
         raise UsageError(f"--bootstrap must be 0 (no intervals) or a number of resamples, got {bootstrap}")
 
 
 def _references(refs: str | None, dataset: str | None, images: str | None, split: str, image_column: str,
-                title_column: str, image_suffix: str) -> tuple[dict, str]:
-    """{image: [reference, ...]} from --refs or a --dataset split, and where they came from."""
+                title_column: str, image_suffix: str) -> tuple[dict, str, list[str] | None]:
+    """{image: [reference, ...]} from --refs or a --dataset split, where they came from, and the
+    dataset's training captions (for the novel captions; None with --refs or no train split)."""
     if refs:
         from ..scoring.score_inputs import read_references
-        return read_references(refs), refs
-    items = _load_dataset(dataset, images, image_column, title_column, image_suffix).split(split)
-    return {it.name: it.raw for it in items}, f"{dataset} ({split} split)"
+        return read_references(refs), refs, None
+    data = _load_dataset(dataset, images, image_column, title_column, image_suffix)
+    items = data.split(split)
+    train = [c for it in data.splits["train"] for c in it.raw] if "train" in data.splits else None
+    return {it.name: it.raw for it in items}, f"{dataset} ({split} split)", train
 
 
 def add_score(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("score", help="score a {image: caption} JSON against references")
     s.set_defaults(func=cmd_score)
-    s.add_argument("--captions", help="{image: caption} JSON (or coco-caption's [{\"image_id\": ..., \"caption\": ...}] list)")
+    s.add_argument("--captions", help="{image: caption} JSON (or coco-caption's [{\"image_id\": ..., \"caption\": ...}] list; "
+                   "a caption may be a list of captions); alone, without references: the diversity figures")
     s.add_argument("--refs", help="{image: [reference, ...]} JSON")
     s.add_argument("--dataset", help="take the references from this dataset instead")
     s.add_argument("--images", help="image folder of a JSON or CSV --dataset")
@@ -64,11 +72,25 @@ def cmd_score(captions: str | None, refs: str | None, dataset: str | None, image
               subset: bool = False) -> int:
     _check_score_inputs(captions, compare, per_image, refs, dataset, bootstrap)
     _check_targets(out, per_image, overwrite=overwrite)
-    ref, refs_source = _references(refs, dataset, images, split, image_column, title_column, image_suffix)
+    if not refs and not dataset:
+        return _diversity_only(captions, tokenizer, out)
+    ref, refs_source, train = _references(refs, dataset, images, split, image_column, title_column, image_suffix)
     opts = {**_score_opts(tokenizer, meteor, no_brevity_penalty, metrics), "refs_source": refs_source}
     if compare:
         return _score_compare(compare, ref, opts, bootstrap or 1000, seed, out, subset)
-    return _score_one(captions, ref, opts, bootstrap, seed, out, per_image, subset)
+    return _score_one(captions, ref, opts, bootstrap, seed, out, per_image, subset, train)
+
+
+def _diversity_only(captions: str, tokenizer: str, out: str | None) -> int:
+    """score --captions C without references: the diversity figures alone."""
+    from ..scoring.diversity import diversity_rows
+    from ..scoring.score_inputs import read_caption_sets
+
+    rows = diversity_rows(read_caption_sets(captions), tokenizer=tokenizer)
+    _print_diversity(rows)
+    if out:
+        _write_json(out, {"diversity": _diversity_doc(rows)})
+    return 0
 
 
 def _covered(cand: dict, ref: dict, source: str, refs_source: str, subset: bool) -> tuple[dict, str]:
@@ -118,26 +140,36 @@ def _score_compare(compare: list[str], ref: dict, opts: dict, rounds: int, seed:
 
 
 def _score_one(captions: str, ref: dict, opts: dict, bootstrap: int, seed: int, out: str | None,
-               per_image: str | None, subset: bool = False) -> int:
-    """score --captions C: one system's scores, with bootstrap intervals when asked."""
+               per_image: str | None, subset: bool = False, train: list[str] | None = None) -> int:
+    """score --captions C: one system's scores, with bootstrap intervals when asked, and the
+    diversity of its captions beside the references'. An image may have several captions (an
+    n-best list, samples): BLEU..CIDEr-D score its first, the diversity figures all of them."""
+    from ..scoring.diversity import diversity_rows
     from ..scoring.evaluation import bootstrap as run_bootstrap
     from ..scoring.evaluation import score_captions
-    from ..scoring.score_inputs import read_captions
+    from ..scoring.score_inputs import read_caption_sets
 
-    cand = read_captions(captions)
+    sets = read_caption_sets(captions)
+    cand = {k: v[0] for k, v in sets.items()}
     total = len(ref)
     ref, scored = _covered(cand, ref, captions, opts["refs_source"], subset)
     rep = score_captions(cand, ref, source=captions, **opts)
+    if any(len(v) > 1 for v in sets.values()):
+        rep.notes.append("several captions per image: BLEU..CIDEr-D score the first of each image, "
+                         "the diversity figures all of them")
     ci = run_bootstrap(rep, rounds=bootstrap, seed=seed) if bootstrap else None
+    rows = diversity_rows(sets, ref, train, opts["tokenizer"])
     print(scored + (f", bootstrap {bootstrap} resamples" if bootstrap else ""))
     _print_report(rep, ci)
+    _print_diversity(rows)
     if out:
         doc = {k: round(100 * v, 4) for k, v in rep.scores.items()}
         if ci:
             doc["ci95"] = {k: [round(100 * lo, 4), round(100 * hi, 4)] for k, (lo, hi) in ci.items()}
         _write_json(out, {**doc, "implementation": rep.implementation, "tokenizer": rep.tokenizer,
                           "empty_captions": len(rep.empty), "notes": rep.notes,
-                          **({"subset": {"images": len(ref), "of": total}} if len(ref) < total else {})})
+                          **({"subset": {"images": len(ref), "of": total}} if len(ref) < total else {}),
+                          "diversity": _diversity_doc(rows)})
     if per_image:
         _write_per_image(per_image, rep, cand)
     return 0

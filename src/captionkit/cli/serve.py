@@ -8,7 +8,7 @@ import os
 import sys
 
 from ..inference.shipped import shipped_models_text
-from .common import UsageError, _add_device_opts, _device
+from .common import UsageError, _add_control_opts, _add_device_opts, _controls, _device
 
 
 def _check_serve_limits(port: int, **limits: float | None) -> None:
@@ -83,6 +83,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="on SIGTERM/SIGINT: stop accepting, answer the requests in flight for at most this many "
                         "seconds, then exit (default 30)")
     v.add_argument("--access-log", metavar="FILE", help="write a JSON line per request to FILE ('-': stdout)")
+    _add_control_opts(v, default="the model's; a request's form fields of the same names, in snake_case, "
+                                 "override these")
     _add_device_opts(v)
 
 
@@ -91,12 +93,14 @@ def cmd_serve(model: list[str] | None, host: str, port: int, max_upload_mb: floa
               rate_limit: float | None = None, max_pixels: int | None = None, decode_workers: int = 2,
               decode_memory_mb: float = 512, decode_queue: int = 16, max_connections: int = 100,
               header_timeout: float = 10.0, body_timeout: float = 30.0, drain_timeout: float = 30.0,
-              access_log: str | None = None, device: str = "auto", precision: str = "auto") -> int:
+              access_log: str | None = None, device: str = "auto", precision: str = "auto", **controls) -> int:
+    """``controls``: the caption controls' options, None where not given: the requests' defaults."""
     _check_serve_limits(port, max_upload_mb=max_upload_mb, queue_size=queue_size, max_batch=max_batch,
                         threads=threads, rate_limit=rate_limit, max_pixels=max_pixels, decode_workers=decode_workers,
                         decode_memory_mb=decode_memory_mb, decode_queue=decode_queue, max_connections=max_connections,
                         header_timeout=header_timeout, body_timeout=body_timeout, drain_timeout=drain_timeout)
     _check_access_log(access_log)
+    given, _ = _controls(controls, None)
     api_key = _serve_api_key(api_key)
     if onnx:
         from ..export.checks import read_manifest
@@ -116,6 +120,6 @@ def cmd_serve(model: list[str] | None, host: str, port: int, max_upload_mb: floa
                       decode_workers=decode_workers, max_decode_bytes=int(decode_memory_mb * 2 ** 20),
                       decode_queue=decode_queue, max_connections=max_connections,
                       header_timeout=header_timeout, body_timeout=body_timeout, drain_timeout=drain_timeout,
-                      access_log=access_log, **limits)
+                      access_log=access_log, controls=given, **limits)
     cut_off = serve(model, sock, cfg, threads=threads, device=where, precision=precision)
     return 1 if cut_off else 0  # 1: the drain's bound cut requests off (said on stderr)

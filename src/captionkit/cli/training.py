@@ -71,7 +71,9 @@ def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool 
 def add_features(sub: argparse._SubParsersAction) -> None:
     f = sub.add_parser("features", help="compute and cache a dataset's encoder features")
     f.set_defaults(func=cmd_features)
-    f.add_argument("--dataset", required=True, help="a Flickr8k or Kaggle folder, a Karpathy or COCO JSON file, or a title CSV")
+    f.add_argument("--dataset", required=True,
+                   help="a Flickr8k, Kaggle or imagefolder folder, WebDataset shards, a saved Hugging Face "
+                        "dataset, a Karpathy or COCO JSON file, or a title CSV (docs/datasets.md)")
     f.add_argument("--images", help="image folder of a JSON or CSV dataset")
     f.add_argument("--encoder", default="efficientnet_lite2", help="the image encoder (default efficientnet_lite2)")
     f.add_argument("--flip", action="store_true",

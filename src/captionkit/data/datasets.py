@@ -1,11 +1,16 @@
 """Caption datasets: readers for the common Flickr8k/Flickr30k/COCO layouts and for title CSVs
-(one title per image, e.g. recipe photos), one in-memory form.
+(one title per image, e.g. recipe photos), one in-memory form (:mod:`captionkit.data.items`),
+and :func:`load_dataset`, the one place a dataset path (or object) picks its reader -- these,
+or the layouts people keep their own data in: an imagefolder (:mod:`captionkit.data.imagefolder`),
+WebDataset shards (:mod:`captionkit.data.webdataset`), a Hugging Face dataset
+(:mod:`captionkit.data.hf_datasets`).
 
 Every reader returns a :class:`CaptionDataset`: per split, a list of :class:`ImageItem` with
 the image's path and its reference captions (raw text, and words in one of
-:data:`WORD_STYLES`). Captions whose image file is missing are skipped and counted in one
-line on stderr (per split; an image that is in no split is left out silently, missing or
-not); a malformed line is reported as ``file:line``.
+:data:`WORD_STYLES`). Here, captions whose image file is missing are skipped and counted in
+one line on stderr (per split; an image that is in no split is left out silently, missing or
+not); a malformed line is reported as ``file:line``. The other layouts' readers refuse a
+missing file or a malformed row in one line naming it, as the formats they follow do.
 """
 
 from __future__ import annotations
@@ -15,77 +20,25 @@ import hashlib
 import io
 import json
 import random
-import re
-import string
-import sys
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.cache import cache_dir
 from ..core.errors import DatasetError, UserError
 from ..core.outputs import atomic_write_text
-
-_PUNCT = str.maketrans("", "", string.punctuation)
-
-
-# how reference captions become training words: "karpathy" (lower case, punctuation dropped:
-# the usual captioning set-up) or "cased" (case and in-word hyphens and apostrophes kept, other
-# punctuation dropped: for subword tokenizers on titles, where "Miso-Butter" is worth keeping)
-WORD_STYLES = ("karpathy", "cased")
-# a word: letters or digits, joined by in-word hyphens or apostrophes ("Mom's", "Stir-Fried")
-_CASED_WORD = re.compile(r"[^\W_]+(?:[-'\u2019][^\W_]+)*")
-
-
-def normalize(caption: str) -> list[str]:
-    """Karpathy's normalisation: lower case, punctuation dropped, split on whitespace."""
-    return caption.lower().translate(_PUNCT).split()
-
-
-def cased_words(caption: str) -> list[str]:
-    """Words as written: case, in-word hyphens and apostrophes kept, other punctuation dropped."""
-    return _CASED_WORD.findall(caption)
-
-
-@dataclass
-class ImageItem:
-    name: str  # file name, the image's id everywhere (feature cache, caption JSON)
-    path: Path
-    raw: list[str] = field(default_factory=list)  # reference captions as written
-
-    @property
-    def tokens(self) -> list[list[str]]:
-        return [normalize(c) for c in self.raw]
-
-    def words(self, style: str = "karpathy") -> list[list[str]]:
-        """The reference captions as training words, in one of WORD_STYLES."""
-        if style not in WORD_STYLES:
-            raise UserError(f"word style must be one of {', '.join(WORD_STYLES)}, not {style!r}")
-        return self.tokens if style == "karpathy" else [cased_words(c) for c in self.raw]
-
-
-@dataclass
-class CaptionDataset:
-    name: str
-    splits: dict[str, list[ImageItem]]
-
-    def split(self, name: str) -> list[ImageItem]:
-        aliases = {"val": "dev", "dev": "val", "valid": "dev", "validation": "dev"}
-        if name in self.splits:
-            return self.splits[name]
-        if aliases.get(name) in self.splits:
-            return self.splits[aliases[name]]
-        raise DatasetError(f"dataset {self.name} has no split {name!r} "
-                           f"(it has: {', '.join(self.splits)})")
-
-    def all_items(self) -> list[ImageItem]:
-        """Every image once, sorted by name (the order of feature caches)."""
-        seen = {it.name: it for items in self.splits.values() for it in items}
-        return [seen[k] for k in sorted(seen)]
-
-
-def _warn(msg: str) -> None:
-    print(msg, file=sys.stderr)
+from .hf_datasets import is_hf_dataset, is_saved_dataset, read_hf, read_saved
+from .imagefolder import is_imagefolder, read_imagefolder
+from .items import (  # noqa: F401 (WORD_STYLES, cased_words, normalize: these names were this module's first)
+    WORD_STYLES,
+    CaptionDataset,
+    ImageItem,
+    _deterministic_splits,
+    _read_text,
+    _warn,
+    cased_words,
+    normalize,
+)
+from .webdataset import is_webdataset, read_webdataset
 
 
 class _Malformed:
@@ -102,16 +55,6 @@ class _Malformed:
     def summary(self) -> None:
         if self.count > self.shown:
             _warn(f"... {self.count - self.shown} more malformed lines skipped")
-
-
-def _read_text(path: Path) -> str:
-    """A dataset's text file; one DatasetError naming it when it is not UTF-8."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DatasetError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    except OSError as e:
-        raise DatasetError(f"{path}: cannot read ({e.strerror})") from None
 
 
 def _is_file(path: Path) -> bool:
@@ -153,15 +96,6 @@ def _drop_missing(name: str, captions: dict[str, list[str]], folder: Path,
 
 def _assign_splits(items: dict[str, ImageItem], lists: dict[str, list[str]]) -> dict[str, list[ImageItem]]:
     return {split: [items[n] for n in names if n in items] for split, names in lists.items()}
-
-
-def _deterministic_splits(names: list[str], seed: int = 0) -> dict[str, list[str]]:
-    """Train/dev/test when a layout has no official split: 1,000 test and dev images for
-    corpora of at least 5,000 images, else 10% each; seeded, so always the same."""
-    names = sorted(names)
-    random.Random(seed).shuffle(names)
-    k = 1000 if len(names) >= 5000 else max(1, len(names) // 10)
-    return {"train": sorted(names[2 * k:]), "dev": sorted(names[k:2 * k]), "test": sorted(names[:k])}
 
 
 def _find_image_folder(root: Path, candidates: tuple[str, ...]) -> Path:
@@ -440,11 +374,20 @@ def read_title_csv(csv_path: str | Path, images: str | Path, image_column: str =
     return CaptionDataset(csv_path.stem, _assign_splits(items, splits))
 
 
-def load_dataset(path: str | Path, images: str | Path | None = None, image_column: str = "Image_Name",
+def load_dataset(path, images: str | Path | None = None, image_column: str = "Image_Name",
                  title_column: str = "Title", image_suffix: str = ".jpg") -> CaptionDataset:
     """Pick the reader from what ``path`` holds (a Flickr8k or Kaggle folder, a Karpathy or
     COCO JSON file, a title CSV; JSON and CSV files need ``images``, the folder their image
-    names are relative to). The column and suffix arguments are read_title_csv's."""
+    names are relative to; an imagefolder, WebDataset shards or a folder a Hugging Face
+    dataset was saved to). The column and suffix arguments are read_title_csv's. ``path`` may
+    also be a ``datasets.Dataset`` or ``DatasetDict`` (captionkit.data.hf_datasets) or a
+    CaptionDataset."""
+    if isinstance(path, CaptionDataset):
+        return path
+    if not isinstance(path, (str, Path)):
+        if is_hf_dataset(path):
+            return read_hf(path)
+        raise UserError(f"not a dataset: a {type(path).__qualname__}; give a path, a datasets.Dataset or DatasetDict")
     path = Path(path)
     if path.suffix.lower() == ".csv" and path.is_file():
         if images is None:
@@ -455,7 +398,16 @@ def load_dataset(path: str | Path, images: str | Path | None = None, image_colum
             return read_flickr8k(path)
         if (path / "captions.txt").is_file():
             return read_kaggle_flickr(path)
-        raise DatasetError(f"{path}: neither Flickr8k.token.txt nor captions.txt found")
+        if is_imagefolder(path):
+            return read_imagefolder(path)
+        if is_saved_dataset(path):
+            return read_saved(path)
+        if is_webdataset(path):
+            return read_webdataset(path)
+        raise DatasetError(f"{path}: not a dataset folder (no Flickr8k.token.txt, captions.txt, metadata.jsonl or "
+                           f"metadata.csv, saved Hugging Face dataset or .tar shards)")
+    if path.is_file() and is_webdataset(path):
+        return read_webdataset(path)
     if path.suffix == ".json" and path.is_file():
         if images is None:
             raise DatasetError(f"{path}: a JSON dataset needs --images, the folder of its image files")
@@ -465,4 +417,4 @@ def load_dataset(path: str | Path, images: str | Path | None = None, image_colum
         if not isinstance(doc, dict):
             raise DatasetError(f"{path}: expected a JSON object")
         return read_karpathy(path, images, doc=doc)
-    raise DatasetError(f"{path}: no such dataset folder, JSON or CSV file")
+    raise DatasetError(f"{path}: no such dataset folder, JSON, CSV or .tar file")

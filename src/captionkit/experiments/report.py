@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ..core.errors import UserError
+from ..scoring.diversity import LABELS, Diversity, cell, diversity_rows, shown_fields
 from ..scoring.evaluation import bootstrap, score_captions
 from .plot import counts_captions, curve_series, default_metrics, draw_curves
 from .runs import Run, best_entry, differing_settings, flatten, format_value, seen, trained_parameters
@@ -32,6 +33,8 @@ class RunResult:
     scores: dict[str, float] = field(default_factory=dict)
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
     implementation: dict[str, str] = field(default_factory=dict)
+    diversity: Diversity | None = None  # of the captions (captionkit.scoring.diversity)
+    human: Diversity | None = None  # of the references of the same images: the human row
 
 
 def _same_data(runs: list[Run]) -> dict:
@@ -104,8 +107,10 @@ def build_report(runs: list[Run], split: str = "dev", images: int = 10, beam: in
     from ..data.datasets import load_dataset
 
     data = _same_data(runs)
-    items = load_dataset(data["dataset"], data["images"] or None, data["image_column"], data["title_column"],
-                         data["image_suffix"]).split(split)
+    dataset = load_dataset(data["dataset"], data["images"] or None, data["image_column"], data["title_column"],
+                           data["image_suffix"])
+    items = dataset.split(split)
+    train = [c for it in dataset.splits["train"] for c in it.raw] if "train" in dataset.splits else None
     if not items:
         raise UserError(f"{data['dataset']}: the {split} split is empty")
     split_size = len(items)
@@ -121,6 +126,8 @@ def build_report(runs: list[Run], split: str = "dev", images: int = 10, beam: in
         rep = score_captions(res.captions, refs, quiet=True, source=str(r.checkpoint), **(score_opts or {}))
         res.scores, res.implementation = rep.scores, rep.implementation
         res.intervals = bootstrap(rep, rounds=rounds, seed=seed) if rounds else {}
+        rows = diversity_rows(res.captions, None if results else refs, train, (score_opts or {}).get("tokenizer", "auto"))
+        res.diversity, res.human = rows["captions"], rows.get("human", results[0].human if results else None)
         results.append(res)
     history_metrics = {k for r in runs for e in r.history for k in e}
     metrics = [m for m in default_metrics(runs) if m in history_metrics]
@@ -134,11 +141,15 @@ def build_report(runs: list[Run], split: str = "dev", images: int = 10, beam: in
 
 def report_data(results: list[RunResult], split: str, beam: int, rounds: int) -> dict:
     """What a report scored, as JSON (``captionkit report --data``): for tables elsewhere and for
-    ``captionkit score``. Scores as the scorers give them (BLEU 0..1, CIDEr 0..10), not x100."""
+    ``captionkit score``. Scores as the scorers give them (BLEU 0..1, CIDEr 0..10), not x100;
+    each run's "diversity" and, at the top, the references' ("diversity": {"human": ...}) as
+    captionkit.scoring.diversity gives them."""
     return {"split": split, "beam": beam, "bootstrap": rounds, "images": len(results[0].captions) if results else 0,
             "runs": [{"label": r.run.label, "run": str(r.run.path), "checkpoint": str(r.run.checkpoint),
                       "scores": r.scores, "intervals": {k: list(v) for k, v in r.intervals.items()},
-                      "implementation": r.implementation, "captions": r.captions} for r in results]}
+                      "implementation": r.implementation, "captions": r.captions,
+                      **({"diversity": r.diversity.as_dict()} if r.diversity else {})} for r in results],
+            **({"diversity": {"human": results[0].human.as_dict()}} if results and results[0].human else {})}
 
 
 # ---- the page ----------------------------------------------------------------------------
@@ -208,6 +219,25 @@ def _caption_html(res: RunResult, name: str) -> str:
     return f'<span class="c" data-att="{payload}">{words}</span>'
 
 
+def _diversity_html(results: list[RunResult]) -> str:
+    """The diversity table: each run's captions and the references (the human row)."""
+    rows = [(f"{swatch}<span class=\"run\">{_e(r.run.label)}</span>", r.diversity) for r, swatch in
+            ((r, f'<span class="swatch" style="background:{_COLOURS[i % 10]}"></span>') for i, r in enumerate(results))
+            if r.diversity]
+    if results and results[0].human:
+        rows.append(("<span class=\"run\">human (the references: the first of each image)</span>", results[0].human))
+    if not rows:
+        return ""
+    names = shown_fields({str(i): d for i, (_, d) in enumerate(rows)})
+    return ("<h2>Diversity</h2><div class=\"note\">How varied the captions are, on the words the scorers see "
+            "(docs/scoring.md defines each figure); the human row: each image's first reference"
+            + (", novel: not a training caption" if rows[0][1].novel_captions is not None else "") + ".</div>"
+            "<table class=\"diversity\"><tr><th>captions</th>" + "".join(f"<th>{_e(LABELS[n])}</th>" for n in names)
+            + "</tr>" + "".join(f"<tr><td class=\"label\">{label}</td>" +
+                                "".join(f"<td class=\"num\">{_e(cell(d, n))}</td>" for n in names) + "</tr>"
+                                for label, d in rows) + "</table>")
+
+
 def _image_count(n: int, split_size: int) -> str:
     return f"{n} images" if n == split_size else f"its first {n} of {split_size} images"
 
@@ -267,6 +297,7 @@ def _html(results: list[RunResult], shown_items, photos, curves: str, split: str
     out.append("</table>")
     impl = results[0].implementation
     out.append("<div class=\"note\">" + "; ".join(f"{_e(k)}: {_e(v)}" for k, v in impl.items()) + "</div>")
+    out.append(_diversity_html(results))
     if curves:
         out.append(f"<h2>Training curves</h2><div class=\"note\">x = {'captions seen' if x == 'captions' else 'epoch'}; "
                    "dev scores x100; the dev loss "

@@ -23,7 +23,8 @@ from ..encoders import Encoder, create_encoder, load_finetuned
 from ..encoders.image_batches import image_batches
 from ..models import CaptionModel, create_model
 from ..models.base import view_attention
-from .decoding import Caption, beam_nbest, decode
+from .controls import Controls, model_controls
+from .decoding import Caption, beam_nbest, decode_lists
 from .ensemble import (
     COMBINE,
     ENSEMBLE_FILE,
@@ -37,7 +38,9 @@ from .ensemble import (
     read_ensemble,
     with_flip_views,
 )
+from .hf_models import hf_parts, hf_source
 from .rerank import RERANKERS, mbr_choice
+from .shaping import image_keys
 from .shipped import SHIPPED, existing_model_folder
 
 
@@ -78,6 +81,7 @@ class Result:
     attention: torch.Tensor  # (len(words), L)
     grid: tuple[int, int]
     candidates: list[str] | None = None  # the n-best list it was chosen from, best beam first
+    captions: list[str] | None = None  # with num_captions K > 1: the K captions (text: the first)
 
     @property
     def text(self) -> str:
@@ -94,7 +98,9 @@ class CaptionResult:
     ``text``: the caption; ``words``: its words; ``logprob``: the sum of its tokens'
     log-probabilities, <end> included (an ensemble's combined one), whatever length penalty
     ranked the beams. ``attention`` (len(words), L) and ``grid`` (rows, columns of the L
-    locations): only when asked for (``attention=True``), else None."""
+    locations): only when asked for (``attention=True``), else None. ``captions`` and
+    ``logprobs``: with ``num_captions`` K > 1, the image's K distinct captions (fewer when
+    sampling finds fewer) and their log-probabilities, ``text`` being the first; else None."""
 
     source: str
     text: str | None = None
@@ -103,6 +109,8 @@ class CaptionResult:
     attention: torch.Tensor | None = None
     grid: tuple[int, int] | None = None
     error: str | None = None
+    captions: list[str] | None = None
+    logprobs: list[float] | None = None
 
     @property
     def ok(self) -> bool:
@@ -132,6 +140,8 @@ class Captioner:
         self.max_len = int(decoding.get("max_len", 20))
         # the length normalisation the model was tuned with on its dev split (0: none)
         self.length_penalty = float(decoding.get("length_penalty", 0.0))
+        # the caption controls the model decodes with unless told otherwise (its config may set the rules)
+        self.controls = model_controls(decoding, "the model's config")
         # where the decoder and encoder are as given (the CPU: checkpoints are read there, and the
         # ONNX runtime's stand-ins are not modules to move); see place()
         self.device = torch.device("cpu")
@@ -157,12 +167,18 @@ class Captioner:
     @classmethod
     def load(cls, path: str | Path | None = None, with_encoder: bool = True,
              encoder_weights: str | None = None, tta: str | None = None, device: str | torch.device = "auto",
-             precision: str = "auto") -> "Captioner":
+             precision: str = "auto", prompt: str | None = None) -> "Captioner":
         """Load a checkpoint folder, an ensemble folder (captionkit.inference.ensemble), or a shipped model
         by name (the default one when ``path`` is None), onto ``device`` (see :meth:`place`; "auto",
         as the command line's --device: the first CUDA GPU, else MPS, else the CPU).
         ``tta``: see :class:`Captioner` (default: none, or what the ensemble folder says;
-        "none" switches the folder's off)."""
+        "none" switches the folder's off). A Hugging Face model (``hf:ORG/NAME``, or a folder
+        ``save_pretrained`` wrote) captions as it is, its captions following ``prompt`` (None: the
+        model's own; captionkit.inference.hf_models)."""
+        source = hf_source(path)
+        if source is not None:
+            decoder, vocab, config, encoder = hf_parts(source, prompt, with_encoder)
+            return cls(decoder, vocab, config, encoder, tta).place(device, precision)
         path = existing_model_folder(path)
         if is_ensemble_folder(path):
             spec = read_ensemble(path)
@@ -173,6 +189,23 @@ class Captioner:
         member = load_member(path)
         cap = cls._with_encoder(member.decoder, member, member.config, with_encoder, encoder_weights, tta)
         return cap.place(device, precision)
+
+    @classmethod
+    def from_pretrained(cls, repo_id: str, revision: str | None = None, *, cache_dir: str | Path | None = None,
+                        local_files_only: bool = False, **load_options) -> "Captioner":
+        """A model ``captionkit push`` put on the Hugging Face Hub (``"ORG/NAME"``), at ``revision``
+        (a branch, tag or commit; default main), downloaded into huggingface_hub's cache
+        (``cache_dir``, or HF_HUB_CACHE / HF_HOME; the cache alone with ``local_files_only`` or
+        HF_HUB_OFFLINE=1), every file checked against the digest pushed with it
+        (captionkit.inference.hub), then loaded as :meth:`load` loads a folder (``load_options``:
+        its ``device``, ``precision``, ``tta``...)."""
+        from .hub import HUB_PREFIX, hub_folder, parse_hub_ref
+
+        name, at = parse_hub_ref(repo_id.removeprefix(HUB_PREFIX))
+        if at and revision and at != revision:
+            raise UserError(f"{repo_id}: names revision {at!r}, and revision={revision!r} another")
+        folder = hub_folder(name, revision or at, cache_dir=cache_dir, local_files_only=local_files_only)
+        return cls.load(folder, **load_options)
 
     @classmethod
     def load_ensemble(cls, paths: Sequence[str | Path], weights: Sequence[float] | None = None, *,
@@ -191,6 +224,8 @@ class Captioner:
             raise UserError(f"unknown combine {combine!r} (known: {', '.join(COMBINE)})")
         folders = []
         for p in paths:
+            if hf_source(p) is not None:
+                raise UserError(f"{p}: a Hugging Face model captions alone, not as an ensemble's member")
             folder = existing_model_folder(p)
             if is_ensemble_folder(folder):
                 raise CheckpointError(f"{folder}: is an ensemble; an ensemble's members are checkpoints"
@@ -234,13 +269,30 @@ class Captioner:
         return cls(decoder, member.vocab, config, encoder, tta)
 
     @torch.no_grad()
-    def decode_features(self, feats: torch.Tensor, beam: int = 3,
-                        length_penalty: float | None = None) -> list[Caption]:
-        """feats (B, L, D) on any device -> one Caption per image (length_penalty None: the
-        model's own), decoded on this captioner's device and precision; Captions are CPU-side."""
+    def decode_features(self, feats: torch.Tensor, beam: int | None = None, length_penalty: float | None = None,
+                        controls: Controls | None = None, keys: torch.Tensor | None = None) -> list[Caption]:
+        """feats (B, L, D) on any device -> one Caption per image (beam None: 3, or 1 when
+        sampling; length_penalty None: the model's own; controls None: the model's own,
+        captionkit.inference.controls), decoded on this captioner's device and precision;
+        Captions are CPU-side. ``keys`` (B,): the images' sampling keys (default: their
+        features' hash; :meth:`encode_keys` gives their pixels')."""
+        return [caps[0] for caps in self.decode_lists(feats, beam, length_penalty, controls, keys)]
+
+    @torch.no_grad()
+    def decode_lists(self, feats: torch.Tensor, beam: int | None = None, length_penalty: float | None = None,
+                     controls: Controls | None = None, keys: torch.Tensor | None = None) -> list[list[Caption]]:
+        """As :meth:`decode_features`, each image's ``controls.num_captions`` captions
+        (captionkit.inference.decoding.decode_lists)."""
+        c = (self.controls if controls is None else controls).check(beam)
         with autocast(self.device, self.precision):
-            return decode(self.decoder, self._on_device(feats), beam=beam, max_len=self.max_len,
-                          length_penalty=self.length_penalty_or(length_penalty))
+            return decode_lists(self.decoder, self._on_device(feats), beam=c.beam(beam), max_len=self.max_len,
+                                length_penalty=self.length_penalty_or(length_penalty), controls=c,
+                                keys=None if keys is None else to_device(keys, self.device))
+
+    def controls_for(self, controls: Controls | None = None, beam: int | None = None, **options) -> Controls:
+        """``controls`` (None: the model's own) with ``options`` (Controls fields) replacing
+        theirs, checked against ``beam`` (one UserError line for a value that does not fit)."""
+        return (self.controls if controls is None else controls).with_options(**options).check(beam)
 
     def _on_device(self, feats: torch.Tensor) -> torch.Tensor:
         return to_device(feats, self.device).float()
@@ -253,12 +305,13 @@ class Captioner:
 
     @torch.no_grad()
     def nbest_features(self, feats: torch.Tensor, n: int, beam: int | None = None,
-                       length_penalty: float | None = None) -> list[list[Caption]]:
+                       length_penalty: float | None = None, controls: Controls | None = None) -> list[list[Caption]]:
         """feats (B, L, D) -> each image's ``n`` best beams, best first (beam width
-        max(beam, n))."""
+        max(beam, n)), under ``controls``' step rules (None: the model's own)."""
+        c = self.controls if controls is None else controls
         with autocast(self.device, self.precision):
-            return beam_nbest(self.decoder, self._on_device(feats), n, max(beam or n, n), self.max_len,
-                              self.length_penalty_or(length_penalty))
+            return beam_nbest(self.decoder, self._on_device(feats), n, max(beam or n, n), c.max_len(self.max_len),
+                              self.length_penalty_or(length_penalty), c)
 
     def text(self, cap: Caption) -> str:
         """A caption's words as one string (what scoring and reranking compare)."""
@@ -303,45 +356,63 @@ class Captioner:
             feats = self.encoder.encode(both)  # (2B, L, D)
         return feats.unflatten(0, (-1, 2)).float()  # (B, 2, L, D)
 
-    def caption_files(self, paths: list[Path], beam: int = 3, batch_size: int = 16,
+    def encode_keys(self, pixels: torch.Tensor) -> torch.Tensor | None:
+        """Preprocessed pixels (B, 3, S, S) -> the images' sampling keys (B,) on this captioner's
+        device: a hash of the pixels, so an image's sampled captions depend on the image, the
+        seed and the options only, not on its batch or its place there."""
+        return image_keys(to_device(pixels, self.device))
+
+    def caption_files(self, paths: list[Path], beam: int | None = None, batch_size: int = 16,
                       length_penalty: float | None = None, workers: int = 1, nbest: int | None = None,
-                      rerank: str | None = None) -> Iterator[tuple[Path, Result | ImageError]]:
+                      rerank: str | None = None,
+                      controls: Controls | None = None) -> Iterator[tuple[Path, Result | ImageError]]:
         """Caption image files in order; a bad file yields its ImageError and the rest go on.
         ``workers`` processes decode the next batches' images while this batch is captioned
         (0: in this process; captionkit.encoders.image_batches), pinned and copied without blocking
         when the device is a GPU.
         ``nbest``: keep each image's ``nbest`` best beams as the Result's ``candidates``;
         ``rerank="mbr"``: choose the caption among them by consensus (:meth:`mbr`), batch by
-        batch."""
+        batch. ``controls``: the caption controls (None: the model's own); with
+        ``num_captions`` K > 1 each Result's ``captions`` holds the K."""
         if rerank not in (None, *RERANKERS):
             raise UserError(f"unknown reranker {rerank!r} (known: {', '.join(RERANKERS)})")
         if rerank and not nbest:
             raise UserError("reranking chooses among the n best beams: give nbest")
+        c = (self.controls if controls is None else controls).check(beam)
+        if nbest and (c.num_captions > 1 or c.sample or c.beam_groups > 1):
+            raise UserError("n-best lists and reranking take the beam's best: not with num_captions, sampling "
+                            "or beam groups")
         if self.encoder is None:
             raise RuntimeError("this Captioner was loaded without its encoder")
         for batch in image_batches(paths, self.encoder.preprocess, batch_size, workers, self.device):
             caps: dict[int, Caption] = {}
             lists: dict[int, list[Caption]] = {}
+            several: dict[int, list[Caption]] = {}
             if batch.good:
                 feats = self.encode(batch.pixels)  # (B, L, D)
                 if nbest:
-                    lists = dict(zip(batch.good, self.nbest_features(feats, nbest, beam, length_penalty)))
-                    chosen = self.mbr(list(lists.values())) if rerank else [c[0] for c in lists.values()]
+                    lists = dict(zip(batch.good, self.nbest_features(feats, nbest, c.beam(beam), length_penalty, c)))
+                    chosen = self.mbr(list(lists.values())) if rerank else [best[0] for best in lists.values()]
                     caps = dict(zip(batch.good, chosen))
                 else:
-                    caps = dict(zip(batch.good, self.decode_features(feats, beam, length_penalty)))
+                    keys = self.encode_keys(batch.pixels) if c.sample else None
+                    several = dict(zip(batch.good, self.decode_lists(feats, beam, length_penalty, c, keys)))
+                    caps = {i: found[0] for i, found in several.items()}
             for i, p in enumerate(batch.paths):
                 if i not in caps:
                     yield p, batch.errors[i]
                     continue
                 res = self.result(caps[i])
                 if i in lists:
-                    res.candidates = [self.text(c) for c in lists[i]]
+                    res.candidates = [self.text(cand) for cand in lists[i]]
+                if c.num_captions > 1:
+                    res.captions = [self.text(cap) for cap in several[i]]
                 yield p, res
 
-    def __call__(self, images, *, beam: int = 3, batch_size: int = 16, attention: bool = False,
+    def __call__(self, images, *, beam: int | None = None, batch_size: int = 16, attention: bool = False,
                  length_penalty: float | None = None, workers: int = 2, url_max_bytes: int | None = None,
-                 url_timeout: float | None = None) -> CaptionResult | list[CaptionResult]:
+                 url_timeout: float | None = None, controls: Controls | None = None,
+                 **options) -> CaptionResult | list[CaptionResult]:
         """Caption ``images``: one input, or a list (or tuple) of them. An input is a path (str
         or Path), an http(s) URL, a PIL image, a numpy array (H, W, 3) of uint8 (also (H, W)
         grey, (H, W, 4) RGBA) or the bytes of an image file (captionkit.data.inputs). One input
@@ -352,11 +423,18 @@ class Captioner:
         threads, so downloads overlap, while the batch before is captioned) and captioned
         together on this captioner's device;
         ``attention=True`` keeps each word's attention. ``url_max_bytes``, ``url_timeout``:
-        a URL's limits (default 20 MiB and 30 s; captionkit.data.fetch)."""
+        a URL's limits (default 20 MiB and 30 s; captionkit.data.fetch).
+        ``beam``: the beam width (default 3; 1: greedy). The caption controls
+        (docs/decoding-controls.md) as keywords -- ``num_captions``, ``sample``, ``temperature``,
+        ``top_k``, ``top_p``, ``seed``, ``no_repeat_ngram``, ``repetition_penalty``,
+        ``min_words``, ``max_words``, ``beam_groups``, ``diversity_strength`` -- or as a
+        :class:`~captionkit.inference.controls.Controls` (``controls``; the keywords replace its
+        values); a value that does not fit is one UserError before anything is read."""
         if self.encoder is None:
             raise RuntimeError("this Captioner was loaded without its encoder")
         if batch_size < 1 or workers < 1:
             raise UserError(f"batch_size and workers must be at least 1, not {batch_size} and {workers}")
+        c = self.controls_for(controls, beam, **options)
         single = not isinstance(images, (list, tuple))
         items = [images] if single else list(images)
         labels = [input_label(x, None if single else i) for i, x in enumerate(items)]
@@ -382,15 +460,20 @@ class Captioner:
                 good = [k for k, x in enumerate(read) if isinstance(x, torch.Tensor)]
                 caps = {}
                 if good:
-                    feats = self.encode(torch.stack([read[k] for k in good]))  # (G, L, D)
-                    caps = dict(zip(good, self.decode_features(feats, beam, length_penalty)))
+                    x = torch.stack([read[k] for k in good])  # (G, 3, S, S)
+                    keys = self.encode_keys(x) if c.sample else None
+                    caps = dict(zip(good, self.decode_lists(self.encode(x), beam, length_penalty, c, keys)))
                 for k, x in enumerate(read):
-                    out.append(self._call_result(labels[start + k], caps.get(k), x, attention))
+                    out.append(self._call_result(labels[start + k], caps.get(k), x, attention, c.num_captions > 1))
         return out[0] if single else out
 
-    def _call_result(self, source: str, cap: Caption | None, read, attention: bool) -> CaptionResult:
-        if cap is None:
+    def _call_result(self, source: str, caps: list[Caption] | None, read, attention: bool,
+                     several: bool) -> CaptionResult:
+        if caps is None:
             return CaptionResult(source, error=str(read))
+        cap = caps[0]
         res = self.result(cap)
         return CaptionResult(source, text=res.text, words=res.words, logprob=float(cap.logprob),
-                             attention=res.attention if attention else None, grid=res.grid if attention else None)
+                             attention=res.attention if attention else None, grid=res.grid if attention else None,
+                             captions=[self.text(c) for c in caps] if several else None,
+                             logprobs=[float(c.logprob) for c in caps] if several else None)

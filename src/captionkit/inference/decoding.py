@@ -1,4 +1,5 @@
-"""Greedy and batched beam search, written once against the decoder step contract:
+"""Greedy, sampling and batched beam search (diverse beam search included), written once
+against the decoder step contract:
 
     mem = model.prepare(feats)                      # per-image memory, computed once
     state = model.init_state(mem)
@@ -7,8 +8,16 @@
 ``state`` is a tuple of tensors whose first dimension is the batch; ``mem`` has
 ``index_select(idx)`` (the contract: :class:`captionkit.models.base.CaptionModel`). Both
 functions return one :class:`Caption` per image, with the attention weights of every
-generated word. :func:`select_rows` and :func:`allowed_words` are shared with sampling
-(:mod:`captionkit.training.scst`).
+generated word. :func:`select_rows` and :func:`allowed_words` are shared with self-critical
+training's sampling (:mod:`captionkit.training.scst`).
+
+The caption controls (:class:`captionkit.inference.controls.Controls`) act here, in the one
+core every captioner goes through (a model, an ensemble, flip views, an ONNX export, the
+server, the Python API): each step's log-probabilities are shaped by the rules
+(:class:`captionkit.inference.shaping.StepRules`), greedy decoding and sampling are one walk
+(:func:`walk`: the most probable word, or a drawn one), and beam search runs in groups for
+diverse beam search. :func:`decode_lists` chooses among them. Without controls every path is
+the code it was before, to the bit.
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from ..data.vocab import Vocab
+from .controls import DEFAULT, Controls
+from .shaping import Sampler, StepRules, image_keys
 
 
 @dataclass
@@ -45,18 +56,52 @@ def allowed_words(logp: torch.Tensor, last_step: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
-def greedy(model, feats: torch.Tensor, max_len: int = 20) -> list[Caption]:
-    """Most probable word at every step, until <end> or ``max_len`` words."""
+def greedy(model, feats: torch.Tensor, max_len: int = 20, controls: Controls | None = None) -> list[Caption]:
+    """Most probable word at every step, until <end> or ``max_len`` words (the step rules of
+    ``controls`` applied)."""
+    return [row[0] for row in walk(model, feats, max_len, controls or DEFAULT)]
+
+
+@torch.no_grad()
+def walk(model, feats: torch.Tensor, max_len: int, controls: Controls, keys: torch.Tensor | None = None,
+         draws: range = range(1)) -> list[list[Caption]]:
+    """One word at a time, per image and per draw in ``draws``: the most probable word
+    (greedy; ``controls.sample`` False, or a temperature of 0) or one drawn by a
+    :class:`~captionkit.inference.shaping.Sampler` keyed by ``keys`` (B,) (default: the
+    features' own, :func:`~captionkit.inference.shaping.image_keys`). -> each image's
+    captions, in the order of ``draws``. The one host sync of a step: is any row still open?
+    ``max_len``: the model's longest caption (``controls.max_words`` may shorten it)."""
     B, device = feats.shape[0], feats.device
+    S = len(draws)
+    max_len = controls.max_len(max_len)
     mem = model.prepare(feats)
     state = model.init_state(mem)
-    tokens = torch.full((B,), Vocab.start, dtype=torch.long, device=device)
+    if S > 1:  # each image's rows side by side: b * S + s
+        rows = torch.arange(B, device=device).repeat_interleave(S)  # (B*S,)
+        mem, state = mem.index_select(rows), select_rows(state, rows)
+    R = B * S
+    tokens = torch.full((R,), Vocab.start, dtype=torch.long, device=device)
+    shaped_walk = controls.shapes_steps or controls.sample
+    rules, sampler = None, None  # made at the first step, which tells the vocabulary's size
     words, alphas = [], []
-    total = torch.zeros(B, device=device)
-    alive = torch.ones(B, dtype=torch.bool, device=device)
+    total = torch.zeros(R, device=device)
+    alive = torch.ones(R, dtype=torch.bool, device=device)
     for t in range(max_len + 1):
         logp, state, alpha = model.step(tokens, state, mem)
-        best, tokens = allowed_words(logp, t == max_len).max(1)
+        allowed = allowed_words(logp, t == max_len)
+        if not shaped_walk:
+            best, tokens = allowed.max(1)  # greedy, as it always was
+        else:
+            if rules is None:
+                rules = StepRules(controls, R, allowed.shape[1], device)
+                if controls.sample and controls.temperature > 0:
+                    keys = image_keys(feats) if keys is None else keys
+                    first = torch.arange(draws.start, draws.start + S, device=device)  # (S,) the draws' numbers
+                    sampler = Sampler(controls, keys.repeat_interleave(S), first.repeat(B), allowed.shape[1])
+            shaped = rules.apply(allowed, t)
+            tokens = sampler.choose(shaped, t) if sampler is not None else shaped.max(1).indices
+            best = allowed.gather(1, tokens.unsqueeze(1)).squeeze(1)  # the model's log-probability of it
+            rules.advance(tokens)
         total += torch.where(alive, best, torch.zeros_like(best))
         words.append(tokens)
         alphas.append(alpha)
@@ -64,31 +109,34 @@ def greedy(model, feats: torch.Tensor, max_len: int = 20) -> list[Caption]:
         if not alive.any():
             break
     # one copy each to the CPU, where Captions live (not one per image)
-    W = torch.stack(words, 1).cpu()  # (B, T)
-    Al = torch.stack(alphas, 1).cpu()  # (B, T, L)
+    W = torch.stack(words, 1).cpu()  # (R, T)
+    Al = torch.stack(alphas, 1).cpu()  # (R, T, L)
     total = total.cpu()
     out = []
     for b in range(B):
-        ids = W[b].tolist()
-        n = ids.index(Vocab.end)
-        out.append(Caption(ids[:n], Al[b, :n].clone(), float(total[b])))
+        row = []
+        for r in range(b * S, b * S + S):
+            ids = W[r].tolist()
+            n = ids.index(Vocab.end)
+            row.append(Caption(ids[:n], Al[r, :n].clone(), float(total[r])))
+        out.append(row)
     return out
 
 
 @torch.no_grad()
 def beam_search(model, feats: torch.Tensor, beam: int = 3, max_len: int = 20,
-                length_penalty: float = 0.0) -> list[Caption]:
+                length_penalty: float = 0.0, controls: Controls | None = None) -> list[Caption]:
     """Batched beam search over all images at once.
 
     Hypotheses are ranked by logprob / (words + 1) ** length_penalty (0 = plain sum, as in
     the paper). With ``beam=1`` this returns exactly the greedy caption.
     """
-    return [best[0] for best in beam_nbest(model, feats, 1, beam, max_len, length_penalty)]
+    return [best[0] for best in beam_nbest(model, feats, 1, beam, max_len, length_penalty, controls)]
 
 
 @torch.no_grad()
 def beam_nbest(model, feats: torch.Tensor, n_best: int, beam: int = 3, max_len: int = 20,
-               length_penalty: float = 0.0) -> list[list[Caption]]:
+               length_penalty: float = 0.0, controls: Controls | None = None) -> list[list[Caption]]:
     """Beam search keeping each image's ``n_best`` (<= ``beam``) best finished hypotheses,
     best first, ranked as :func:`beam_search` ranks them (whose caption is the first).
 
@@ -96,42 +144,109 @@ def beam_nbest(model, feats: torch.Tensor, n_best: int, beam: int = 3, max_len: 
     any image is still open. Each step records its chosen words, their beams' parents and its
     attention; a hypothesis that finishes is a log-probability, a length and the beam it ended
     on, kept in fixed-size buffers per image with masked tensor operations (:class:`_Finished`);
-    its words and attention rows are traced back through the parents once, at the end."""
+    its words and attention rows are traced back through the parents once, at the end.
+
+    ``controls``: the step rules shape each step's log-probabilities (hypotheses are ranked by
+    the shaped sums; a Caption's ``logprob`` stays the model's own), and ``beam_groups`` G > 1
+    is diverse beam search (Vijayakumar et al. 2018): the beam split into G groups of
+    beam / G, each a beam search of its own whose candidates lose ``diversity_strength`` per
+    time the groups before it chose the word at this step (Hamming diversity). Each group is
+    one "image" of :class:`_Finished`; an image's n best are then its groups' bests in turn
+    (group 0's best, group 1's best, ..., then their second bests), distinct."""
+    c = controls or DEFAULT
+    G, max_len = c.beam_groups, c.max_len(max_len)
     if not 1 <= n_best <= beam:
         raise ValueError(f"n_best must be between 1 and the beam size {beam}, got {n_best}")
+    if beam % G:
+        raise ValueError(f"the beam {beam} does not split into {G} groups of one size")
     B, K, device = feats.shape[0], beam, feats.device
+    Kg, BG = K // G, B * G  # each group's beams; the groups of all images, searched side by side
     mem = model.prepare(feats)
     state = model.init_state(mem)
-    rows = torch.arange(B, device=device).repeat_interleave(K)  # (B*K,)
+    rows = torch.arange(B, device=device).repeat_interleave(K)  # (B*K,): image b's group g beam j at b*K + g*Kg + j
     mem, state = mem.index_select(rows), select_rows(state, rows)
     tokens = torch.full((B * K,), Vocab.start, dtype=torch.long, device=device)
-    scores = torch.full((B, K), float("-inf"), device=device)
-    scores[:, 0] = 0.0  # only the first beam is live at the start
-    first_row = torch.arange(B, device=device).unsqueeze(1) * K  # (B, 1): each image's first beam's row
-    finished = _Finished(B, K, scores.dtype, device)
+    scores = torch.full((BG, Kg), float("-inf"), device=device)
+    scores[:, 0] = 0.0  # only each group's first beam is live at the start
+    first_row = torch.arange(BG, device=device).unsqueeze(1) * Kg  # (BG, 1): each group's first beam's row
+    diverse = G > 1 and c.diversity_strength > 0
+    shaped = c.shapes_steps or diverse  # ranking scores differ from the model's log-probabilities
+    model_scores = scores.clone() if shaped else None  # (BG, Kg): the model's own sums, when they differ
+    finished = _Finished(BG, Kg, scores.dtype, device, shaped)
     steps = _Steps()
+    rules = None
+    kept = n_best if G == 1 else Kg  # each group's finished ranked (groups keep spares for duplicates)
 
     for t in range(max_len + 1):
         logp, state, alpha = model.step(tokens, state, mem)  # (B*K, V), ..., (B*K, L)
         V = logp.shape[1]
-        logp = allowed_words(logp, t == max_len)
-        cand = (scores.view(B * K, 1) + logp).view(B, K * V)
-        top_s, top_i = cand.topk(2 * K, dim=1)  # (B, 2K): enough to keep K live after ends
-        src, word = top_i // V, top_i % V  # (B, 2K)
+        allowed = allowed_words(logp, t == max_len)
+        if rules is None:
+            rules = StepRules(c, B * K, V, device)
+        logp = rules.apply(allowed, t)
+        top_s, top_i, live_s, pick = _select(scores, logp, B, G, Kg, V, c.diversity_strength if diverse else 0.0)
+        src, word = top_i // V, top_i % V  # (BG, 2Kg)
         is_end = word == Vocab.end
-        # A candidate ending in <end> among the best K becomes a finished hypothesis.
-        finished.add(t, is_end[:, :K] & torch.isfinite(top_s[:, :K]), top_s[:, :K], first_row + src[:, :K])
-        live_s = top_s.masked_fill(is_end, float("-inf"))
-        pick = live_s.topk(K, dim=1).indices  # (B, K)
+        new = is_end[:, :Kg] & torch.isfinite(top_s[:, :Kg])
+        if shaped:  # the model's sums of the same candidates
+            model_top = model_scores.gather(1, src) + allowed.view(BG, Kg * V).gather(1, top_i)  # (BG, 2Kg)
+            model_scores = model_top.gather(1, pick)
+        # A candidate ending in <end> among the best Kg becomes a finished hypothesis.
+        finished.add(t, new, top_s[:, :Kg], first_row + src[:, :Kg], model_top[:, :Kg] if shaped else None)
         scores = live_s.gather(1, pick)
         parent = (first_row + src.gather(1, pick)).view(-1)  # (B*K,)
         tokens = word.gather(1, pick).view(-1)
         steps.record(tokens, parent, alpha)
         state = select_rows(state, parent)
-        finished.update_done(scores[:, 0], n_best, length_penalty == 0.0)
+        rules.advance(tokens, parent)
+        finished.update_done(scores[:, 0], kept, length_penalty == 0.0)
         if not finished.open.any():  # the step's one host sync (as greedy's: is any image left?)
             break
-    return finished.ranked(n_best, length_penalty, steps)
+    lists = finished.ranked(kept, length_penalty, steps)
+    if G == 1:
+        return lists
+    return [_in_turn(lists[b * G:(b + 1) * G], n_best) for b in range(B)]
+
+
+def _select(scores: torch.Tensor, logp: torch.Tensor, B: int, G: int, Kg: int, V: int, strength: float):
+    """A step's choice among each group's candidates (its beams' scores (BG, Kg) plus the
+    step's log-probabilities (B*K, V)): the best 2 Kg (scores and flat indices beam * V + word,
+    (BG, 2Kg): enough to keep Kg live after ends), those scores with ends at -inf, and which Kg
+    of them go on (BG, Kg). Group g's candidates first lose ``strength`` per beam of groups
+    0..g-1 that goes on with their word (Hamming diversity), so the groups run in turn."""
+    if G == 1:
+        cand = (scores.view(B * Kg, 1) + logp).view(B, Kg * V)
+        top_s, top_i = cand.topk(2 * Kg, dim=1)
+        live_s = top_s.masked_fill(top_i % V == Vocab.end, float("-inf"))
+        return top_s, top_i, live_s, live_s.topk(Kg, dim=1).indices
+    per_group = logp.view(B, G, Kg, V)
+    group_scores = scores.view(B, G, Kg)
+    chosen = torch.zeros(B, V, dtype=logp.dtype, device=logp.device)  # (B, V): times chosen by earlier groups
+    out = []
+    for g in range(G):
+        cand = group_scores[:, g].unsqueeze(2) + per_group[:, g]  # (B, Kg, V)
+        if g:
+            cand = cand - strength * chosen.unsqueeze(1)
+        top_s, top_i = cand.view(B, Kg * V).topk(2 * Kg, dim=1)
+        word = top_i % V
+        live_s = top_s.masked_fill(word == Vocab.end, float("-inf"))
+        pick = live_s.topk(Kg, dim=1).indices  # (B, Kg)
+        going = torch.isfinite(live_s.gather(1, pick)).to(chosen.dtype)  # (B, Kg): live beams only
+        chosen = chosen.scatter_add(1, word.gather(1, pick), going)
+        out.append((top_s, top_i, live_s, pick))
+    return tuple(torch.stack(parts, 1).view(B * G, -1) for parts in zip(*out))
+
+
+def _in_turn(groups: list[list[Caption]], n: int) -> list[Caption]:
+    """The groups' ranked captions taken in turn (each group's best, then each one's second
+    best, ...), a caption that repeats an earlier one skipped, up to ``n``."""
+    out, seen = [], set()
+    for rank in range(max(map(len, groups), default=0)):
+        for caps in groups:
+            if rank < len(caps) and tuple(caps[rank].ids) not in seen:
+                seen.add(tuple(caps[rank].ids))
+                out.append(caps[rank])
+    return out[:n]
 
 
 class _Steps:
@@ -170,23 +285,30 @@ class _Finished:
     log-probability, and where it ended (``step * B*K + beam row``: the step is its number of
     words), in buffers of ``2 * beam`` slots per image (an image still open holds fewer than
     ``beam``, and a step adds at most ``beam``), plus one spare slot that takes the writes of
-    candidates that are not added. Kept lean: a step's bookkeeping is a few small ops."""
+    candidates that are not added. Kept lean: a step's bookkeeping is a few small ops. With
+    ``shaped`` ranking scores (caption controls), the model's own log-probabilities are kept
+    beside them, for the Captions."""
 
-    def __init__(self, B: int, K: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, B: int, K: int, dtype: torch.dtype, device: torch.device, shaped: bool = False):
         self.K, self.slots, self.rows = K, 2 * K, B * K
         self.logprob = torch.full((B, self.slots + 1), float("-inf"), dtype=dtype, device=device)
+        self.model_logprob = self.logprob.clone() if shaped else None
         self.ended = torch.zeros(B, self.slots + 1, dtype=torch.long, device=device)
         self.count = torch.zeros(B, 1, dtype=torch.long, device=device)
         self.open = torch.ones(B, dtype=torch.bool, device=device)  # (B,) the images not done
 
-    def add(self, t: int, new: torch.Tensor, logprob: torch.Tensor, rows: torch.Tensor) -> None:
+    def add(self, t: int, new: torch.Tensor, logprob: torch.Tensor, rows: torch.Tensor,
+            model_logprob: torch.Tensor | None = None) -> None:
         """At step ``t``, the candidates ``new`` (B, K) of open images finish, with their
-        log-probabilities (B, K), after ``t`` words, on beams ``rows`` (B, K). Each image's go,
-        in order, to its next free slots; the others to the spare slot."""
+        log-probabilities (B, K) (and the model's own, when shaped), after ``t`` words, on
+        beams ``rows`` (B, K). Each image's go, in order, to its next free slots; the others to
+        the spare slot."""
         new = new & self.open.unsqueeze(1)  # (B, K)
         upto = torch.cumsum(new, 1, dtype=torch.long)  # (B, K): how many of the image's new ones so far
         slot = torch.where(new, self.count - 1 + upto, self.slots)  # (B, K)
         self.logprob.scatter_(1, slot, logprob)
+        if self.model_logprob is not None:
+            self.model_logprob.scatter_(1, slot, model_logprob)
         self.ended.scatter_(1, slot, rows + t * self.rows)
         self.count += upto[:, -1:]
 
@@ -213,6 +335,7 @@ class _Finished:
         count, length = whole[:B].tolist(), whole[B:B + B * S].view(B, S).tolist()
         ids = whole[B + B * S:].view(B, S, T)
         logprob, attention = self.logprob.cpu().tolist(), attention.view(B, S, T, -1).cpu()
+        reported = logprob if self.model_logprob is None else self.model_logprob.cpu().tolist()
 
         def norm(lp: float, n_words: int) -> float:
             return lp / (n_words + 1) ** length_penalty if length_penalty else lp
@@ -221,14 +344,62 @@ class _Finished:
         for b, n in enumerate(count):
             ranked = sorted(range(n), key=lambda j: norm(logprob[b][j], length[b][j]), reverse=True)[:n_best]
             out.append([Caption(ids[b, j, :length[b][j]].tolist(), attention[b, j, :length[b][j]].clone(),
-                                logprob[b][j]) for j in ranked])
+                                reported[b][j]) for j in ranked])
         return out
 
 
-def decode(model, feats: torch.Tensor, beam: int = 1, max_len: int = 20,
-           length_penalty: float = 0.0) -> list[Caption]:
+def decode(model, feats: torch.Tensor, beam: int = 1, max_len: int = 20, length_penalty: float = 0.0,
+           controls: Controls | None = None, keys: torch.Tensor | None = None) -> list[Caption]:
+    """One caption per image: greedy (beam 1, no length penalty), beam search, or sampling, as
+    ``controls`` ask (the first of :func:`decode_lists`' captions)."""
+    if controls is None or controls.num_captions == 1:
+        return [caps[0] for caps in decode_lists(model, feats, beam, max_len, length_penalty, controls, keys)]
+    return [caps[0] for caps in decode_lists(model, feats, beam, max_len, length_penalty,
+                                              controls.with_options(num_captions=1), keys)]
+
+
+SAMPLE_ROUNDS = 4  # --num-captions K draws K per image, then K more for an image short of K distinct, ...
+
+
+def decode_lists(model, feats: torch.Tensor, beam: int = 1, max_len: int = 20, length_penalty: float = 0.0,
+                 controls: Controls | None = None, keys: torch.Tensor | None = None) -> list[list[Caption]]:
+    """Each image's ``controls.num_captions`` captions (K; one without controls), distinct:
+
+    - sampling (``controls.sample``): draws in order, K per round, until an image has K
+      distinct or after SAMPLE_ROUNDS rounds (an image the model says little else of can have
+      fewer); ``keys`` (B,): the images' keys for the noise (default: their features' hash);
+    - else greedy (beam 1, no length penalty, K = 1, one group), or beam search: its K best,
+      or diverse beam search's with ``beam_groups``.
+
+    ``max_len``: the model's longest caption (``max_words`` may shorten it)."""
+    c = controls or DEFAULT
     if beam < 1:
         raise ValueError(f"beam size must be at least 1, got {beam}")
-    if beam == 1 and length_penalty == 0.0:
-        return greedy(model, feats, max_len)
-    return beam_search(model, feats, beam, max_len, length_penalty)
+    max_len = c.max_len(max_len)
+    if c.sample:
+        return _sample_lists(model, feats, max_len, c, keys)
+    if beam == 1 and length_penalty == 0.0 and c.num_captions == 1 and c.beam_groups == 1:
+        return walk(model, feats, max_len, c)
+    return beam_nbest(model, feats, c.num_captions, beam, max_len, length_penalty, c)
+
+
+def _sample_lists(model, feats: torch.Tensor, max_len: int, c: Controls,
+                  keys: torch.Tensor | None) -> list[list[Caption]]:
+    K, B = c.num_captions, feats.shape[0]
+    out: list[list[Caption]] = [[] for _ in range(B)]
+    seen: list[set] = [set() for _ in range(B)]
+    todo = list(range(B))
+    for r in range(SAMPLE_ROUNDS if K > 1 else 1):
+        x, k = feats, keys
+        if len(todo) < B:  # the images still short of K: a copy of their indices per round, not per step
+            idx = torch.tensor(todo, device=feats.device)
+            x, k = feats.index_select(0, idx), None if keys is None else keys.index_select(0, idx)
+        for b, caps in zip(todo, walk(model, x, max_len, c, k, draws=range(r * K, (r + 1) * K))):
+            for cap in caps:
+                if len(out[b]) < K and tuple(cap.ids) not in seen[b]:
+                    seen[b].add(tuple(cap.ids))
+                    out[b].append(cap)
+        todo = [b for b in todo if len(out[b]) < K]
+        if not todo:
+            break
+    return out

@@ -33,6 +33,15 @@ import numpy as np
 from ..core.errors import OutputError
 from ..core import signals
 from ..core.outputs import atomic_write_text, check_folder_target, write_marker
+from ..core.stderr_filter import dropping_lines
+
+# Ray Data puts every actor pool's constructor arguments in the object store and makes its actors
+# restartable, so the driver's core worker logs this "E" line on every run, one that went well
+# included (ray-project/ray#53727; Ray 2.60 has no undeprecated way to change either). It only
+# warns that a restart could fail if those objects were lost; a failed restart is reported on
+# its own. captionkit drops exactly this line from standard error while the replicas run.
+RESTARTABLE_ACTOR_LINE = (r"core_worker\.cc:\d+: Actor with class name: '.*' .*has constructor arguments in "
+                          r"the object store and max_restarts > 0")
 
 INSTALL_HINT = "--engine ray needs Ray Data: pip install 'captionkit[ray]'"
 CAPTION_SHARDS_KIND = "caption-shards"  # the outputs.MARKER kind of a --jsonl OUT's OUT.shards folder
@@ -220,25 +229,22 @@ def run_shards(paths: list[Path], shards: list[int], shard_size: int, preprocess
     # while the replicas run the model.
     ds = ds.map_batches(_decode, batch_size=opts.batch_size, fn_kwargs={"preprocess": preprocess},
                         num_cpus=DECODE_CPUS)
-    # (Ray Data keeps the constructor's arguments in the object store and its actors restartable,
-    # so the core worker logs an "E ... core_worker.cc" line about it on every run, a run that
-    # went well included: ray-project/ray#53727. Ray 2.60 offers no undeprecated way to change
-    # either; the line is Ray's, and it is documented in docs/scale.md.)
     ds = ds.map_batches(replica, batch_size=opts.batch_size, compute=ActorPoolStrategy(size=opts.replicas),
                         num_cpus=opts.cpus_per_replica, num_gpus=opts.gpus_per_replica or None,
                         fn_constructor_kwargs={**replica_args, "threads": max(1, int(opts.cpus_per_replica))})
     pending: dict[int, list[dict[str, np.ndarray]]] = {}
     got: dict[int, int] = {}
-    for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-        for s in np.unique(batch["pos"] // shard_size):
-            part = {k: v[batch["pos"] // shard_size == s] for k, v in batch.items()}
-            pending.setdefault(int(s), []).append(part)
-            got[int(s)] = got.get(int(s), 0) + len(part["pos"])
-            if got[int(s)] == len(ranges[s]):
-                parts = pending.pop(int(s))
-                cols = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-                order = np.argsort(cols["pos"], kind="stable")
-                yield int(s), {k: v[order] for k, v in cols.items()}
+    with dropping_lines(RESTARTABLE_ACTOR_LINE):
+        for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+            for s in np.unique(batch["pos"] // shard_size):
+                part = {k: v[batch["pos"] // shard_size == s] for k, v in batch.items()}
+                pending.setdefault(int(s), []).append(part)
+                got[int(s)] = got.get(int(s), 0) + len(part["pos"])
+                if got[int(s)] == len(ranges[s]):
+                    parts = pending.pop(int(s))
+                    cols = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+                    order = np.argsort(cols["pos"], kind="stable")
+                    yield int(s), {k: v[order] for k, v in cols.items()}
 
 
 # ---- captions ------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .folders import ENSEMBLE_FILE, SCORES_FILE, is_ensemble  # noqa: F401 (names of this module too)
+
 SHIPPED = Path(__file__).parent.parent / "pretrained"
 # the best Flickr8k captioner we have: a self-critical transformer and LSTM decoded as one, each
 # photo also mirrored (pretrained/ensemble-lite2-flickr8k/README.md, docs/ensembles.md)
@@ -15,7 +17,6 @@ DEFAULT_MODEL = SHIPPED / "ensemble-lite2-flickr8k"
 # export takes when no --model is given (it exports one model); the Show, Attend and Tell LSTM
 # ships too, as --model sat-lite2-flickr8k
 FAST_MODEL = SHIPPED / "transformer-lite2-flickr8k"
-ENSEMBLE_FILE = "ensemble.json"  # captionkit.inference.ensemble's folder file (named here to keep torch out)
 
 
 def list_shipped_models() -> list[str]:
@@ -30,16 +31,19 @@ def shipped_models_text() -> str:
     return ", ".join(f"{n} (the default)" if n == DEFAULT_MODEL.name else n for n in list_shipped_models())
 
 
-SCORES_FILE = "scores.json"  # a shipped model's Flickr8k test scores (x100), as its card's table gives them
 
 
 def model_folder(path: str | Path | None) -> Path:
-    """A checkpoint folder from what a user typed: a path, the name of a shipped model, or
-    nothing (the default model). A folder of that name in the working directory wins. (Here,
-    without torch, so the command line checks --model before torch loads; Captioner.load uses
-    the same rule.)"""
+    """A checkpoint folder from what a user typed: a path, the name of a shipped model,
+    ``hub:ORG/NAME[@REVISION]`` (downloaded and checked: captionkit.inference.hub), or nothing
+    (the default model). A folder of that name in the working directory wins over a shipped
+    name. (Here, without torch, so the command line checks --model before torch loads;
+    Captioner.load uses the same rule.)"""
     if path is None:
         return DEFAULT_MODEL
+    if isinstance(path, str) and path.startswith("hub:"):
+        from .hub import hub_model_folder
+        return hub_model_folder(path)
     path = Path(path)
     if not path.exists() and len(path.parts) == 1 and (SHIPPED / path).is_dir():
         return SHIPPED / path
@@ -54,10 +58,6 @@ def existing_model_folder(path: str | Path | None) -> Path:
     if not folder.exists():
         raise CheckpointError(f"{folder}: no such model folder (shipped models: {shipped_models_text()})")
     return folder
-
-
-def is_ensemble(folder: Path) -> bool:
-    return (folder / ENSEMBLE_FILE).is_file()
 
 
 def single_models() -> list[str]:

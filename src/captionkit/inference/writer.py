@@ -12,7 +12,10 @@ captioned, resumable); ``--attention DIR`` (one figure per image, ``caption`` on
 - JSONL/CSV files are appended one complete line at a time (one ``write`` per line), so a
   killed run leaves every finished image and at most one torn last line, dropped on resume.
   JSONL lines: ``{"image": KEY, "caption": TEXT}`` or ``{"image": KEY, "error": MESSAGE}``;
-  CSV columns ``image,caption,error``. Images recorded with an error are kept as they are on
+  CSV columns ``image,caption,error``. With ``--num-captions K`` > 1 (the setting
+  ``num_captions``) an image has a list of captions: ``{"image": KEY, "captions": [TEXT, ...]}``,
+  CSV columns ``image,caption_1,...,caption_K,error`` (fewer captions: empty cells), ``--json``
+  ``{KEY: [TEXT, ...]}``, and on stdout a ``KEY<TAB>TEXT`` line per caption. Images recorded with an error are kept as they are on
   resume (the run says so and exits 1); ``--retry-failed`` removes those lines and tries again.
 - An image's KEY is its file name, or its path as given where two images share a file name.
   File-name bytes that are not UTF-8 are written as ``\\xNN`` (:func:`display_name`).
@@ -196,6 +199,7 @@ class _Output:
         self.path = check_file_target(path, overwrite=True)
         self.meta_path = self.path.with_name(self.path.name + META_SUFFIX)
         self.settings, self.overwrite = settings, overwrite
+        self.several = int(settings.get("num_captions", 1))  # captions per image (K; 1: one, as a string)
         check_unlocked(self.path)  # another run writing it now: one line, before any model loads
         self._load()
         self.fd: int | None = None
@@ -294,7 +298,7 @@ class _Output:
                 raise
             raise err from None
 
-    def write(self, key: str, caption: str | None, error: str | None) -> None:
+    def write(self, key: str, caption: str | list[str] | None, error: str | None) -> None:
         if key in self.done:
             return
         self._write(self.line(key, caption, error))
@@ -331,8 +335,9 @@ class JsonlOutput(_Output):
             records.append(_Record(key, "error" in rec, line))
         return records
 
-    def line(self, key: str, caption: str | None, error: str | None) -> str:
-        rec = {"image": key, "caption": caption} if error is None else {"image": key, "error": error}
+    def line(self, key: str, caption: str | list[str] | None, error: str | None) -> str:
+        field = "captions" if isinstance(caption, list) else "caption"
+        rec = {"image": key, field: caption} if error is None else {"image": key, "error": error}
         return json.dumps(rec, ensure_ascii=False) + "\n"
 
 
@@ -340,12 +345,19 @@ class CsvOutput(_Output):
     COLUMNS = ["image", "caption", "error"]
     kind = "CSV"
 
+    @property
+    def columns(self) -> list[str]:
+        """COLUMNS, or with K captions per image one column for each: caption_1 .. caption_K."""
+        if self.several == 1:
+            return self.COLUMNS
+        return ["image", *(f"caption_{i}" for i in range(1, self.several + 1)), "error"]
+
     @staticmethod
     def _could_be_torn(complete: bytes, torn: bytes) -> bool:
         return bool(complete)  # the header line is written whole when the file is made
 
     def header(self) -> str:
-        return self._row(self.COLUMNS)
+        return self._row(self.columns)
 
     @staticmethod
     def _row(values) -> str:
@@ -357,12 +369,16 @@ class CsvOutput(_Output):
         rows = list(csv.reader(io.StringIO(data.decode("utf-8", errors="replace"))))
         if not rows:
             return []
-        if rows[0] != self.COLUMNS:
-            raise OutputError(f"{self.path}: not a captionkit CSV (its header is not {','.join(self.COLUMNS)})")
-        return [_Record(r[0], len(r) > 2 and r[2] != "", self._row(r)) for r in rows[1:] if r]
+        if rows[0] != self.columns:
+            raise OutputError(f"{self.path}: not a captionkit CSV (its header is not {','.join(self.columns)})")
+        e = len(self.columns) - 1  # the error column
+        return [_Record(r[0], len(r) > e and r[e] != "", self._row(r)) for r in rows[1:] if r]
 
-    def line(self, key: str, caption: str | None, error: str | None) -> str:
-        return self._row([key, caption or "", error or ""])
+    def line(self, key: str, caption: str | list[str] | None, error: str | None) -> str:
+        if self.several == 1:
+            return self._row([key, caption or "", error or ""])
+        captions = list(caption or [])
+        return self._row([key, *captions, *[""] * (self.several - len(captions)), error or ""])
 
 
 class Progress:
@@ -497,7 +513,7 @@ class CaptionWriter:
         todo = [p for p, k in self.keys.items() if any(k not in o.done for o in self.outputs)] \
             if self.outputs else list(self.keys)
         self.progress = Progress(len(todo), skipped=self.total - len(todo)) if self.outputs else None
-        self.captions: dict[str, str] = {}
+        self.captions: dict[str, str | list[str]] = {}
         self.failed, self.stdout_closed = 0, False
         # --jsonl/--csv: SIGTERM or SIGUSR1 (a scheduler's preemption) stops at once while the
         # model works (nothing of ours half-written then; Ray's shard files are atomic), after
@@ -533,8 +549,9 @@ class CaptionWriter:
     def _record(self, path: Path, res) -> None:
         key = self.keys[path]
         error = display_name(str(res)) if isinstance(res, ImageError) else None
+        several = getattr(res, "captions", None)  # K captions (a list), when asked for
         for o in self.outputs:
-            o.write(key, None if error else res.text, error)
+            o.write(key, None if error else several if several is not None else res.text, error)
         if self.progress:
             self.progress.update(1, failed=int(error is not None))
         if error:
@@ -543,9 +560,10 @@ class CaptionWriter:
                 print(f"error: {error}", file=sys.stderr)
             return
         if self.json_out:
-            self.captions[key] = res.text
+            self.captions[key] = res.text if several is None else several
         if not self.progress:
-            self._print(f"{key}\t{res.text}")
+            for text in [res.text] if several is None else several:
+                self._print(f"{key}\t{text}")
         if self.attention:
             self._figure(path, key, res)
 

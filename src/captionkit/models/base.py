@@ -69,6 +69,11 @@ class CaptionModel(nn.Module, metaclass=ABCMeta):
         the model is built (the run config's train.max_len is checked against it at load)."""
         return None
 
+    @classmethod
+    def check_trainable(cls, cfg: Any) -> None:
+        """Refuse, with a one-line UserError, a config of this family that cannot be trained (the
+        run config is checked with it before any data or model loads). Default: every config can."""
+
     @property
     def max_positions(self) -> int | None:
         """The longest token sequence (<start> + tokens) the model can take; None: no limit."""
@@ -141,6 +146,15 @@ def view_attention(attention: torch.Tensor, view: str) -> torch.Tensor:
     if view == "onehot-argmax":
         return F.one_hot(attention.argmax(1), attention.shape[1]).float()
     return attention
+
+
+def pixel_rows_to_images(feats: torch.Tensor, grid: tuple[int, int], patch: int) -> torch.Tensor:
+    """Pixel-patch rows (B, H*W, 3*p*p) in [0, 1], each row one patch channel-major (the
+    vit_pixels and hf_pixels encoders' output) -> the images they cut (B, 3, H*p, W*p)."""
+    B = feats.shape[0]
+    (H, W), p = grid, patch
+    x = feats.float().reshape(B, H, W, 3, p, p)
+    return x.permute(0, 3, 1, 4, 2, 5).reshape(B, 3, H * p, W * p)  # (B, 3, rows, p, cols, p) -> (B, 3, S, S)
 
 
 class KVMemory:

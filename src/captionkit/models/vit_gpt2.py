@@ -79,7 +79,7 @@ from ..core.hf import (
     with_cache,
 )
 from ..core.registry import register_exporter, register_family
-from .base import CaptionModel, KVMemory, TrainedTensorsMixin, TransformersExport
+from .base import CaptionModel, KVMemory, TrainedTensorsMixin, TransformersExport, pixel_rows_to_images
 from .lm_tokens import N_SPECIAL, LMTokens
 
 DEFAULT_LM = "gpt2"
@@ -249,11 +249,7 @@ class ViTGPT2Captioner(TrainedTensorsMixin, LMTokens, CaptionModel):
     # ---- the image side --------------------------------------------------------------------
     def pixels(self, feats: torch.Tensor) -> torch.Tensor:
         """vit_pixels rows (B, H*W, 3*p*p) in [0, 1] -> the ViT's normalised input (B, 3, S, S)."""
-        B = feats.shape[0]
-        (H, W), p = self.cfg.grid, self.patch
-        x = feats.float().reshape(B, H, W, 3, p, p)  # each row is one patch, channel-major
-        x = x.permute(0, 3, 1, 4, 2, 5).reshape(B, 3, H * p, W * p)  # (B, 3, rows, p, cols, p) -> (B, 3, S, S)
-        return (x - self.pixel_mean) / self.pixel_std
+        return (pixel_rows_to_images(feats, self.cfg.grid, self.patch) - self.pixel_mean) / self.pixel_std
 
     def encode(self, feats: torch.Tensor) -> torch.Tensor:
         """vit_pixels rows -> the ViT's tokens in GPT-2's width (B, prefix + H*W, D): what the

@@ -208,12 +208,7 @@ def cider_d_pairs(cands: dict[str, str] | Corpus, refs: dict[str, list[str]] | N
     S = N + len(c.ref_img)
     is_ref = c.sent >= N
     img = c.image_of(c.sent)
-    # document frequency: the number of images whose references contain the n-gram
-    df = np.bincount(c.gram[is_ref][np.unique(img[is_ref] * G + c.gram[is_ref], return_index=True)[1]],
-                     minlength=int(G))
-    log_n = math.log(float(N))
-    w = c.count * (log_n - np.log(np.maximum(1.0, df[c.gram])))  # tf-idf of every entry
-    norm = np.sqrt(np.bincount(c.sent * n + c.order, weights=w * w, minlength=S * n)).reshape(S, n)
+    w, norm = tf_idf(c)
     bigrams = np.bincount(c.sent[c.order == 1], weights=c.count[c.order == 1], minlength=S)
     # shared n-grams of every (reference, candidate of its image) pair: sum min(w_h, w_r) * w_r
     hyp = ~is_ref
@@ -231,6 +226,22 @@ def cider_d_pairs(cands: dict[str, str] | Corpus, refs: dict[str, list[str]] | N
     delta = bigrams[c.ref_img] - bigrams[N:]
     val *= np.exp(-(delta ** 2) / (2 * sigma ** 2))[:, None]
     return val.mean(1) * 10.0
+
+
+def tf_idf(c: Corpus) -> tuple[np.ndarray, np.ndarray]:
+    """CIDEr's tf-idf weight of every (sentence, n-gram) entry of ``c`` (E,), and the norm of each
+    sentence's vector of each order (S, n). Document frequencies come from the references: the
+    number of images whose references hold the n-gram; the idf is log(images / df)."""
+    N, n, G = len(c.keys), c.n, np.int64(c.n_grams + 1)
+    S = N + len(c.ref_img)
+    is_ref = c.sent >= N
+    img = c.image_of(c.sent)
+    df = np.bincount(c.gram[is_ref][np.unique(img[is_ref] * G + c.gram[is_ref], return_index=True)[1]],
+                     minlength=int(G))
+    log_n = math.log(float(N))
+    w = c.count * (log_n - np.log(np.maximum(1.0, df[c.gram])))  # (E,)
+    norm = np.sqrt(np.bincount(c.sent * n + c.order, weights=w * w, minlength=S * n)).reshape(S, n)
+    return w, norm
 
 
 class CiderD:

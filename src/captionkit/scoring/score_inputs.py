@@ -6,6 +6,8 @@ letter, and an image given twice would keep its last caption).
 - Captions: ``{"image": "caption", ...}``, or coco-caption's results list
   ``[{"image_id": ..., "caption": "..."}, ...]`` (an ``image_id`` may be a number; it is then
   matched with the references as text).
+  ``score --captions`` also takes a list of captions for an image (an n-best list, samples:
+  :func:`check_caption_sets`), scoring its first and measuring the diversity of all of them.
 - References: ``{"image": ["reference", ...], ...}``, each list holding at least one string.
 - Files are UTF-8 JSON (a byte-order mark is allowed); an image named twice is an error.
 
@@ -120,6 +122,32 @@ def _results_list(obj: list, source: str) -> list[tuple[str, Any]]:
     return pairs
 
 
+def check_caption_sets(obj: Any, source: str) -> dict[str, list[str]]:
+    """As :func:`check_captions`, and an image's caption may also be a list of captions (an
+    n-best list or samples, as ``captionkit caption --num-captions`` writes them):
+    {image: [caption, ...]}, each list holding at least one string."""
+    items = _object_items(obj)
+    if items is None:
+        return {k: [v] for k, v in check_captions(obj, source).items()}
+    sets = _unique(items, source)
+    if not sets:
+        raise DatasetError(f"{source}: no captions")
+    out = {}
+    for image, value in sets.items():
+        if isinstance(value, list) and not isinstance(value, _Pairs):
+            if not value:
+                raise DatasetError(f"{source}: image {image!r}: no captions (an empty list)")
+            for j, text in enumerate(value):
+                if not isinstance(text, str):
+                    raise DatasetError(f"{source}: image {image!r}: caption {j} is {_kind(text)}, not a string")
+            out[image] = list(value)
+        elif isinstance(value, str):
+            out[image] = [value]
+        else:
+            raise DatasetError(f"{source}: image {image!r}: the caption is {_kind(value)}, not a string")
+    return out
+
+
 def check_references(obj: Any, source: str) -> dict[str, list[str]]:
     """``obj`` (parsed JSON or a dict) as {image: [reference, ...]}, or a one-line error naming
     ``source`` and the image."""
@@ -146,6 +174,10 @@ def check_references(obj: Any, source: str) -> dict[str, list[str]]:
 
 def read_captions(path: str | Path) -> dict[str, str]:
     return check_captions(read_json(path, "captions"), str(path))
+
+
+def read_caption_sets(path: str | Path) -> dict[str, list[str]]:
+    return check_caption_sets(read_json(path, "captions"), str(path))
 
 
 def read_references(path: str | Path) -> dict[str, list[str]]:

@@ -1,8 +1,11 @@
 """The FastAPI application behind ``captionkit serve``.
 
     GET  /                 the page: drop a photo, read the caption, hover a word for its attention
-    POST /v1/caption       multipart form: ``image`` (the file), optional ``beam`` and ``model``
-                           -> {caption, words, attention, grid, model, beam, elapsed_ms}
+    POST /v1/caption       multipart form: ``image`` (the file), optional ``beam``, ``model`` and
+                           caption controls (``num_captions``, ``sample``, ``temperature``, ...:
+                           captionkit.inference.controls.FIELDS; docs/decoding-controls.md)
+                           -> {caption, words, attention, grid, model, beam, elapsed_ms}, and
+                           ``captions`` (a list) with num_captions > 1
     GET  /v1/models        the loaded models, the server's limits and its worst-case memory
     GET  /healthz          liveness and queue depth
     GET  /readyz           readiness (serve/lifecycle.py's Gate, in front of this app under serve())
@@ -13,14 +16,14 @@ Every refused request gets a 4xx JSON body ``{"error": message, "status": code}`
 wrong API key (401), a client over its rate limit (429, Retry-After), a body over the upload
 limit (413), a request that is not multipart or a part whose type is not an accepted image type
 (415), a missing or empty file, a file that is no readable image or too large to decode, a bad
-``beam`` or an unknown ``model`` (400). A busy server answers 503 with Retry-After.
+``beam`` or control or an unknown ``model`` (400). A busy server answers 503 with Retry-After.
 
 Memory is bounded at each stage (see :func:`memory_bounds` and docs/serving.md): an upload's
 pixel count and decoding memory are checked from its header before anything is decoded, large
 photos are decoded reduced (``images.decode_reduced``), at most ``decode_workers`` decode at once
 and at most ``decode_queue`` uploads wait for them; captioning runs on one worker thread per
-model that takes up to ``max_batch`` queued requests of the same beam size at a time and
-encodes and decodes them as one batch.
+model that takes up to ``max_batch`` queued requests of the same beam size and controls at a
+time and encodes and decodes them as one batch.
 """
 
 from __future__ import annotations
@@ -48,10 +51,11 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..core.errors import ImageError
+from ..core.errors import ImageError, UserError
 from ..data.images import MAX_PIXELS, decode_reduced, to_tensor
 from ..encoders.base import Preprocess
 from ..inference.captioner import Captioner
+from ..inference.controls import FIELDS, Controls, parse_fields
 from ..inference.shipped import DEFAULT_MODEL
 from .guards import ApiKey, BodyLimit, RateLimit, error_response
 
@@ -62,7 +66,8 @@ WEB_DIR = Path(str(files("captionkit") / "web"))
 
 
 MiB = 2 ** 20
-FIELD_BYTES = 64 * 1024  # the largest text field (beam, model) a form may carry
+FIELD_BYTES = 64 * 1024  # the largest text field (beam, model, a control) a form may carry
+MAX_FIELDS = 3 + len(FIELDS)  # image, beam, model and the controls
 SPOOL_BYTES = 1 * MiB  # Starlette keeps this much of an uploaded file in memory, the rest on disk
 CONNECTION_BYTES = 2 * MiB  # a connection sending a request: the spool, 8 fields, uvicorn's buffers
 
@@ -90,6 +95,8 @@ class ServeConfig:
     # the server's life (serve(); serve/lifecycle.py)
     drain_timeout: float = 30.0  # after SIGTERM/SIGINT, the longest wait for requests in flight
     access_log: str | None = None  # a file for JSON access lines, "-" for stdout
+    # the caption controls a request gets unless it says otherwise (serve's options; over each model's own)
+    controls: dict = field(default_factory=dict)
 
 
 class ApiError(Exception):
@@ -101,7 +108,8 @@ class ApiError(Exception):
 @dataclass
 class _Job:
     x: torch.Tensor
-    beam: int
+    beam: int | None
+    controls: Controls
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     queued: float = field(default_factory=time.perf_counter)
@@ -126,9 +134,9 @@ class ModelWorker:
         self.thread = threading.Thread(target=self._run, name=f"captionkit-{name}", daemon=True)
         self.thread.start()
 
-    def submit(self, x: torch.Tensor, beam: int) -> asyncio.Future:
+    def submit(self, x: torch.Tensor, beam: int | None, controls: Controls | None = None) -> asyncio.Future:
         loop = asyncio.get_running_loop()
-        job = _Job(x, beam, loop.create_future(), loop)
+        job = _Job(x, beam, controls or self.captioner.controls, loop.create_future(), loop)
         try:
             self.queue.put_nowait(job)
         except queue.Full:
@@ -154,19 +162,27 @@ class ModelWorker:
                     stop = True
                     break
                 jobs.append(job)
-            by_beam: dict[int, list[_Job]] = {}
+            by_beam: dict[tuple, list[_Job]] = {}
             for job in jobs:
-                by_beam.setdefault(job.beam, []).append(job)
-            for beam, group in by_beam.items():
+                by_beam.setdefault((job.beam, job.controls), []).append(job)
+            for (beam, _), group in by_beam.items():
                 self._caption(beam, group)
             if stop:
                 return
 
-    def _caption(self, beam: int, group: list[_Job]) -> None:
-        cap = self.captioner
+    def _caption(self, beam: int | None, group: list[_Job]) -> None:
+        """Caption a group of jobs of one beam width and one set of controls."""
+        cap, controls = self.captioner, group[0].controls
         try:
-            feats = cap.encode(torch.stack([j.x for j in group]))  # on the captioner's device; both views when it averages flips
-            results = [cap.result(c) for c in cap.decode_features(feats, beam)]
+            x = torch.stack([j.x for j in group])
+            feats = cap.encode(x)  # on the captioner's device; both views when it averages flips
+            keys = cap.encode_keys(x) if controls.sample else None
+            results = []
+            for caps in cap.decode_lists(feats, beam, None, controls, keys):
+                res = cap.result(caps[0])
+                if controls.num_captions > 1:
+                    res.captions = [cap.text(c) for c in caps]
+                results.append(res)
         except Exception as e:  # noqa: BLE001  (reported to the waiting requests as a 500)
             for j in group:
                 j.loop.call_soon_threadsafe(_settle, j.future, None, e)
@@ -193,7 +209,28 @@ def load_models(paths: list[str] | None, device: str | torch.device = "cpu",
     return models
 
 
-def _int_field(value, name: str, lo: int, hi: int, default: int) -> int:
+def request_controls(form, captioner: Captioner, beam: int | None, config: ServeConfig) -> Controls:
+    """A request's caption controls: its form's control fields over the server's (``serve``'s
+    options) over the model's own; 400 for a field that is a file, no value of its type, out of
+    range, or asks for more than ``max_beam`` captions or groups."""
+    texts = {}
+    for name in FIELDS:
+        value = form.get(name)
+        if value is not None and not isinstance(value, str):
+            raise ApiError(400, f"'{name}' must be a form field, not a file")
+        texts[name] = value
+    try:
+        controls = captioner.controls.with_options(**{**config.controls, **parse_fields(texts)})
+        controls.check(beam if beam is not None or controls.sample else config.default_beam)
+    except UserError as e:
+        raise ApiError(400, str(e)) from None
+    for name in ("num_captions", "beam_groups"):
+        if getattr(controls, name) > config.max_beam:
+            raise ApiError(400, f"'{name}' must be at most {config.max_beam}, got {getattr(controls, name)}")
+    return controls
+
+
+def _int_field(value, name: str, lo: int, hi: int, default: int | None) -> int | None:
     if value is None or value == "":
         return default
     if not isinstance(value, str):
@@ -380,7 +417,7 @@ def create_app(models: dict[str, Captioner], config: ServeConfig | None = None) 
         if not ctype.lower().startswith("multipart/form-data"):
             raise ApiError(415, "send a multipart/form-data body with the photo in the field 'image' "
                                 f"(got Content-Type {ctype[:60]!r})")
-        form = await request.form(max_files=1, max_fields=8, max_part_size=FIELD_BYTES)
+        form = await request.form(max_files=1, max_fields=MAX_FIELDS, max_part_size=FIELD_BYTES)
         try:
             upload = form.get("image")
             if upload is None:
@@ -391,19 +428,22 @@ def create_app(models: dict[str, Captioner], config: ServeConfig | None = None) 
             if part_type not in ACCEPTED_TYPES:
                 raise ApiError(415, f"'image' has type {part_type or 'none'!r}; accepted: "
                                     f"{', '.join(sorted(ACCEPTED_TYPES))}")
-            beam = _int_field(form.get("beam"), "beam", 1, config.max_beam, config.default_beam)
+            beam = _int_field(form.get("beam"), "beam", 1, config.max_beam, None)
             name = form.get("model") or default
             if not isinstance(name, str) or name not in workers:
                 raise ApiError(400, f"unknown model {str(name)[:60]!r}; known: {', '.join(workers)}")
             worker = workers[name]
+            controls = request_controls(form, worker.captioner, beam, config)
+            beam = controls.beam(beam) if beam is not None or controls.sample else config.default_beam
             label = (upload.filename or "image")[:100]
             x = await to_input(upload, label, worker.captioner.encoder.preprocess)
         finally:
             await form.close()
-        res = await worker.submit(x, beam)
+        res = await worker.submit(x, beam, controls)
         return {"caption": res.text, "words": res.words,
                 "attention": [[round(float(v), 5) for v in row] for row in res.attention.tolist()],
                 "grid": list(res.grid), "model": name, "beam": beam,
+                **({"captions": res.captions} if res.captions is not None else {}),
                 "elapsed_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
     @app.get("/")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..core.devices import DEVICE_HELP, check_device_name
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, UserError
 from ..core.fields import FieldError, check_fields, field_error, field_names, required_fields, show, spec
 from ..core.precision import PRECISIONS
 from ..data.datasets import WORD_STYLES
@@ -33,8 +33,9 @@ VAL_METRICS = tuple(m for m in METRICS if m != "SPICE")  # SPICE is too slow for
 
 @dataclass
 class DataConfig:
-    """dataset: a Flickr8k/Kaggle folder, a Karpathy/COCO JSON file or a title CSV (one title
-        per image, see captionkit.data.datasets.read_title_csv).
+    """dataset: a Flickr8k/Kaggle folder, a Karpathy/COCO JSON file, a title CSV (one title
+        per image, see captionkit.data.datasets.read_title_csv), an imagefolder, WebDataset
+        shards or a saved Hugging Face dataset (docs/datasets.md).
     images: the image folder of a JSON or CSV dataset.
     image_column / title_column / image_suffix: a CSV's columns of image names and titles, and
         what turns an image name into its file name (Epicurious' layout by default).
@@ -240,8 +241,9 @@ class RunConfig:
         return cls(data, encoder, model, train)
 
     @classmethod
-    def load(cls, path: str | Path, init: str | None = None) -> "RunConfig":
-        """Read and check a TOML config; ``init`` (a checkpoint folder) replaces its train.init."""
+    def load(cls, path: str | Path, init: str | None = None, dataset: str | None = None) -> "RunConfig":
+        """Read and check a TOML config; ``init`` (a checkpoint folder) replaces its train.init,
+        ``dataset`` its data.dataset (which the file may then leave out)."""
         path = Path(path)
         try:
             d = tomllib.loads(path.read_bytes().decode("utf-8"))  # as written: no newline translation
@@ -257,6 +259,8 @@ class RunConfig:
             train = d.setdefault("train", {})
             if isinstance(train, dict):
                 train["init"] = init
+        if dataset is not None and isinstance(data := d.setdefault("data", {}), dict):
+            data["dataset"] = dataset
         return cls.from_dict(d, str(path))
 
     def to_dict(self) -> dict:
@@ -301,8 +305,9 @@ def read_section(cls: type, table: Any, where: str) -> Any:
 
 def check_model_fits_training(model: dict, train: TrainConfig, where: str) -> None:
     """What the [model] and [train] tables must agree on, known from the family's declarations
-    before any model exists: train.lr_groups names the family's parameter groups, and decoding
-    (train.max_len words and <start>) fits in the family's positions."""
+    before any model exists: the family can train this config (its check_trainable),
+    train.lr_groups names the family's parameter groups, and decoding (train.max_len words and
+    <start>) fits in the family's positions."""
     from ..models import family_config, model_class
 
     cls = model_class(model["family"])
@@ -311,6 +316,10 @@ def check_model_fits_training(model: dict, train: TrainConfig, where: str) -> No
         raise ConfigError(f"{where}: train.lr_groups: the {model['family']} family has no parameter group "
                           f"{unknown[0]!r} (its groups: {', '.join(cls.GROUPS)})")
     fields = family_config(model["family"], {**_stand_ins(model["family"]), **{k: v for k, v in model.items() if k != "family"}})
+    try:
+        cls.check_trainable(fields)
+    except UserError as e:
+        raise ConfigError(f"{where}: {e}") from None
     limit = cls.position_limit(fields)
     if limit is not None and train.max_len + 1 > limit:
         raise ConfigError(f"{where}: train.max_len is {train.max_len}, but decoding needs max_len + 1 = "

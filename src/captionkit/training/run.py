@@ -157,7 +157,7 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
           resume: bool = False, progress: bool = True, init: str | None = None, overwrite: bool = False,
           on_epoch: Callable[[dict], None] | None = None, tensorboard: str | None = None,
           device: str | None = None, threads: int | None = None, busy_warning: bool = False,
-          stop_signals: str | tuple[str, ...] = DEFAULT_STOP_SIGNALS) -> TrainState:
+          stop_signals: str | tuple[str, ...] = DEFAULT_STOP_SIGNALS, dataset=None) -> TrainState:
     """Train from a TOML config into the run folder ``out`` (default runs/<config name>).
     Everything the user gave is checked first (the config, the folder, the files it names);
     ``resume`` continues the run in ``out``, ``overwrite`` replaces a run there. ``on_epoch``:
@@ -169,13 +169,21 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
     Under torchrun (RANK/WORLD_SIZE in the environment) this process is one rank of a DDP run
     (see captionkit.training.distributed). ``resume="auto"``: resume the run in ``out`` if it has
     a checkpoint, else start one (see :func:`auto_resume`). ``stop_signals`` (core.signals): on
-    one, the run saves ``last`` and raises Preempted."""
+    one, the run saves ``last`` and raises Preempted. ``dataset`` replaces the config's
+    data.dataset (which the file may then leave out): a path, or a ``datasets.Dataset`` or
+    ``DatasetDict``, written once as an imagefolder in the cache whose folder the run records
+    (captionkit.data.hf_datasets)."""
     world = world_from_env()
     stop = StopSignals(stop_signals, immediate=True)  # (a bad name: one line, before any work)
     auto = resume == "auto"
     if auto:
         resume, overwrite = auto_resume(Path(out) if out else Path("runs") / Path(config).stem, overwrite)
-    cfg, out, run_device = check_run(config, out, max_steps, resume, init, overwrite, device)
+    in_memory = dataset is not None and not isinstance(dataset, (str, Path))
+    cfg, out, run_device = check_run(config, out, max_steps, resume, init, overwrite, device,
+                                     dataset=f"<{type(dataset).__name__}>" if in_memory else dataset)
+    if in_memory:  # after the config's checks: the rows' own before any image is written
+        from ..data.hf_datasets import as_imagefolder
+        cfg.data.dataset = str(as_imagefolder(dataset))
     if auto and resume and (done := finished(cfg, out)) is not None:
         print(f"{out}: the run is finished ({done}); nothing to do (--resume auto)", file=sys.stderr)
         return TrainState.from_json(read_config(resolve(out / "last"))["state"], out / "last")
@@ -302,12 +310,14 @@ def finished(cfg: RunConfig, out: Path) -> str | None:
 
 def check_run(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,
               resume: bool = False, init: str | None = None, overwrite: bool = False,
-              device: str | None = None, nproc: int = 1) -> tuple[RunConfig, Path, torch.device]:
+              device: str | None = None, nproc: int = 1, dataset: str | Path | None = None
+              ) -> tuple[RunConfig, Path, torch.device]:
     """Everything the user gave, checked before any expensive work (also by ``--nproc`` before
-    it starts the ``nproc`` processes): -> (the config, the run folder, the training device)."""
+    it starts the ``nproc`` processes): -> (the config, the run folder, the training device).
+    ``dataset`` replaces the config's data.dataset."""
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
         raise UserError(f"max_steps must be a positive integer, got {max_steps!r}")
-    cfg = RunConfig.load(config, init)
+    cfg = RunConfig.load(config, init, None if dataset is None else str(dataset))
     run_device = _training_device(cfg, config, device)
     check_gpus(nproc, run_device)
     out = Path(out) if out else Path("runs") / Path(config).stem
