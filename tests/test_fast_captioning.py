@@ -89,6 +89,24 @@ def test_views_decoded_as_one_batch_give_the_per_member_captions(family):
     assert_same(captions, decodes(per_member(flip), x))
 
 
+@pytest.mark.parametrize("options, beam", [({"no_repeat_ngram": 2, "min_words": 2}, 3),
+                                           ({"sample": True, "num_captions": 3, "seed": 1}, 1),
+                                           ({"num_captions": 2, "beam_groups": 2}, 4)],
+                         ids=["rules", "sampling", "diverse-beams"])
+def test_caption_controls_on_views_decoded_as_one_batch_give_the_per_member_captions(options, beam):
+    """The caption controls (captionkit.inference.decoding) shape the ensemble's combined step,
+    whichever way its members are batched."""
+    from captionkit.inference.controls import Controls
+    from captionkit.inference.decoding import decode_lists
+
+    flip, x = with_flip_views(DECODERS["ensemble"]()), views()
+    controls = Controls().with_options(**options).check(beam)
+    with torch.no_grad():
+        got = decode_lists(flip, x, beam=beam, max_len=8, controls=controls)
+        want = decode_lists(per_member(flip), x, beam=beam, max_len=8, controls=controls)
+    assert_same(got, want)
+
+
 def test_each_model_steps_once_per_decoding_step_over_all_its_views():
     """With flip averaging, an ensemble of two models is four members; each step calls each model
     once, with the rows of both views (it called each member: four calls of half the rows)."""
@@ -114,7 +132,7 @@ def test_flip_views_go_through_the_encoder_in_one_pass():
     from captionkit.inference.captioner import Captioner
 
     encoder = create_encoder("efficientnet_lite0", weights="random")
-    cap = Captioner(sat(), None, {"encoder": {"grid": [7, 7]}}, encoder, tta="flip")
+    cap = Captioner(sat(), None, {"encoder": {"grid": [7, 7]}}, encoder, tta="flip").place("cpu", "fp32")
     torch.manual_seed(0)
     pixels = torch.randn(3, 3, 224, 224)
     batches = []
