@@ -5,6 +5,7 @@ from them live in conftest.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -454,3 +455,23 @@ def http_redirect(location: str):
         request.send_header("Content-Length", "0")
         request.end_headers()
     return route
+
+
+@contextlib.contextmanager
+def local_ray():
+    """A local Ray of 2 CPUs for the block (the test is skipped without Ray). A Ray already
+    running in this process is used as it is and left running; one started here is shut down."""
+    from captionkit.inference.ray_engine import ray_missing
+
+    if ray_missing():
+        pytest.skip(ray_missing())
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        yield ray
+    finally:
+        if started:
+            ray.shutdown()

@@ -15,7 +15,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from helpers import TINY_CONFIG, write_flickr8k
+from helpers import TINY_CONFIG, local_ray, write_flickr8k
 from hypothesis import given
 from hypothesis import strategies as st
 from test_fuzz_datasets import FUZZ, IMAGES, anything, captions, check, encoded, json_values, names
@@ -391,20 +391,11 @@ def test_features_engine_ray_reads_the_shards_images(tmp_path, monkeypatch):
     from captionkit.cli import main as cli
     from captionkit.encoders import create_encoder
     from captionkit.encoders.features import ShardedFeatureStore, build_features
-    from captionkit.inference.ray_engine import ray_missing
-
-    if ray_missing():
-        pytest.skip(ray_missing())
-    import ray
-
     monkeypatch.setenv("CAPTIONKIT_CACHE", str(tmp_path / "cache"))
     write_shard(tmp_path / "wds" / "train-0.tar", [(f"p{k}", {"jpg": jpg(k), "txt": b"x"}) for k in range(5)])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
+    with local_ray():
         assert cli.main(["features", "--dataset", str(tmp_path / "wds"), "--encoder", "patches", "--engine", "ray",
                          "--shard-size", "2", "--batch-size", "2"]) == 0
-    finally:
-        ray.shutdown()
     paths = [it.path for it in load_dataset(tmp_path / "wds").all_items()]
     store = build_features(create_encoder("patches"), paths, progress=False)  # the store Ray wrote
     assert isinstance(store, ShardedFeatureStore) and store.num_shards == 3

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import local_ray
 
 from captionkit.cli import main as cli
 from captionkit.core.errors import OutputError
@@ -289,16 +290,9 @@ def test_training_on_a_flipped_store_stops_in_one_line(tiny_config, flickr_dir, 
 @pytest.mark.slow
 def test_engine_ray_verify_recomputes_the_flipped_shard_alone(photo_paths, tmp_path, capsys):
     """features --engine ray --verify: the bad shard's record dropped, Ray computes that one only."""
-    from captionkit.inference.ray_engine import RayOptions, build_features_ray, ray_missing
+    from captionkit.inference.ray_engine import RayOptions, build_features_ray
 
-    if ray_missing():
-        pytest.skip(ray_missing())
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
+    with local_ray():
         root, opts = tmp_path / "cache", RayOptions(replicas=1, batch_size=2, shard_size=2)
         store = build_features_ray("patches", None, photo_paths, root, opts)
         names = sorted(store.index)
@@ -310,9 +304,6 @@ def test_engine_ray_verify_recomputes_the_flipped_shard_alone(photo_paths, tmp_p
         assert "1 of 3 shards to compute" in capsys.readouterr().err
         assert {s: _stamps(store.folder, s) for s in (0, 2)} == kept
         np.testing.assert_array_equal(again.rows(names), good)
-    finally:
-        if started:
-            ray.shutdown()
 
 
 @pytest.fixture

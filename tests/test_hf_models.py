@@ -28,7 +28,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from helpers import shape_image, write_lm_config  # noqa: E402
+from helpers import local_ray, shape_image, write_lm_config  # noqa: E402
 from meta_models import HF_FAMILIES, HF_PROMPT  # noqa: E402
 
 from captionkit.cli.main import main  # noqa: E402
@@ -440,23 +440,11 @@ def test_a_frozen_run_is_refused_before_any_work(tiny_hf, flickr_dir, tmp_path, 
 
 @pytest.mark.slow  # a local Ray
 def test_engine_ray_captions_an_hf_model_as_the_local_engine(tiny_hf, photos, tmp_path):
-    from captionkit.inference.ray_engine import ray_missing
-
-    if ray_missing():
-        pytest.skip(ray_missing())
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
+    with local_ray():
         common = ["caption", str(photos), "--model", f"hf:{tiny_hf['git']}", "--beam", "2", "--batch-size", "2"]
         assert main([*common, "--jsonl", str(tmp_path / "local.jsonl")]) == 0
         assert main([*common, "--jsonl", str(tmp_path / "ray.jsonl"), "--engine", "ray", "--shard-size", "2"]) == 0
         assert (tmp_path / "ray.jsonl").read_text() == (tmp_path / "local.jsonl").read_text()
-    finally:
-        if started:
-            ray.shutdown()
 
 
 @pytest.mark.cuda

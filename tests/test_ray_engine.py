@@ -9,12 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import local_ray as helpers_local_ray
 from helpers import shape_image
 
 from captionkit.cli import main as cli
 from captionkit.cli.caption import _listed_paths
 from captionkit.encoders.features import ShardedFeatureStore, build_features, shard_file, shards_for_rank
-from captionkit.inference.ray_engine import RayOptions, caption_shards_folder, ray_missing
+from captionkit.inference.ray_engine import RayOptions, caption_shards_folder
 
 
 def test_shards_for_rank_splits_every_shard_once():
@@ -44,13 +45,8 @@ def test_engine_ray_refuses_what_it_cannot_do_before_loading(tmp_path, capsys, n
 @pytest.fixture(scope="session")
 def local_ray():
     """One local Ray of 2 CPUs for the whole session (starting one takes ~10 s)."""
-    if ray_missing():
-        pytest.skip(ray_missing())
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield ray
-    ray.shutdown()
+    with helpers_local_ray() as ray:
+        yield ray
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from pathlib import Path, PurePosixPath
 
 from ..core.errors import CheckpointError, UserError
 from .folders import ENSEMBLE_FILE, SCORES_FILE, is_ensemble
-from .hub import (CARD_FILE, DIGEST_FILE, REPO_SAMPLES, TRAINING_ONLY, UNDIGESTED, check_repo_id,  # noqa: F401
-                  checkpoint_files, model_files, require_hub, write_digest, _is_network_error, _read_json)
+from .hub import (CARD_FILE, REPO_SAMPLES, _is_network_error, check_repo_id, checkpoint_files, model_files,
+                  require_hub, write_digest)
 from .shipped import SHIPPED, existing_model_folder
 
 
