@@ -199,3 +199,20 @@ def test_shipped_default_captions_on_cuda_as_on_the_cpu(monkeypatch):
     strict = gpu(photos, beam=3)
     assert [r.text for r in strict] == [r.text for r in cpu]
     assert max(abs(a.logprob - b.logprob) for a, b in zip(cpu, strict)) < 1e-4
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("controls", [
+    ["--sample", "--seed", "7", "--temperature", "0.8", "--top-p", "0.9", "--num-captions", "3"],
+    ["--beam", "3", "--no-repeat-ngram", "2", "--repetition-penalty", "1.3", "--min-words", "4"],
+    ["--beam", "3", "--num-captions", "3", "--beam-groups", "3", "--diversity-strength", "0.7"],
+], ids=["sampling", "blocking", "diverse-beam"])
+def test_caption_controls_on_cuda_match_the_cpu(tiny_run, flickr_dir, tmp_path, controls):
+    """The caption controls (docs/decoding-controls.md) keep their state on the decoding device:
+    a sampling seed's noise is a hash, not a generator's state, so the GPU draws the CPU's words."""
+    model, paths = str(tiny_run / "best"), _images(flickr_dir)
+    base = ["--model", model, "--batch-size", "4", "--precision", "fp32", *controls, *map(str, paths)]
+    cpu = _caption_json(tmp_path, "cpu.json", [*base, "--device", "cpu"])
+    gpu = _caption_json(tmp_path, "gpu.json", [*base, "--device", "cuda"])
+    assert gpu == cpu and len(cpu) == len(paths)

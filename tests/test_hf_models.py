@@ -462,3 +462,29 @@ def test_on_a_gpu_greedy_gives_the_cpus_tokens(arch, tiny_hf):
         "encoder": {"grid": model.cfg.grid}}).place("cuda", "bf16")
     assert len(cap.decode_features(feats, beam=2)) == 3  # bf16 autocast on the GPU runs
 
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("training", ["lora", "full"])
+@pytest.mark.parametrize("arch", ["blip", "idefics3"])
+def test_on_a_gpu_fine_tuning_steps_as_on_the_cpu(arch, training, tiny_hf, flickr_dir, tmp_path, monkeypatch):
+    """Three fine-tuning steps of a tiny model on the GPU, in float32 (the config's) with TF32 off,
+    give the CPU's weights, and the checkpoint loads on the CPU. Compared tensor by tensor in norm:
+    Adam turns float noise on a near-zero gradient into a step of up to a tenth of lr."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    import contextlib
+
+    from captionkit.core import precision
+
+    monkeypatch.setattr(precision, "tf32_matmuls", contextlib.nullcontext)  # fp32's TF32 region
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    cfg = run_config(tmp_path / "ft.toml", arch, tiny_hf[arch], flickr_dir, training)
+    for device in ("cpu", "cuda"):
+        train(cfg, out=tmp_path / device, max_steps=3, progress=False, device=device)
+    a, b = read_weights(tmp_path / "cpu" / "last"), read_weights(tmp_path / "cuda" / "last")
+    assert set(a) == set(b) and a
+    assert all(t.device.type == "cpu" for t in b.values())
+    for k in a:  # 3 steps at lr 3e-3 move these random weights by about their own size
+        assert (b[k].float() - a[k].float()).norm() <= 1e-2 * a[k].float().norm() + 1e-6, k
+    Captioner.load(tmp_path / "cuda" / "last", with_encoder=False, device="cpu")
