@@ -163,14 +163,24 @@ def test_caption_on_cuda_matches_the_cpu(tiny_run, flickr_dir, tmp_path):
 
 @pytest.mark.cuda
 @needs_cuda
-def test_features_on_cuda_match_the_cpu(flickr_dir, tmp_path):
+def test_features_on_cuda_match_the_cpu(flickr_dir, tmp_path, monkeypatch):
+    """Features in float32 on both, stored as float16. With cuDNN's TF32 off the GPU's are the
+    CPU's to float16 rounding; as shipped (TF32 convolutions, 10-bit mantissas through ~20 layers)
+    an H200's largest difference was 1.8% of the largest feature, the mean far below it."""
     paths = _images(flickr_dir)
     enc = create_encoder("efficientnet_lite0", weights="random")
     cpu = build_features(enc, paths, root=tmp_path / "cpu", progress=False)
+    a = np.asarray(cpu.feats, dtype=np.float32)
+    scale = np.abs(a).max()
+    assert scale > 1.0  # features that see the photo (random_init), not a constant
     gpu = build_features(enc.to("cuda"), paths, root=tmp_path / "gpu", progress=False)
-    a, b = np.asarray(cpu.feats, dtype=np.float32), np.asarray(gpu.feats, dtype=np.float32)
-    # float32 on both (TF32 convolutions on the GPU), stored as float16
-    assert np.abs(a - b).max() <= 1e-2 * max(1.0, np.abs(a).max())
+    b = np.asarray(gpu.feats, dtype=np.float32)
+    diff = np.abs(a - b)
+    assert diff.max() <= 5e-2 * scale and diff.mean() <= 1e-2 * np.abs(a).mean(), (diff.max(), diff.mean())
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    strict = build_features(enc, paths, root=tmp_path / "strict", progress=False)
+    c = np.asarray(strict.feats, dtype=np.float32)
+    assert np.abs(a - c).max() <= 4e-3 * scale  # float16's spacing near the largest feature: 2**-10
 
 
 @pytest.mark.cuda

@@ -469,8 +469,8 @@ def test_on_a_gpu_greedy_gives_the_cpus_tokens(arch, tiny_hf):
 @pytest.mark.parametrize("arch", ["blip", "idefics3"])
 def test_on_a_gpu_fine_tuning_steps_as_on_the_cpu(arch, training, tiny_hf, flickr_dir, tmp_path, monkeypatch):
     """Three fine-tuning steps of a tiny model on the GPU, in float32 (the config's) with TF32 off,
-    give the CPU's weights, and the checkpoint loads on the CPU. Compared tensor by tensor in norm:
-    Adam turns float noise on a near-zero gradient into a step of up to a tenth of lr."""
+    give the CPU's weights, and the checkpoint loads on the CPU. Compared tensor by tensor in norm.
+    On an H200 the attention keys' biases differed by up to 3e-4 an element: see below."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     import contextlib
@@ -485,6 +485,11 @@ def test_on_a_gpu_fine_tuning_steps_as_on_the_cpu(arch, training, tiny_hf, flick
     a, b = read_weights(tmp_path / "cpu" / "last"), read_weights(tmp_path / "cuda" / "last")
     assert set(a) == set(b) and a
     assert all(t.device.type == "cpu" for t in b.values())
-    for k in a:  # 3 steps at lr 3e-3 move these random weights by about their own size
+    # An attention key's bias has gradient 0 in exact arithmetic (the softmax ignores a shift of
+    # every score), so its float noise, which Adam scales up to lr, is all these steps give it
+    noise = [k for k in a if k.endswith(("key.bias", "k_proj.bias"))]
+    compared = [k for k in a if k not in noise]
+    assert len(compared) > len(noise)
+    for k in compared:  # at helpers.LM_CONFIG's lr 3e-3, 3 steps move these by about their own size
         assert (b[k].float() - a[k].float()).norm() <= 1e-2 * a[k].float().norm() + 1e-6, k
     Captioner.load(tmp_path / "cuda" / "last", with_encoder=False, device="cpu")
