@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from device_path import run_in_tree  # noqa: E402
-from timing import median_time  # noqa: E402
+from timing import median_time, use_cpu_time  # noqa: E402
 from tutorial_decoder import TutorialDecoder  # noqa: E402
 
 from captionkit.cli.main import tune_allocator  # noqa: E402
@@ -161,12 +161,19 @@ def main() -> None:
                                                      "default: the default model)")
     ap.add_argument("--precision", default="auto", help="captioning's --precision (default auto, as the command's)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time the peak and training by the process's CPU time, not the wall clock "
+                         "(needs --threads 1: for a machine other work loads)")
     ap.add_argument("--images", type=int, help="JPEGs to caption and to extract (default 160, --quick 32)")
     ap.add_argument("--compare", type=Path, metavar="OTHER/src",
                     help="also measure the captionkit of another tree's src/ folder, alternating with this one")
     ap.add_argument("--rounds", type=int, default=3, help="with --compare: alternating passes per tree (default 3)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.cpu_time and args.threads != 1:
+        ap.error("--cpu-time needs --threads 1 (CPU time counts every thread's waiting too)")
+    if args.cpu_time:
+        use_cpu_time()
     tune_allocator()  # as the captionkit command does
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -174,7 +181,7 @@ def main() -> None:
     n_img = args.images or n_img
     if args.child:  # one measurement for --compare, in the tree on PYTHONPATH: JSON on the last line
         return print(json.dumps(child(args.child, reps, n_img, args.precision)))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads" + (", CPU time" if args.cpu_time else ""))
     if args.compare:
         return compare(args, reps, n_img)
     if args.captioning_only:
@@ -244,7 +251,7 @@ def compare(args: argparse.Namespace, reps: int, n_img: int) -> None:
         ([] if args.captioning_only else ["training"]) + \
         ([] if args.training_only else [f"captioning:{m or ''}" for m in args.model or [None]])
     argv = ["--precision", args.precision, "--images", str(n_img)] + (["--quick"] if args.quick else []) + \
-        (["--threads", str(args.threads)] if args.threads else [])
+        (["--threads", str(args.threads)] if args.threads else []) + (["--cpu-time"] if args.cpu_time else [])
     print(f"old: {trees['old']}\nnew: {trees['new']}\n{args.rounds} alternating rounds, precision {args.precision}, "
           f"{n_img} JPEGs; load average {os.getloadavg()[0]:.2f} (a shared machine's load shows in every figure)")
     print(f"{'figure':52} {'old':>9} {'new':>9} {'speed-up':>8}", flush=True)

@@ -22,7 +22,10 @@ Why the code looks the way it does: everything that does not depend on the recur
 computed once for the whole sequence, outside the time loop -- the attention projection
 W_a a (the costliest part, (B, L, A)), the embedding's share of the LSTM gates, and the deep
 output layer. The loop only runs what needs h_{t-1}: one fused matmul of h_{t-1} against
-[U_a; f_beta; W_hh], the attention, and the context's share of the gates.
+[U_a; f_beta; W_hh], the attention, and the context's share of the gates. Float32 training on
+the CPU runs that loop as one autograd node with a hand-written backward (sat_recurrence.py):
+the same math without some 40 graph nodes a word, and the weight gradients taken once for all
+words instead of word by word.
 """
 
 from __future__ import annotations
