@@ -52,6 +52,14 @@ from captionkit.training.config import TrainConfig  # noqa: E402
 from captionkit.training.stages import make_optimizer  # noqa: E402
 
 B, L, D, DIM, V, T = 32, 196, 1280, 512, 2633, 13
+EMBED_DROPOUT = 0.0
+
+
+def use_recipe_sizes() -> None:
+    """configs/sat_lite2_flickr8k.toml's sizes instead of the tutorial's: EfficientNet-Lite2's
+    9 x 9 grid, 12 words (Flickr8k's typical training caption), embedding dropout 0.3."""
+    global L, T, EMBED_DROPOUT
+    L, T, EMBED_DROPOUT = 81, 12, 0.3
 
 
 def matmul_peak(dtype: torch.dtype, repeats: int) -> float:
@@ -79,7 +87,8 @@ def bench_training(repeats: int, tutorial: bool = True) -> dict:
     ids = torch.randint(4, V, (B, T + 1))
     out = {}
     for precision in ("bf16", "fp32"):
-        model = SoftAttentionDecoder(SATConfig(vocab_size=V, feat_dim=D, embed_dim=DIM, hidden_dim=DIM, attn_dim=DIM))
+        model = SoftAttentionDecoder(SATConfig(vocab_size=V, feat_dim=D, embed_dim=DIM, hidden_dim=DIM, attn_dim=DIM,
+                                             embed_dropout=EMBED_DROPOUT))
         opt = make_optimizer([{"params": list(model.parameters()), "lr": 4e-4}], TrainConfig(precision=precision))
         x = feats.to(torch.bfloat16) if precision == "bf16" else feats
 
@@ -161,6 +170,8 @@ def main() -> None:
                                                      "default: the default model)")
     ap.add_argument("--precision", default="auto", help="captioning's --precision (default auto, as the command's)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
+    ap.add_argument("--recipe-sizes", action="store_true",
+                    help="training at configs/sat_lite2_flickr8k.toml's sizes (81 locations, 12 words)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time the peak and training by the process's CPU time, not the wall clock "
                          "(needs --threads 1: for a machine other work loads)")
@@ -174,6 +185,8 @@ def main() -> None:
         ap.error("--cpu-time needs --threads 1 (CPU time counts every thread's waiting too)")
     if args.cpu_time:
         use_cpu_time()
+    if args.recipe_sizes:
+        use_recipe_sizes()
     tune_allocator()  # as the captionkit command does
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -252,7 +265,8 @@ def compare(args: argparse.Namespace, reps: int, n_img: int) -> None:
         ([] if args.captioning_only else ["training"]) + \
         ([] if args.training_only else [f"captioning:{m or ''}" for m in args.model or [None]])
     argv = ["--precision", args.precision, "--images", str(n_img)] + (["--quick"] if args.quick else []) + \
-        (["--threads", str(args.threads)] if args.threads else []) + (["--cpu-time"] if args.cpu_time else [])
+        (["--threads", str(args.threads)] if args.threads else []) + (["--cpu-time"] if args.cpu_time else []) + \
+        (["--recipe-sizes"] if args.recipe_sizes else [])
     print(f"old: {trees['old']}\nnew: {trees['new']}\n{args.rounds} alternating rounds, precision {args.precision}, "
           f"{n_img} JPEGs; load average {os.getloadavg()[0]:.2f} (a shared machine's load shows in every figure)")
     print(f"{'figure':52} {'old':>9} {'new':>9} {'speed-up':>8}", flush=True)
