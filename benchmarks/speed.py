@@ -13,13 +13,17 @@ Prints:
 4. captioning images/s with beam 3, encoder included, and the encoder/decoder split, for the
    default model (what ``captionkit caption`` uses with no --model) or each ``--model`` given,
    as ``captionkit caption`` runs it (batches of 16, two reader threads, ``--precision``).
-Every figure is the median of several timed repeats. ``--captioning-only`` runs only 4.
+Every figure is the median of several timed repeats. ``--captioning-only`` runs only 4.,
+``--training-only`` only 1. and 3.
 
 ``--compare OTHER/src`` measures 2.-4. for another checkout of captionkit too (e.g. ``git worktree
 add --detach ../old HEAD~5``, then ``--compare ../old/src``): each measurement runs in a child
 process per tree (benchmarks/device_path.py's ``run_in_tree``), alternating old, new, old, new
 (``--rounds`` times), so both see the same machine; each figure is printed for both trees with
 the speed-up (new / old; old / new for times). Captioning figures also say whether the two trees wrote the same captions.
+Training's figures come with each tree's share of the matmul peaks (measured in the same child
+process) and its multiple of the tutorial-style decoder (measured once per round, between the
+trees' children), e.g. ``--compare ../old/src --training-only --threads 2``.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from device_path import run_in_tree  # noqa: E402
-from timing import median_time  # noqa: E402
+from timing import median_time, use_cpu_time  # noqa: E402
 from tutorial_decoder import TutorialDecoder  # noqa: E402
 
 from captionkit.cli.main import tune_allocator  # noqa: E402
@@ -48,6 +52,14 @@ from captionkit.training.config import TrainConfig  # noqa: E402
 from captionkit.training.stages import make_optimizer  # noqa: E402
 
 B, L, D, DIM, V, T = 32, 196, 1280, 512, 2633, 13
+EMBED_DROPOUT = 0.0
+
+
+def use_recipe_sizes() -> None:
+    """configs/sat_lite2_flickr8k.toml's sizes instead of the tutorial's: EfficientNet-Lite2's
+    9 x 9 grid, 12 words (Flickr8k's typical training caption), embedding dropout 0.3."""
+    global L, T, EMBED_DROPOUT
+    L, T, EMBED_DROPOUT = 81, 12, 0.3
 
 
 def matmul_peak(dtype: torch.dtype, repeats: int) -> float:
@@ -67,13 +79,16 @@ def train_step_flops() -> float:
     return 2 * B * (3 * T * per_word + 2 * L * D * DIM + 3 * (once - L * D * DIM))
 
 
-def bench_training(repeats: int) -> dict:
+def bench_training(repeats: int, tutorial: bool = True) -> dict:
+    """name -> seconds a training step: captionkit in bf16 mixed precision and fp32, and the
+    tutorial-style decoder (``tutorial``)."""
     torch.manual_seed(0)
     feats = torch.randn(B, L, D).abs()
     ids = torch.randint(4, V, (B, T + 1))
     out = {}
     for precision in ("bf16", "fp32"):
-        model = SoftAttentionDecoder(SATConfig(vocab_size=V, feat_dim=D, embed_dim=DIM, hidden_dim=DIM, attn_dim=DIM))
+        model = SoftAttentionDecoder(SATConfig(vocab_size=V, feat_dim=D, embed_dim=DIM, hidden_dim=DIM, attn_dim=DIM,
+                                             embed_dropout=EMBED_DROPOUT))
         opt = make_optimizer([{"params": list(model.parameters()), "lr": 4e-4}], TrainConfig(precision=precision))
         x = feats.to(torch.bfloat16) if precision == "bf16" else feats
 
@@ -87,6 +102,8 @@ def bench_training(repeats: int) -> dict:
             opt.step()
 
         out[f"captionkit {precision}"] = median_time(step, repeats)
+    if not tutorial:
+        return out
     base = TutorialDecoder(V, feat_dim=D, dim=DIM)
     opt = torch.optim.Adam(base.parameters(), 4e-4)
     lengths = torch.full((B,), T)
@@ -148,16 +165,28 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer repeats and images")
     ap.add_argument("--captioning-only", action="store_true", help="only the captioning figures (4.)")
+    ap.add_argument("--training-only", action="store_true", help="only the peak and the training figures (1., 3.)")
     ap.add_argument("--model", action="append", help="caption with this model (repeat: each in turn; "
                                                      "default: the default model)")
     ap.add_argument("--precision", default="auto", help="captioning's --precision (default auto, as the command's)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
+    ap.add_argument("--recipe-sizes", action="store_true",
+                    help="training at configs/sat_lite2_flickr8k.toml's sizes (81 locations, 12 words)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time the peak and training by the process's CPU time, not the wall clock "
+                         "(needs --threads 1: for a machine other work loads)")
     ap.add_argument("--images", type=int, help="JPEGs to caption and to extract (default 160, --quick 32)")
     ap.add_argument("--compare", type=Path, metavar="OTHER/src",
                     help="also measure the captionkit of another tree's src/ folder, alternating with this one")
     ap.add_argument("--rounds", type=int, default=3, help="with --compare: alternating passes per tree (default 3)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.cpu_time and args.threads != 1:
+        ap.error("--cpu-time needs --threads 1 (CPU time counts every thread's waiting too)")
+    if args.cpu_time:
+        use_cpu_time()
+    if args.recipe_sizes:
+        use_recipe_sizes()
     tune_allocator()  # as the captionkit command does
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -165,25 +194,26 @@ def main() -> None:
     n_img = args.images or n_img
     if args.child:  # one measurement for --compare, in the tree on PYTHONPATH: JSON on the last line
         return print(json.dumps(child(args.child, reps, n_img, args.precision)))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads" + (", CPU time" if args.cpu_time else ""))
     if args.compare:
         return compare(args, reps, n_img)
     if args.captioning_only:
         return report_captioning(n_img, args.model or [None], args.precision)
     peak32, peak16 = matmul_peak(torch.float32, reps), matmul_peak(torch.bfloat16, reps)
     print(f"matmul peak (2048^3): fp32 {peak32 / 1e9:.0f} GFLOP/s, bf16 {peak16 / 1e9:.0f} GFLOP/s")
-
-    print(f"feature extraction (EfficientNet-Lite2, 260 px, {n_img} JPEGs): {bench_extraction(n_img):.1f} images/s")
+    if not args.training_only:
+        print(f"feature extraction (EfficientNet-Lite2, 260 px, {n_img} JPEGs): {bench_extraction(n_img):.1f} images/s")
 
     times = bench_training(reps)
     flops = train_step_flops()
     base = times["tutorial-style fp32"]
     print(f"decoder training at {L} locations x {D} features, width {DIM}, batch {B}, {T} words, vocab {V}:")
     for name, t in times.items():
+        peak = peak16 if name.endswith("bf16") else peak32
         print(f"  {name:22s} {B / t:7.1f} captions/s  {flops / t / 1e9:6.1f} GFLOP/s "
-              f"= {flops / t / peak32:5.1%} of fp32 peak  ({base / t:4.1f}x tutorial-style)")
-
-    report_captioning(n_img, args.model or [None], args.precision)
+              f"= {flops / t / peak:5.1%} of the {name[-4:]} peak  ({base / t:4.1f}x tutorial-style)")
+    if not args.training_only:
+        report_captioning(n_img, args.model or [None], args.precision)
 
 
 def report_captioning(n_img: int, models: list[str | None], precision: str = "auto") -> None:
@@ -200,9 +230,11 @@ def child(what: str, reps: int, n_img: int, precision: str) -> dict:
     """One --compare measurement in this process (the tree on PYTHONPATH): name -> figure."""
     if what == "extraction":
         return {"feature extraction images/s": bench_extraction(n_img)}
-    if what == "training":
-        return {f"decoder training {name} captions/s": B / t for name, t in bench_training(reps).items()
-                if name.startswith("captionkit")}
+    if what == "training":  # with the matmul peaks measured in the same process
+        out = {f"decoder training {name} captions/s": B / t for name, t in bench_training(reps, False).items()}
+        return {**out, "peak fp32": matmul_peak(torch.float32, reps), "peak bf16": matmul_peak(torch.bfloat16, reps)}
+    if what == "tutorial":
+        return {"tutorial": B / bench_training(reps)["tutorial-style fp32"]}
     model = what.split(":", 1)[1] or None
     c = bench_captioning(n_img, model=model, precision=precision)
     name = model or "default model"
@@ -211,13 +243,30 @@ def child(what: str, reps: int, n_img: int, precision: str) -> dict:
             "precision " + name: c["precision"]}
 
 
+def report_training_shares(got: dict[str, dict[str, list]]) -> None:
+    """Training's figures against the matmul peaks (measured in each child beside them) and
+    the tutorial-style decoder (measured in the same rounds)."""
+    flops, tutorial = train_step_flops(), statistics.median(got["new"]["tutorial"])
+    # one peak per precision for both trees: the median of every child's (the same machine)
+    peaks = {p: statistics.median(got["old"]["peak " + p] + got["new"]["peak " + p]) for p in ("fp32", "bf16")}
+    print(f"  matmul peak (2048^3): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s; "
+          f"tutorial-style decoder, fp32: {tutorial:.1f} captions/s", flush=True)
+    for label in ("old", "new"):
+        for p in ("fp32", "bf16"):
+            rate = statistics.median(got[label][f"decoder training captionkit {p} captions/s"]) / B * flops
+            print(f"  {label} {p}: {rate / 1e9:.1f} GFLOP/s = {rate / peaks[p]:.1%} of the {p} peak, "
+                  f"{rate / flops * B / tutorial:.1f}x tutorial-style", flush=True)
+
+
 def compare(args: argparse.Namespace, reps: int, n_img: int) -> None:
     """Each section measured in a child per tree, alternating old, new; the medians and the speed-up."""
     trees = {"old": args.compare.resolve(), "new": ROOT / "src"}
-    sections = ([] if args.captioning_only else ["extraction", "training"]) + \
-        [f"captioning:{m or ''}" for m in args.model or [None]]
+    sections = ([] if args.captioning_only or args.training_only else ["extraction"]) + \
+        ([] if args.captioning_only else ["training"]) + \
+        ([] if args.training_only else [f"captioning:{m or ''}" for m in args.model or [None]])
     argv = ["--precision", args.precision, "--images", str(n_img)] + (["--quick"] if args.quick else []) + \
-        (["--threads", str(args.threads)] if args.threads else [])
+        (["--threads", str(args.threads)] if args.threads else []) + (["--cpu-time"] if args.cpu_time else []) + \
+        (["--recipe-sizes"] if args.recipe_sizes else [])
     print(f"old: {trees['old']}\nnew: {trees['new']}\n{args.rounds} alternating rounds, precision {args.precision}, "
           f"{n_img} JPEGs; load average {os.getloadavg()[0]:.2f} (a shared machine's load shows in every figure)")
     print(f"{'figure':52} {'old':>9} {'new':>9} {'speed-up':>8}", flush=True)
@@ -227,9 +276,14 @@ def compare(args: argparse.Namespace, reps: int, n_img: int) -> None:
             for label, src in trees.items():
                 for name, value in run_in_tree(src, __file__, ["--child", section, *argv]).items():
                     got[label].setdefault(name, []).append(value)
+            if section == "training":  # the peer, in the same round (its code is this tree's)
+                got["new"].setdefault("tutorial", []).append(
+                    run_in_tree(trees["new"], __file__, ["--child", "tutorial", *argv])["tutorial"])
+        if section == "training":
+            report_training_shares(got)
         for name, values in got["new"].items():
-            old = got["old"][name]
-            if name.startswith("precision"):
+            old = got["old"].get(name)
+            if name.startswith(("precision", "peak", "tutorial")):
                 continue
             if name.startswith("captions"):
                 same = sum(a == b for a, b in zip(old[0], values[0]))

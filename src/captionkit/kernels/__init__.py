@@ -121,6 +121,23 @@ def _fwd(lib, proj, q, w) -> torch.Tensor:
     return e
 
 
+def energy_forward(proj: torch.Tensor, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The C kernel's energy, no autograd: (B, L, A), (B, A), (A,) -> (B, L). For callers
+    that write their own backward (the SAT decoder's fused recurrence); only where
+    ``kernel_available()`` and ``_check`` hold."""
+    return _fwd(_load(), proj, q, w)
+
+
+def energy_backward(ge: torch.Tensor, proj: torch.Tensor, q: torch.Tensor, w: torch.Tensor,
+                    gproj: torch.Tensor, gq: torch.Tensor, gw: torch.Tensor) -> None:
+    """The C kernel's backward of :func:`energy_forward` for ge (B, L): adds into gproj
+    (B, L, A) and gw (A,), writes gq (B, A). All float32 and contiguous."""
+    B, L, A = proj.shape
+    if _load().attn_energy_bwd(_ptr(ge), _ptr(proj), _ptr(q), _ptr(w), _ptr(gproj), _ptr(gq), _ptr(gw),
+                               B, L, A, torch.get_num_threads()) != 0:
+        raise MemoryError("attention kernel could not allocate its buffer")
+
+
 class _PassGrad(torch.autograd.Function):
     """Identity on proj whose gradient is the buffer the energy steps accumulated into."""
 

@@ -22,7 +22,10 @@ Why the code looks the way it does: everything that does not depend on the recur
 computed once for the whole sequence, outside the time loop -- the attention projection
 W_a a (the costliest part, (B, L, A)), the embedding's share of the LSTM gates, and the deep
 output layer. The loop only runs what needs h_{t-1}: one fused matmul of h_{t-1} against
-[U_a; f_beta; W_hh], the attention, and the context's share of the gates.
+[U_a; f_beta; W_hh], the attention, and the context's share of the gates. Float32 training on
+the CPU runs that loop as one autograd node with a hand-written backward (sat_recurrence.py):
+the same math without some 40 graph nodes a word, and the weight gradients taken once for all
+words instead of word by word.
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ from ..core.errors import UserError
 from ..core.fields import check_fields, spec
 from ..core.registry import register_exporter, register_family
 from ..data.vocab import Vocab
-from ..kernels import EnergyContext
+from ..kernels import KERNEL_DEVICE, EnergyContext, kernel_available
 from .base import CaptionModel, DecoderExport, token_cross_entropy
+from .sat_recurrence import SoftRecurrence
 
 
 @dataclass
@@ -154,7 +158,10 @@ class SoftAttentionDecoder(CaptionModel):
         return Memory(feats, self.att_feat(feats), mean)  # proj: (B, L, A)
 
     def init_state(self, mem: Memory) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.tanh(self.init_h(mem.mean)).float(), torch.tanh(self.init_c(mem.mean)).float()  # (B, H)
+        return self._init_from_mean(mem.mean)
+
+    def _init_from_mean(self, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.init_h(mean)).float(), torch.tanh(self.init_c(mean)).float()  # (B, H)
 
     def _attend(self, h: torch.Tensor, mem: Memory, sampled: torch.Tensor | None = None):
         """One recurrence step's h_{t-1} work: attention weights, gated context, W_hh h, and
@@ -208,6 +215,8 @@ class SoftAttentionDecoder(CaptionModel):
                 image_index: torch.Tensor | None = None):
         """The teacher-forced recurrence; captions with ``sampled`` (B,) True attend to a drawn
         location per step. -> logits (B, T, V), alphas (B, T, L), locations (B, T) or None."""
+        if self._fusable(feats, sampled):
+            return self._unroll_fused(feats, inputs, image_index)
         mem = self.prepare(feats)
         if image_index is not None:  # W_a a once per image, then one row per caption
             mem = mem.index_select(image_index)
@@ -226,6 +235,28 @@ class SoftAttentionDecoder(CaptionModel):
         Z_all = torch.stack(zs, 1)  # (B, T, D)
         return (self._logits(emb, H_all, Z_all), torch.stack(alphas, 1),
                 torch.stack(locs, 1) if sampled is not None else None)
+
+    def _fusable(self, feats: torch.Tensor, sampled: torch.Tensor | None) -> bool:
+        """May the recurrence run as one autograd node (``sat_recurrence``)? It is written for
+        float32 on the CPU with the C energy kernel, and for the expected context only."""
+        cfg = self.cfg
+        return (sampled is None and feats.device.type == KERNEL_DEVICE and feats.dtype == torch.float32
+                and not torch.is_autocast_enabled(KERNEL_DEVICE) and kernel_available()
+                and not (cfg.attention == "hard" and cfg.decode_context == "argmax" and not self.training))
+
+    def _unroll_fused(self, feats: torch.Tensor, inputs: torch.Tensor, image_index: torch.Tensor | None):
+        """``_unroll``'s expected-context recurrence, the same math in one autograd node."""
+        proj = self.att_feat(feats)  # (U or B, L, A)
+        mean = feats.mean(1)  # (U or B, D)
+        if image_index is not None:  # W_a a once per image, then one row per caption
+            feats, proj, mean = feats.index_select(0, image_index), proj.index_select(0, image_index), \
+                mean.index_select(0, image_index)
+        h, c = self._init_from_mean(mean)
+        emb = self.embed_drop(self.embed(inputs))  # (B, T, M)
+        H_all, Z_all, alphas = SoftRecurrence.apply(
+            proj.contiguous(), feats.contiguous(), self.gates_emb(emb), h, c, self.h_proj.weight, self.h_proj.bias,
+            self.att_w, self.gates_ctx.weight, self.cfg.gate)  # (B, T, H), (B, T, D), (B, T, L)
+        return self._logits(emb, H_all, Z_all), alphas, None
 
     def training_loss(self, feats: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor, *,
                       alpha_c: float = 0.0, label_smoothing: float = 0.0,

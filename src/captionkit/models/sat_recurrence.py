@@ -1,0 +1,129 @@
+"""The soft-attention decoder's teacher-forced recurrence as one autograd node, for float32
+training on the CPU (``models/sat.py`` decides when it applies).
+
+Why: run step by step under autograd, every word adds some 40 nodes to the graph, and their
+backward is where a training step spent most of its time at the tutorial's sizes -- the
+weight gradients of h_proj and gates_ctx taken word by word as matmuls of inner size B (32)
+and summed into .grad one word at a time, zero-filled full-size buffers for every slice of
+(B, T, 4H) and (B, A + 1 + 4H), and a dozen small element-wise kernels per word. Here the
+forward writes what backward needs into preallocated (T, B, ...) buffers; backward runs the
+recurrence in reverse with the LSTM cell, the gate, the softmax and the attention energy
+differentiated by hand, keeps every word's gradient of the gates and of h_proj's output, and
+takes the weight gradients once for all words: one matmul of inner size T * B per weight.
+
+The math is the step-by-step code's (``SoftAttentionDecoder._unroll`` without a sampled
+location): per word t, with hp = h_proj(h_{t-1}) = [q | beta_logit | gates_h],
+    alpha = softmax(w . tanh(proj + q)),  zc = sum_l alpha_l a_l,  z = sigmoid(beta_logit) * zc
+    gates = gates_x[t] + gates_h + W_ctx z,  (i, f, g, o) -> c, h
+tests/test_sat_recurrence.py checks values and gradients against a copy of that code.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..kernels import energy_backward, energy_forward
+
+
+class SoftRecurrence(torch.autograd.Function):
+    """apply(proj, feats, gates_x, h0, c0, w_h, b_h, att_w, w_ctx, gate) -> (hs, zs, alphas)
+
+    proj (B, L, A): W_a a, float32 contiguous; feats (B, L, D); gates_x (B, T, 4H): the
+    embedding's share of the gates, bias included; h0, c0 (B, H); w_h (A + 1 + 4H, H) and
+    b_h: h_proj; att_w (A,); w_ctx (4H, D): gates_ctx; gate: multiply the context by beta.
+    Returns h_1..h_T (B, T, H), the gated contexts z_1..z_T (B, T, D), alphas (B, T, L)."""
+
+    @staticmethod
+    def forward(ctx, proj, feats, gates_x, h0, c0, w_h, b_h, att_w, w_ctx, gate: bool):
+        B, L, A = proj.shape
+        T, H, D = gates_x.shape[1], h0.shape[1], feats.shape[2]
+        gx = gates_x.transpose(0, 1).contiguous()  # (T, B, 4H): each word's rows in one block
+        hs = torch.empty(T + 1, B, H)  # h_0 .. h_T
+        cs = torch.empty(T + 1, B, H)  # c_0 .. c_T
+        tanh_c = torch.empty(T, B, H)  # tanh(c_t), reused by backward
+        acts = torch.empty(T, B, 4 * H)  # sigmoid(i), sigmoid(f), tanh(g), sigmoid(o)
+        qs = torch.empty(T, B, A)  # U_a h_{t-1}, contiguous per word for the kernel
+        alphas = torch.empty(T, B, L)
+        zcs = torch.empty(T, B, D)  # ungated contexts
+        betas = torch.empty(T, B, 1)
+        zs = torch.empty(T, B, D)  # gated contexts
+        hp = torch.empty(B, A + 1 + 4 * H)
+        hs[0], cs[0] = h0, c0
+        w_h_t, w_ctx_t = w_h.t(), w_ctx.t()
+        for t in range(T):
+            torch.addmm(b_h, hs[t], w_h_t, out=hp)  # (B, A + 1 + 4H)
+            qs[t] = hp[:, :A]
+            alphas[t] = torch.softmax(energy_forward(proj, qs[t], att_w), 1)  # (B, L)
+            torch.bmm(alphas[t].unsqueeze(1), feats, out=zcs[t].unsqueeze(1))  # (B, 1, D)
+            if gate:
+                torch.sigmoid(hp[:, A:A + 1], out=betas[t])
+                torch.mul(zcs[t], betas[t], out=zs[t])
+            else:
+                zs[t] = zcs[t]
+            gates = torch.addmm(gx[t] + hp[:, A + 1:], zs[t], w_ctx_t)  # (B, 4H)
+            a = acts[t]
+            torch.sigmoid(gates[:, :2 * H], out=a[:, :2 * H])
+            torch.tanh(gates[:, 2 * H:3 * H], out=a[:, 2 * H:3 * H])
+            torch.sigmoid(gates[:, 3 * H:], out=a[:, 3 * H:])
+            i, f, g, o = a.chunk(4, dim=1)
+            torch.addcmul(f * cs[t], i, g, out=cs[t + 1])  # c = sigmoid(f) c + sigmoid(i) tanh(g)
+            torch.tanh(cs[t + 1], out=tanh_c[t])
+            torch.mul(o, tanh_c[t], out=hs[t + 1])
+        ctx.gate = gate
+        ctx.save_for_backward(proj, feats, w_h, att_w, w_ctx, hs, cs, tanh_c, acts, qs, alphas, zcs, betas, zs)
+        # (copies: the outputs must not be views of what backward reads)
+        return (hs[1:].transpose(0, 1).contiguous(), zs.transpose(0, 1).contiguous(),
+                alphas.transpose(0, 1).contiguous())  # (B, T, H), (B, T, D), (B, T, L)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_hs, g_zs, g_alphas):
+        proj, feats, w_h, att_w, w_ctx, hs, cs, tanh_c, acts, qs, alphas, zcs, betas, zs = ctx.saved_tensors
+        T, B, H = tanh_c.shape
+        A = proj.shape[2]
+        g_hs = torch.zeros(T, B, H) if g_hs is None else g_hs.transpose(0, 1).contiguous()
+        g_zs = torch.zeros(T, B, zs.shape[2]) if g_zs is None else g_zs.transpose(0, 1).contiguous()
+        g_alphas = None if g_alphas is None else g_alphas.float().transpose(0, 1).contiguous()
+        g_proj = torch.zeros_like(proj)  # the kernel adds every word's share in place
+        g_feats = torch.zeros_like(feats) if ctx.needs_input_grad[1] else None
+        g_att_w = torch.zeros(A)
+        g_hp = torch.empty(T, B, A + 1 + 4 * H)  # every word's gradient of h_proj's output
+        g_gates = g_hp[:, :, A + 1:]  # (T, B, 4H): gates_h, gates_x and W_ctx z share it
+        g_q = torch.empty(B, A)
+        dh, dc = torch.zeros(B, H), torch.zeros(B, H)
+        for t in reversed(range(T)):
+            dh += g_hs[t]
+            i, f, g, o = acts[t].chunk(4, dim=1)
+            dg_t = g_gates[t]
+            # h = o tanh(c): the output gate, then c's gradient from h and from c_{t+1}
+            torch.mul(dh * tanh_c[t], o * (1 - o), out=dg_t[:, 3 * H:])
+            dc += dh * o * (1 - tanh_c[t] * tanh_c[t])
+            torch.mul(dc * g, i * (1 - i), out=dg_t[:, :H])
+            torch.mul(dc * cs[t], f * (1 - f), out=dg_t[:, H:2 * H])
+            torch.mul(dc * i, 1 - g * g, out=dg_t[:, 2 * H:3 * H])
+            dc *= f  # -> c_{t-1}'s gradient
+            dz = torch.addmm(g_zs[t], dg_t, w_ctx)  # (B, D)
+            if ctx.gate:
+                beta = betas[t]
+                g_hp[t, :, A:A + 1] = (dz * zcs[t]).sum(1, keepdim=True) * beta * (1 - beta)
+                dz *= beta  # -> the ungated context's gradient
+            else:
+                g_hp[t, :, A] = 0
+            if g_feats is not None:
+                g_feats.baddbmm_(alphas[t].unsqueeze(2), dz.unsqueeze(1))  # (B, L, 1) x (B, 1, D)
+            # (as a row times feats^T: the (B, L, D) x (B, D, 1) form runs a far slower kernel)
+            d_alpha = torch.bmm(dz.unsqueeze(1), feats.transpose(1, 2)).squeeze(1)  # (B, L)
+            if g_alphas is not None:
+                d_alpha += g_alphas[t]
+            alpha = alphas[t]
+            d_e = alpha * (d_alpha - (alpha * d_alpha).sum(1, keepdim=True))  # softmax's backward
+            energy_backward(d_e, proj, qs[t], att_w, g_proj, g_q, g_att_w)
+            g_hp[t, :, :A] = g_q
+            dh = g_hp[t] @ w_h  # -> h_{t-1}'s gradient, (B, H)
+        # the weight gradients once for all words: inner size T * B
+        flat = g_hp.view(T * B, -1)  # (T B, A + 1 + 4H)
+        g_w_h = flat.t() @ hs[:T].reshape(T * B, H)
+        g_b_h = flat.sum(0)
+        g_w_ctx = g_gates.reshape(T * B, 4 * H).t() @ zs.view(T * B, -1)
+        return (g_proj, g_feats, g_gates.transpose(0, 1), dh, dc, g_w_h, g_b_h, g_att_w, g_w_ctx, None)

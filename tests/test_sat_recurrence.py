@@ -1,0 +1,171 @@
+"""The SAT decoder's fused teacher-forced recurrence (models/sat_recurrence.py) against the
+step-by-step code it replaced in float32 CPU training: the same loss and the same gradients
+at float32 rounding, a graph that no longer grows with the caption length, and the parameter
+names checkpoints hold unchanged."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from captionkit.kernels import energy_reference, kernel_available
+from captionkit.models.sat import SATConfig, SoftAttentionDecoder, caption_loss
+
+pytestmark = pytest.mark.skipif(not kernel_available(), reason="no C compiler: the fused path needs the kernel")
+
+
+def reference_unroll(m: SoftAttentionDecoder, feats, inputs, image_index=None):
+    """A copy of ``_unroll`` as it was before the fusion (soft attention, no sampled
+    locations), with the attention energy in plain PyTorch: per word, h_proj(h), the energy,
+    softmax, the gated context, the LSTM cell, each an autograd node of its own."""
+    A = m.cfg.attn_dim
+    mean = feats.mean(1, dtype=torch.float32)
+    proj = m.att_feat(feats)
+    if image_index is not None:
+        feats, proj, mean = feats[image_index], proj[image_index], mean[image_index]
+    h, c = torch.tanh(m.init_h(mean)), torch.tanh(m.init_c(mean))
+    emb = m.embed_drop(m.embed(inputs))
+    gates_emb = m.gates_emb(emb)
+    hs, zs, alphas = [], [], []
+    for t in range(inputs.shape[1]):
+        hp = m.h_proj(h)
+        q, beta_logit, gates_h = hp[:, :A], hp[:, A:A + 1], hp[:, A + 1:]
+        alpha = torch.softmax(energy_reference(proj, q, m.att_w), dim=1)
+        z = torch.bmm(alpha.unsqueeze(1), feats).squeeze(1)
+        if m.cfg.gate:
+            z = torch.sigmoid(beta_logit) * z
+        i, f, g, o = (gates_emb[:, t] + m.gates_ctx(z) + gates_h).chunk(4, dim=1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        hs.append(h)
+        zs.append(z)
+        alphas.append(alpha)
+    logits = m.out(m.drop(emb + m.out_h(torch.stack(hs, 1)) + m.out_z(torch.stack(zs, 1))))
+    return logits, torch.stack(alphas, 1)
+
+
+def tiny(gate: bool = True, attention: str = "soft") -> SoftAttentionDecoder:
+    torch.manual_seed(0)
+    cfg = SATConfig(vocab_size=37, feat_dim=24, embed_dim=16, hidden_dim=20, attn_dim=12, dropout=0.3,
+                    embed_dropout=0.2, gate=gate, attention=attention)
+    return SoftAttentionDecoder(cfg).train()  # dropout on: both paths must draw the same masks
+
+
+def loss_and_grads(m, feats, ids, run, image_index=None):
+    for p in m.parameters():
+        p.grad = None
+    feats.grad = None
+    torch.manual_seed(1)
+    logits, alphas = run(m, feats, ids[:, :-1], image_index)
+    loss, ce = caption_loss(logits, ids[:, 1:], alphas, 1.0)
+    loss.backward()
+    return loss.detach(), logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}, feats.grad
+
+
+def fused(m, feats, inputs, image_index):
+    logits, alphas, _ = m._unroll(feats, inputs, image_index=image_index)
+    return logits, alphas
+
+
+def graph_nodes(t: torch.Tensor) -> tuple[set, set[str]]:
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return seen, names
+
+
+@pytest.mark.parametrize("gate", [True, False])
+@pytest.mark.parametrize("feats_grad", [False, True])  # True: the encoder is being tuned
+def test_fused_step_gives_todays_loss_and_gradients(gate, feats_grad):
+    m = tiny(gate)
+    g = torch.Generator().manual_seed(2)
+    feats = torch.randn(5, 7, 24, generator=g).abs().requires_grad_(feats_grad)  # (B, L, D)
+    ids = torch.randint(4, 37, (5, 9), generator=g)
+    ids[1, 6:] = 0  # padding: masked out of the loss and the attention penalty
+    ids[3, 4:] = 0
+    assert m._fusable(feats, None)
+    new = loss_and_grads(m, feats, ids, fused)
+    old = loss_and_grads(m, feats, ids, reference_unroll)
+    torch.testing.assert_close(new[0], old[0])
+    torch.testing.assert_close(new[1], old[1])
+    assert new[2].keys() == old[2].keys()
+    for name in old[2]:
+        torch.testing.assert_close(new[2][name], old[2][name], msg=name)
+    if feats_grad:
+        torch.testing.assert_close(new[3], old[3])
+    assert new[2]["h_proj.weight"].abs().sum() > 0 and new[2]["gates_ctx.weight"].abs().sum() > 0
+
+
+def test_fused_step_with_shared_images():
+    """Self-critical training: several captions per image through ``image_index``."""
+    m = tiny()
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(3, 7, 24, generator=g).abs()  # (U, L, D)
+    ids = torch.randint(4, 37, (6, 8), generator=g)
+    index = torch.tensor([0, 0, 1, 1, 2, 2])
+    new = loss_and_grads(m, feats, ids, fused, index)
+    old = loss_and_grads(m, feats, ids, reference_unroll, index)
+    torch.testing.assert_close(new[0], old[0])
+    for name in old[2]:
+        torch.testing.assert_close(new[2][name], old[2][name], msg=name)
+
+
+def test_training_graph_does_not_grow_with_the_caption_length():
+    """The recurrence is one autograd node: a 12-word caption's graph is the size of a 3-word
+    one (step by step, every word added some 40 nodes)."""
+    m = tiny()
+    feats = torch.rand(2, 7, 24)
+    sizes = {}
+    for T in (3, 12):
+        loss, _ = m.training_loss(feats, torch.randint(4, 37, (2, T)), torch.randint(4, 37, (2, T)), alpha_c=1.0)
+        nodes, names = graph_nodes(loss)
+        sizes[T] = len(nodes), "SoftRecurrenceBackward" in names
+    assert sizes[12] == sizes[3]
+    assert sizes[3][1]
+
+
+def test_the_recurrence_steps_aside_where_it_does_not_apply():
+    """bf16 autocast, hard attention's sampled locations and argmax decoding keep the
+    step-by-step code (and give the same values as before)."""
+    m = tiny()
+    feats = torch.rand(2, 7, 24)
+    assert m._fusable(feats, None)
+    assert not m._fusable(feats, torch.ones(2, dtype=torch.bool))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not m._fusable(feats, None)
+    hard = SoftAttentionDecoder(SATConfig(vocab_size=37, feat_dim=24, embed_dim=16, hidden_dim=20, attn_dim=12,
+                                          attention="hard", decode_context="argmax"))
+    assert hard._fusable(feats, None)  # training: the expected context
+    assert not hard.eval()._fusable(feats, None)
+
+
+def test_parameter_names_are_unchanged():
+    """Checkpoints of runs before the fusion load as they are: the same names and shapes."""
+    m = SoftAttentionDecoder(SATConfig(vocab_size=37, feat_dim=24, embed_dim=16, hidden_dim=20, attn_dim=12))
+    assert {k: tuple(v.shape) for k, v in m.state_dict().items()} == {
+        "att_w": (12,), "embed.weight": (37, 16),
+        "init_h.0.weight": (20, 24), "init_h.0.bias": (20,), "init_h.2.weight": (20, 20), "init_h.2.bias": (20,),
+        "init_c.0.weight": (20, 24), "init_c.0.bias": (20,), "init_c.2.weight": (20, 20), "init_c.2.bias": (20,),
+        "att_feat.weight": (12, 24), "att_feat.bias": (12,), "h_proj.weight": (93, 20), "h_proj.bias": (93,),
+        "gates_emb.weight": (80, 16), "gates_emb.bias": (80,), "gates_ctx.weight": (80, 24),
+        "out_h.weight": (16, 20), "out_h.bias": (16,), "out_z.weight": (16, 24), "out.weight": (37, 16),
+        "out.bias": (37,)}
+
+
+def test_step_by_step_decoding_agrees_with_the_fused_forward():
+    """What training learns is what decoding runs: ``step`` word by word (the C kernel, no
+    fusion) gives the fused teacher-forced forward's log-probabilities."""
+    m = tiny().eval()
+    feats = torch.rand(3, 7, 24)
+    ids = torch.randint(4, 37, (3, 6))
+    logits, alphas = m(feats, ids)
+    mem = m.prepare(feats)
+    state = m.init_state(mem)
+    for t in range(ids.shape[1]):
+        logp, state, alpha = m.step(ids[:, t], state, mem)
+        torch.testing.assert_close(logp, F.log_softmax(logits[:, t], -1))
+        torch.testing.assert_close(alpha, alphas[:, t])
