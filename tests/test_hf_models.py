@@ -331,6 +331,17 @@ def test_a_training_step_trains_exactly_the_chosen_side(arch, training, tiny_hf)
         assert all("lora_" in n and n.startswith(model.language_prefixes) for n in inner)
 
 
+def test_a_vision_pooler_never_trains_and_checkpoints_that_hold_it_still_load(tiny_hf):
+    """A VisionEncoderDecoderModel loads its ViT with a pooler the caption never reads: frozen
+    even in full fine-tuning (under DDP a trained parameter without a gradient stops the run:
+    test_ddp_hf.py), and a full checkpoint written when it trained, holding it, loads."""
+    model = model_of(tiny_hf["ved"], "ved", "full")
+    pooler = {n: p.detach().clone() for n, p in model.named_parameters() if ".pooler." in n}
+    assert pooler and not any(p.requires_grad for n, p in model.named_parameters() if n in pooler)
+    assert not set(pooler) & model.trained and set(model.state_dict()) == model.trained
+    model.load_state_dict({**model.state_dict(), **pooler})  # (strict: the rest must be exactly the trained)
+
+
 def run_config(path: Path, arch: str, source: str, flickr_dir: Path, training: str) -> Path:
     prompt = f'prompt = "{prompt_of(arch)}"\n' if prompt_of(arch) else ""
     return write_lm_config(path, flickr_dir, f'name = "hf_pixels"\nweights = "{source}"',
