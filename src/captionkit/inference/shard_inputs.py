@@ -28,6 +28,7 @@ from pathlib import Path
 from ..core.errors import ImageError, OutputError
 from ..core.outputs import MARKER, owner_kind, write_marker
 from ..data.shard_images import ShardImage, extract_members, scan_shard
+from .writer import display_name
 
 UNPACK_KIND = "shard-images"  # the outputs.MARKER kind of the unpack folder
 
@@ -64,13 +65,14 @@ class ShardInputs:
         count = Counter(m.key for m in self.members.values())
         keys = {}
         for path, m in self.members.items():
-            keys[path] = m.key if count[m.key] == 1 and m.key not in taken else f"{m.shard}/{m.member}"
+            key = m.key if count[m.key] == 1 and m.key not in taken else f"{m.shard}/{m.member}"
+            keys[path] = display_name(key)  # (a member's name bytes that are not UTF-8 as \xNN, as a file's)
         return keys
 
     def label(self, path: Path) -> str:
         """How a stand-in is named in its error: the shard and the member."""
         m = self.members[path]
-        return f"{m.shard}: {m.member}"
+        return display_name(f"{m.shard}: {m.member}")
 
     def unpack(self, files: list[Path]) -> dict[Path, ImageError]:
         """Write the members among ``files`` into their stand-ins -> the errors of those that
