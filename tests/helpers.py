@@ -6,6 +6,7 @@ from them live in conftest.py."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -475,3 +476,23 @@ def local_ray():
     finally:
         if started:
             ray.shutdown()
+
+
+def place_in_cache(folder: Path, cache: Path, repo_id: str, commit: str, refs: tuple[str, ...] = ("main",)) -> Path:
+    """``folder`` as huggingface_hub's cache holds a download of ``repo_id`` at ``commit``: each file's
+    bytes in blobs/ (named by their sha256, as LFS files are), snapshots/COMMIT/PATH a relative link
+    to its blob, refs/REF the commit. -> the snapshot folder."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = f.relative_to(folder)
+        blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(f.read_bytes())
+        link = snapshot / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    for ref in refs:
+        (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot

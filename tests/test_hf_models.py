@@ -19,6 +19,7 @@ test_meta_contract.py, which build these families from the same tiny models.)"""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -331,6 +332,17 @@ def test_a_training_step_trains_exactly_the_chosen_side(arch, training, tiny_hf)
         assert all("lora_" in n and n.startswith(model.language_prefixes) for n in inner)
 
 
+def test_a_vision_pooler_never_trains_and_checkpoints_that_hold_it_still_load(tiny_hf):
+    """A VisionEncoderDecoderModel loads its ViT with a pooler the caption never reads: frozen
+    even in full fine-tuning (under DDP a trained parameter without a gradient stops the run:
+    test_ddp_hf.py), and a full checkpoint written when it trained, holding it, loads."""
+    model = model_of(tiny_hf["ved"], "ved", "full")
+    pooler = {n: p.detach().clone() for n, p in model.named_parameters() if ".pooler." in n}
+    assert pooler and not any(p.requires_grad for n, p in model.named_parameters() if n in pooler)
+    assert not set(pooler) & model.trained and set(model.state_dict()) == model.trained
+    model.load_state_dict({**model.state_dict(), **pooler})  # (strict: the rest must be exactly the trained)
+
+
 def run_config(path: Path, arch: str, source: str, flickr_dir: Path, training: str) -> Path:
     prompt = f'prompt = "{prompt_of(arch)}"\n' if prompt_of(arch) else ""
     return write_lm_config(path, flickr_dir, f'name = "hf_pixels"\nweights = "{source}"',
@@ -428,6 +440,36 @@ def test_models_that_are_not_there_or_not_captioners_are_one_line_errors(tiny_hf
     with pytest.raises(UserError, match="no layer named nothing_here for LoRA"):
         create_model("hf_blip", {**reference_config(tiny_hf["blip"]), "training": "lora",
                                  "lora_targets": ["nothing_here"]})
+
+
+def test_an_hf_model_as_an_ensemble_member_is_one_line_saying_why(tiny_hf, tiny_run, photos, tmp_path, capsys):
+    """An ensemble combines its members' next-word log-probabilities id by id over one tokenizer,
+    from one encoder's rows; an hf model has its own of both. Named beside a captionkit member on
+    the command line, by `captionkit ensemble`, or in an ensemble.json (as hf:, as "hf", or as the
+    path of a save_pretrained folder), it is refused with one line that says so."""
+    why = "over one tokenizer's words, read from one encoder's image rows, and a Hugging Face model has"
+
+    def refused(args: list[str], *message: str) -> None:
+        capsys.readouterr()
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert all(m in err for m in (why, *message)) and len(err.splitlines()) == 1, err
+
+    photo, member = str(photos / "p0.jpg"), str(tiny_run / "best")
+    refused(["caption", "--model", member, "--model", f"hf:{tiny_hf['blip']}", photo], "captions alone")
+    refused(["ensemble", "--model", member, "--model", f"hf:{tiny_hf['blip']}", "--out", str(tmp_path / "e")])
+    assert not (tmp_path / "e").exists()
+    local = tmp_path / "blip"
+    shutil.copytree(tiny_hf["blip"], local)
+    for k, entry in enumerate([{"path": f"hf:{tiny_hf['blip']}"}, {"hf": "Salesforce/blip-image-captioning-base"},
+                               {"path": "../blip"}]):
+        folder = tmp_path / f"ens{k}"
+        folder.mkdir()
+        members = [{"path": os.path.relpath(member, folder), "weight": 1}, {**entry, "weight": 1}]
+        (folder / "ensemble.json").write_text(json.dumps({"format": "captionkit-ensemble", "version": 1,
+                                                          "members": members}))
+        shown = "members[1] names a Hugging Face model" if k < 2 else f"named in {folder / 'ensemble.json'}"
+        refused(["caption", "--model", str(folder), photo], shown)
 
 
 def test_a_frozen_run_is_refused_before_any_work(tiny_hf, flickr_dir, tmp_path, no_expensive_work):

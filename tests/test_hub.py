@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import cli_captions, direct_captions
+from helpers import cli_captions, direct_captions, place_in_cache
 
 pytest.importorskip("huggingface_hub")
 yaml = pytest.importorskip("yaml")
@@ -29,26 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = sorted((ROOT / "samples").glob("*.jpg"))
 REPO = "captionkit-tests/tiny-sat"
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
-
-
-def place_in_cache(folder: Path, cache: Path, repo_id: str, commit: str, refs: tuple[str, ...] = ("main",)) -> Path:
-    """``folder`` as huggingface_hub's cache holds a download of ``repo_id`` at ``commit``: each file's
-    bytes in blobs/ (named by their sha256, as LFS files are), snapshots/COMMIT/PATH a relative link
-    to its blob, refs/REF the commit. -> the snapshot folder."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    snapshot = repo / "snapshots" / commit
-    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
-        rel = f.relative_to(folder)
-        blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        blob.write_bytes(f.read_bytes())
-        link = snapshot / rel
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(os.path.relpath(blob, link.parent))
-    for ref in refs:
-        (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
-        (repo / "refs" / ref).write_text(commit)
-    return snapshot
 
 
 @pytest.fixture(autouse=True)

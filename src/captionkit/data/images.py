@@ -267,6 +267,7 @@ class Scan:
     images: list[Path] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     refused: list[Skipped] = field(default_factory=list)
+    shards: list[Path] = field(default_factory=list)  # WebDataset shards, with scan_images(shards=True)
 
 
 _KINDS = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
@@ -281,8 +282,9 @@ def _not_regular(mode: int) -> str | None:
     return f"not a regular file ({kind})"
 
 
-def _classify(path: Path) -> str | None:
-    """Why a file found in a folder is left out, or None if it is an image file to caption."""
+def _classify(path: Path, shards: bool = False) -> str | None:
+    """Why a file found in a folder is left out, or None if it is an image file to caption
+    (or, with ``shards``, a WebDataset shard)."""
     try:
         mode = path.stat().st_mode  # follows symbolic links: a link to a photo is a photo
     except FileNotFoundError:
@@ -292,6 +294,10 @@ def _classify(path: Path) -> str | None:
     why = _not_regular(mode)
     if why:
         return why
+    if shards:
+        from .webdataset import is_shard
+        if is_shard(path):
+            return None
     if path.suffix.lower() not in IMAGE_SUFFIXES:
         return f"unsupported extension {path.suffix!r}" if path.suffix else "no extension"
     return None
@@ -305,7 +311,8 @@ def _marked(folder: Path, kinds: tuple[str, ...]) -> str | None:
     return kind if kind in kinds else None
 
 
-def _walk(folder: Path, scan: Scan, exclude: set[Path], skip_kinds: tuple[str, ...] = ()) -> list[Path]:
+def _walk(folder: Path, scan: Scan, exclude: set[Path], skip_kinds: tuple[str, ...] = (),
+          shards: bool = False) -> list[Path]:
     """Image files under ``folder`` (recursively, sorted); everything else goes to scan.skipped.
     Symbolic links to folders are not followed (as Path.rglob does not), and are named; so are
     the folders captionkit marked as one of ``skip_kinds``, which are not entered."""
@@ -330,7 +337,7 @@ def _walk(folder: Path, scan: Scan, exclude: set[Path], skip_kinds: tuple[str, .
         dirs[:] = entered
         for name in files:
             path = here / name
-            why = _classify(path)
+            why = _classify(path, shards)
             if why:
                 scan.skipped.append(Skipped(path, why))
             else:
@@ -338,7 +345,8 @@ def _walk(folder: Path, scan: Scan, exclude: set[Path], skip_kinds: tuple[str, .
     return sorted(found)
 
 
-def scan_images(paths: list[str | Path], exclude: list[str | Path] = (), skip_kinds: tuple[str, ...] = ()) -> Scan:
+def scan_images(paths: list[str | Path], exclude: list[str | Path] = (), skip_kinds: tuple[str, ...] = (),
+                shards: bool = False) -> Scan:
     """Expand folders (recursively, sorted) into image files, and say what was left out.
 
     A file named directly is kept whatever its extension (the user chose it); a missing one is
@@ -348,13 +356,16 @@ def scan_images(paths: list[str | Path], exclude: list[str | Path] = (), skip_ki
     listed in ``skipped`` with its reason. Folders in ``exclude`` (a command's own output
     folder) are not entered, nor the folders inside them that captionkit marked as one of
     ``skip_kinds`` (an earlier run's attention figures; a folder named directly is scanned).
-    A path given twice is captioned once."""
+    A path given twice is captioned once. With ``shards``, WebDataset tar shards (named directly
+    or found in the folders) go to ``scan.shards`` instead (captionkit.data.shard_images)."""
+    from .webdataset import is_shard
+
     scan = Scan()
     excluded = {Path(p).resolve() for p in exclude}
     seen: set[Path] = set()
     for p in map(Path, paths):
         if p.is_dir():
-            found = _walk(p, scan, excluded, skip_kinds)
+            found = _walk(p, scan, excluded, skip_kinds, shards)
         else:
             try:
                 why = _not_regular(p.stat().st_mode)
@@ -370,7 +381,7 @@ def scan_images(paths: list[str | Path], exclude: list[str | Path] = (), skip_ki
         for f in found:
             if f not in seen:
                 seen.add(f)
-                scan.images.append(f)
+                (scan.shards if shards and is_shard(f) else scan.images).append(f)
     return scan
 
 

@@ -28,6 +28,7 @@ from .decoding import Caption, beam_nbest, decode_lists
 from .ensemble import (
     COMBINE,
     ENSEMBLE_FILE,
+    HF_MEMBER_REFUSAL,
     TTA,
     TTA_OFF,
     EnsembleDecoder,
@@ -225,7 +226,8 @@ class Captioner:
         folders = []
         for p in paths:
             if hf_source(p) is not None:
-                raise UserError(f"{p}: a Hugging Face model captions alone, not as an ensemble's member")
+                raise UserError(f"{p}: a Hugging Face model captions alone, not as an ensemble's member: "
+                                f"{HF_MEMBER_REFUSAL}" + (f" (named in {source / ENSEMBLE_FILE})" if source else ""))
             folder = existing_model_folder(p)
             if is_ensemble_folder(folder):
                 raise CheckpointError(f"{folder}: is an ensemble; an ensemble's members are checkpoints"

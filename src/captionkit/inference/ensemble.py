@@ -300,6 +300,13 @@ def member_entry(folder: Path, out: Path, shipped_root: Path) -> dict:
     return {"path": os.path.relpath(folder.resolve(), out.resolve())}
 
 
+# why a Hugging Face model (--model hf:, captionkit.inference.hf_models) is no member: the members'
+# next-word distributions are combined id by id, and its ids and its image side are its own
+HF_MEMBER_REFUSAL = ("an ensemble combines its members' next-word log-probabilities over one tokenizer's words, "
+                     "read from one encoder's image rows, and a Hugging Face model has a tokenizer and an image side "
+                     "of its own; caption with it alone (--model hf:NAME)")
+
+
 def read_ensemble(folder: Path) -> EnsembleSpec:
     """Read and check ``folder/ensemble.json``; a mistake is one CheckpointError naming the file
     and the field."""
@@ -317,6 +324,10 @@ def read_ensemble(folder: Path) -> EnsembleSpec:
     if not isinstance(members, list) or not members:
         raise CheckpointError(f"{path}: 'members' must be a non-empty list")
     for i, m in enumerate(members):
+        named = [m.get(k) for k in ("shipped", "path")] if isinstance(m, dict) else []
+        if isinstance(m, dict) and ("hf" in m or any(isinstance(v, str) and v.startswith("hf:") for v in named)):
+            raise CheckpointError(f"{path}: members[{i}] names a Hugging Face model, which cannot be a member: "
+                                  f"{HF_MEMBER_REFUSAL}")
         ok = isinstance(m, dict) and len({"shipped", "path"} & set(m)) == 1 and \
             isinstance(m.get("shipped", m.get("path")), str) and "weight" in m
         if not ok:

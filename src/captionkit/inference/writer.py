@@ -453,9 +453,18 @@ class CaptionWriter:
         resuming = any(o.records for o in self.outputs)  # its figures so far are this run's too
         if self.attention:
             check_folder_target(self.attention, overwrite=self.overwrite or resuming, kinds=(FIGURES_KIND,))
-        scan = scan_images(self.paths, exclude=[self.attention] if self.attention else [], skip_kinds=(FIGURES_KIND,))
+        scan = scan_images(self.paths, exclude=[self.attention] if self.attention else [], skip_kinds=(FIGURES_KIND,),
+                           shards=True)
         self.refused = {s.path: s.reason for s in scan.refused}
         self.keys, clashes = image_keys(scan.images + list(self.refused))
+        self.shards = None  # WebDataset shards given: their images (captionkit.inference.shard_inputs)
+        if scan.shards:
+            from .shard_inputs import ShardInputs, unpack_folder
+            self.shards = ShardInputs(scan.shards, unpack_folder(self.jsonl or self.csv_out))
+            broken, _ = image_keys(list(self.shards.refused))  # (a shard read in part: its own error line)
+            self.keys.update(self.shards.keys(set(self.keys.values()) | set(broken.values())))
+            self.keys.update(broken)
+            self.refused.update(self.shards.refused)
         self._report_skipped(scan.skipped + [Skipped(p, why) for p, why in clashes])
         self.figures = figure_names(self.keys.values()) if self.attention else {}
 
@@ -526,7 +535,7 @@ class CaptionWriter:
                         self._record(path, ImageError(f"{path}: {self.refused[path]}"))
                 readable = [p for p in todo if p not in self.refused]
                 if readable:  # else no model is loaded at all
-                    results = iter(caption(readable))
+                    results = iter((self.shards.wrap(caption) if self.shards else caption)(readable))
                     while (got := next(results, None)) is not None:  # (a generator yields no None)
                         stop.immediate = False
                         self._record(*got)
@@ -542,6 +551,8 @@ class CaptionWriter:
                 o.close()
             if self.progress:
                 self.progress.close()
+            if self.shards:
+                self.shards.close()
         if self.json_out:
             atomic_write_text(self.json_out, json.dumps(self.captions, indent=1, ensure_ascii=False))
         return self._summary(len(todo))

@@ -229,7 +229,7 @@ class HFCaptioner(TrainedTensorsMixin, LMTokens, CaptionModel):
         model, info = load_pretrained(getattr(tf, self.model_class), cfg.source, WHAT, dtype=torch.float32,
                                       attn_implementation="eager", output_loading_info=True)
         # a vision tower's pooler, which captioning never uses, may be missing (ViTs saved without one)
-        refuse_missing(info, cfg.source, WHAT, lambda name: "pooler." in name)
+        refuse_missing(info, cfg.source, WHAT, never_used)
         mean, std = normalisation(image_settings(cfg.source))
         self.register_buffer("pixel_mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("pixel_std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
@@ -292,7 +292,8 @@ class HFCaptioner(TrainedTensorsMixin, LMTokens, CaptionModel):
     def _trainable(self, model: nn.Module) -> nn.Module:
         training = self.cfg.training
         for name, p in model.named_parameters():
-            p.requires_grad_(training == "full" or (training == "decoder" and self._side(name) != "encoder"))
+            wanted = training == "full" or (training == "decoder" and self._side(name) != "encoder")
+            p.requires_grad_(wanted and not never_used(name))
         if training != "lora":
             return model
         try:
@@ -313,6 +314,12 @@ class HFCaptioner(TrainedTensorsMixin, LMTokens, CaptionModel):
         with warnings.catch_warnings():  # peft calls transformers APIs deprecated in v5
             warnings.simplefilter("ignore", FutureWarning)
             return peft.get_peft_model(model, lora)  # freezes everything but the adapters
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """The trained tensors (TrainedTensorsMixin's rule), less a vision pooler: full fine-tuning
+        checkpoints written before it was frozen (see :func:`never_used`) carry its untrained tensors."""
+        kept = {k: v for k, v in state_dict.items() if not never_used(k.removeprefix("hf."))}
+        return super().load_state_dict(kept, strict=strict, assign=assign)
 
     @classmethod
     def check_trainable(cls, cfg: HFCaptionerConfig) -> None:
@@ -367,6 +374,15 @@ class HFCaptioner(TrainedTensorsMixin, LMTokens, CaptionModel):
         """The transformers model with what was trained folded in (LoRA merged into its weights:
         this captioner's model changes in place)."""
         return self.hf.merge_and_unload() if self.cfg.training == "lora" else self.hf
+
+
+def never_used(name: str) -> bool:
+    """A parameter of the transformers model that captioning never reaches: a vision tower's
+    pooler (VisionEncoderDecoderModel loads its ViT with one; the decoder reads the patch states,
+    not the pooled one). It stays frozen whatever ``training`` says: it would get no gradient,
+    which DistributedDataParallel refuses at the second step ("parameters that were not used in
+    producing loss"), and a checkpoint would save it, untrained, as trained."""
+    return ".pooler." in f".{name}"
 
 
 def family_hint(model_type: str) -> str:
