@@ -9,6 +9,7 @@ import json
 import pytest
 from helpers import cli_captions, direct_captions
 
+from captionkit.cli.main import main
 from captionkit.core.errors import CheckpointError, UserError
 from captionkit.inference.captioner import Captioner
 from captionkit.inference.ensemble import ENSEMBLE_FILE, read_ensemble, write_ensemble
@@ -53,6 +54,12 @@ def test_ensemble_folder_rules_change_the_captions_and_flags_override_them(picky
     assert cli_captions(tmp_path, ["caption", *map(str, photos), "--model", str(folder)]) == blocked
     assert cli_captions(tmp_path, ["caption", *map(str, photos), "--model", str(folder),
                                    "--no-repeat-ngram", "0"]) == plain
+    # `captionkit ensemble` writes the rule given to it
+    cli_folder = tmp_path / "cli"
+    assert main(["ensemble", "--model", str(a), "--model", str(b), "--length-penalty", "0",
+                 "--no-repeat-ngram", "1", "--out", str(cli_folder)]) == 0
+    assert read_ensemble(cli_folder).rules == {"no_repeat_ngram": 1}
+    assert direct_captions(Captioner.load(cli_folder), photos) == blocked
 
 
 def test_a_folder_without_rules_decodes_as_before(picky_models, picky_data, tmp_path):
@@ -94,3 +101,13 @@ def test_an_unknown_rule_is_refused(picky_models):
     a, _ = picky_models
     with pytest.raises(UserError, match="'no_repeat_ngrams' is not one of no_repeat_ngram"):
         Captioner.load_ensemble([a], rules={"no_repeat_ngrams": 2})
+
+
+def test_the_ensemble_command_refuses_rules_that_do_not_fit(picky_models, tmp_path, capsys):
+    a, b = picky_models
+    out = tmp_path / "e"
+    assert main(["ensemble", "--model", str(a), "--model", str(b), "--min-words", "5", "--max-words", "2",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--min-words 5 is more than --max-words 2" in err and "\n" not in err
+    assert not out.exists()
