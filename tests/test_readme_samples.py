@@ -94,3 +94,15 @@ def test_make_demo_prints_only_what_it_made():
         # a recipe line's own start, not the continuation of a line that ends with a backslash
         lines = [ln for i, ln in enumerate(rows) if ln.startswith("\t") and not (i and rows[i - 1].endswith("\\"))]
         assert lines and all(ln.lstrip("\t-").startswith("@") for ln in lines), (target, lines)
+
+
+def test_the_default_models_card_shows_the_readme_sample_captions():
+    """Issue 32, item 4: the default model's card shows each sample photo's caption (its table's
+    rows: | `NAME` | what it shows | caption |) and the command that gives them; they are the
+    README's, which the slow test above checks against the model itself."""
+    from captionkit.inference.shipped import DEFAULT_MODEL
+
+    card = (DEFAULT_MODEL / "README.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| `([^`]+\.jpg)` \| [^|]+ \| ([^|]+?) \|$", card, flags=re.M))
+    assert rows == readme_samples()
+    assert "captionkit caption samples/*.jpg --precision fp32" in card

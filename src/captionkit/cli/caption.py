@@ -588,12 +588,18 @@ def add_ensemble(sub: argparse._SubParsersAction) -> None:
                    help="loglinear: weighted mean of log-probabilities, renormalised (default); "
                         "linear: weighted mean of probabilities")
     _add_tta_opt(n)
+    r = n.add_argument_group("caption rules the ensemble decodes with unless told otherwise "
+                             "(docs/decoding-controls.md; default: the first member's)")
+    r.add_argument("--no-repeat-ngram", type=int_at_least(0), metavar="N", help="block repeated N-grams")
+    r.add_argument("--repetition-penalty", type=float_at_least(0), metavar="P", help="CTRL's repetition penalty")
+    r.add_argument("--min-words", type=int_at_least(0), metavar="N", help="no <end> before N words")
+    r.add_argument("--max-words", type=positive_int, metavar="N", help="end captions at N words")
     n.add_argument("--out", required=True, help="the ensemble folder to write")
     _add_overwrite(n, "replace the ensemble.json of an existing ensemble folder")
 
 
 def cmd_ensemble(model: list[str], weights: list[float] | None, length_penalty: float | None, combine: str,
-                 out: str, overwrite: bool, tta: str | None = None) -> int:
+                 out: str, overwrite: bool, tta: str | None = None, **rule_options) -> int:
     """Write an ensemble folder (captionkit.inference.ensemble) naming the members, after loading them
     together once, so a folder that is written is one that loads."""
     from ..core.outputs import check_folder_target
@@ -602,14 +608,15 @@ def cmd_ensemble(model: list[str], weights: list[float] | None, length_penalty: 
     from ..inference.ensemble import KIND, member_entry, write_ensemble
 
     _check_models(model, weights)
+    rules = {k: v for k, v in rule_options.items() if v is not None}  # the rule options given
     target = check_folder_target(out, overwrite=overwrite, kinds=(KIND,))
-    cap = Captioner.load_ensemble(model, weights, length_penalty=length_penalty, combine=combine, with_encoder=False,
-                                  device="cpu")  # loaded only to check the members fit
+    cap = Captioner.load_ensemble(model, weights, length_penalty=length_penalty, rules=rules, combine=combine,
+                                  with_encoder=False, device="cpu")  # loaded only to check the members fit
     members = [member_entry(Path(p), target, SHIPPED) for p in cap.config["ensemble"]["members"]]
-    path = write_ensemble(target, members, cap.decoder.weights, cap.length_penalty, cap.max_len, combine, tta)
+    path = write_ensemble(target, members, cap.decoder.weights, cap.length_penalty, cap.max_len, combine, tta, rules)
     print(f"wrote {path}: {len(members)} members, weights "
           + ", ".join(f"{w:.3g}" for w in cap.decoder.weights) + f", length penalty {cap.length_penalty:g}"
-          + (f", test-time {tta}" if tta else ""))
+          + (f", test-time {tta}" if tta else "") + "".join(f", {k} {v:g}" for k, v in rules.items()))
     return 0
 
 

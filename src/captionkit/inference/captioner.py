@@ -23,7 +23,7 @@ from ..encoders import Encoder, create_encoder, load_finetuned
 from ..encoders.image_batches import image_batches
 from ..models import CaptionModel, create_model
 from ..models.base import view_attention
-from .controls import Controls, model_controls
+from .controls import MODEL_DEFAULTS, Controls, model_controls
 from .decoding import Caption, beam_nbest, decode_lists
 from .ensemble import (
     COMBINE,
@@ -184,7 +184,8 @@ class Captioner:
         if is_ensemble_folder(path):
             spec = read_ensemble(path)
             return cls.load_ensemble(spec.member_folders(SHIPPED), spec.weights, length_penalty=spec.length_penalty,
-                                     max_len=spec.max_len, combine=spec.combine, with_encoder=with_encoder,
+                                     max_len=spec.max_len, rules=spec.rules, combine=spec.combine,
+                                     with_encoder=with_encoder,
                                      encoder_weights=encoder_weights, source=path, tta=tta or spec.tta,
                                      device=device, precision=precision)
         member = load_member(path)
@@ -211,16 +212,23 @@ class Captioner:
     @classmethod
     def load_ensemble(cls, paths: Sequence[str | Path], weights: Sequence[float] | None = None, *,
                       length_penalty: float | None = None, max_len: int | None = None,
-                      combine: str = "loglinear", with_encoder: bool = True,
+                      rules: dict | None = None, combine: str = "loglinear", with_encoder: bool = True,
                       encoder_weights: str | None = None, source: Path | None = None,
                       tta: str | None = None, device: str | torch.device = "auto",
                       precision: str = "auto") -> "Captioner":
         """Several checkpoints (folders or shipped names) of one tokenizer and encoder, decoded
         as one model (captionkit.inference.ensemble). ``weights``: one per member (default equal);
-        ``length_penalty`` and ``max_len``: the ensemble's (default the first member's).
+        ``length_penalty`` and ``max_len``: the ensemble's (default the first member's); so are
+        ``rules``, the caption controls' rules it decodes with unless told otherwise
+        (controls.MODEL_DEFAULTS, e.g. ``{"no_repeat_ngram": 2}``; a rule not given: the first
+        member's).
         ``source``: the ensemble folder they were named in, if any (for its errors).
         ``device``, ``precision``: see :meth:`load`."""
         normalised_weights(weights, len(paths))  # a wrong weight is refused before anything loads
+        unknown = sorted(set(rules or {}) - set(MODEL_DEFAULTS))
+        if unknown:  # so is a wrong rule
+            raise UserError(f"the ensemble's rules: {unknown[0]!r} is not one of {', '.join(MODEL_DEFAULTS)}")
+        model_controls(rules or {}, "the ensemble's rules")
         if combine not in COMBINE:
             raise UserError(f"unknown combine {combine!r} (known: {', '.join(COMBINE)})")
         folders = []
@@ -243,6 +251,7 @@ class Captioner:
             decoding["length_penalty"] = length_penalty
         if max_len is not None:
             decoding["max_len"] = max_len
+        decoding.update(rules or {})
         # "model" stays the first member's: the attention shown is the first member's
         config = {**{k: first.config[k] for k in ("model", "encoder", "vocab")}, "family": "ensemble",
                   "decoding": decoding,

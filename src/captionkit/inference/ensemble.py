@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -43,6 +43,7 @@ from torch import nn
 from ..core.checkpoint import atomic_folder
 from ..core.errors import CheckpointError, UserError
 from ..core.outputs import atomic_write_text, owner_kind, write_marker
+from .controls import MODEL_DEFAULTS, model_controls
 from .shipped import ENSEMBLE_FILE
 
 FORMAT, VERSION = "captionkit-ensemble", 1
@@ -283,6 +284,9 @@ class EnsembleSpec:
     length_penalty: float = 0.0
     max_len: int | None = None
     tta: str | None = None  # test-time augmentation ("flip": see with_flip_views)
+    # the caption controls' rules the ensemble decodes with by default (controls.MODEL_DEFAULTS:
+    # no_repeat_ngram, repetition_penalty, min_words, max_words); a rule not named: the first member's
+    rules: dict = field(default_factory=dict)
 
     def member_folders(self, shipped_root: Path) -> list[Path]:
         return [shipped_root / m["shipped"] if "shipped" in m else self.folder / m["path"] for m in self.members]
@@ -351,21 +355,29 @@ def read_ensemble(folder: Path) -> EnsembleSpec:
     tta = decoding.get("tta")
     if tta is not None and tta not in TTA:
         raise CheckpointError(f"{path}: decoding.tta must be one of {', '.join(TTA)} or absent, not {tta!r}")
-    return EnsembleSpec(folder, members, weights, combine, float(lp), max_len, tta)
+    rules = {k: decoding[k] for k in MODEL_DEFAULTS if k in decoding}
+    try:  # checked here, so a wrong rule is refused before any member loads
+        model_controls(rules, str(path))
+    except UserError as e:
+        raise CheckpointError(str(e)) from None
+    return EnsembleSpec(folder, members, weights, combine, float(lp), max_len, tta, rules)
 
 
 def write_ensemble(out: Path, members: list[dict], weights: Sequence[float], length_penalty: float,
-                   max_len: int | None = None, combine: str = "loglinear", tta: str | None = None) -> Path:
+                   max_len: int | None = None, combine: str = "loglinear", tta: str | None = None,
+                   rules: dict | None = None) -> Path:
     """Write ``out/ensemble.json`` (members as :func:`member_entry` names them) and mark ``out``
     as a captionkit ensemble. The caller has checked ``out`` (outputs.check_folder_target: it is
     missing, empty, or an ensemble to overwrite) and the members; an existing ensemble keeps its
-    other files (member checkpoints kept there)."""
+    other files (member checkpoints kept there). ``rules``: caption-control rules
+    (controls.MODEL_DEFAULTS) the ensemble decodes with unless told otherwise."""
     weights = normalised_weights(weights, len(members))
     decoding: dict = {"length_penalty": float(length_penalty)}
     if max_len is not None:
         decoding["max_len"] = int(max_len)
     if tta is not None:
         decoding["tta"] = tta
+    decoding.update(rules or {})
     doc = {"format": FORMAT, "version": VERSION,
            "members": [{**m, "weight": round(w, 6)} for m, w in zip(members, weights)],
            "combine": combine, "decoding": decoding}

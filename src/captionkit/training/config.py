@@ -136,6 +136,8 @@ class TrainConfig:
     samples: scst only, captions sampled per image.
     scst_baseline: scst only, "greedy" (the greedy caption's CIDEr-D, Rennie et al.) or "mean"
         (the image's other samples' mean CIDEr-D, Luo 2020; needs samples >= 2).
+    scst_repeat_penalty: scst only, what a caption that repeats a content phrase ("a boat ... a
+        boat") loses of its CIDEr-D reward (0: nothing; issue 32).
     finetune_blocks: train the encoder's last N blocks too (0: frozen encoder).
     encoder_lr: their learning rate (decayed together with lr).
     lr_groups: learning rates of the model's named parameter groups, for families that name
@@ -172,6 +174,7 @@ class TrainConfig:
     init: str = ""
     samples: int = spec(5, ge=1)
     scst_baseline: str = spec("greedy", choices=BASELINES)
+    scst_repeat_penalty: float = spec(0.0, ge=0)
     finetune_blocks: int = spec(0, ge=0)
     encoder_lr: float = spec(1e-4, gt=0)
     schedule: str = spec("plateau", choices=("plateau", "cosine", "inverse_sqrt"))

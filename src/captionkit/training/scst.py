@@ -11,6 +11,11 @@ and no greedy caption is decoded. It helps where the greedy caption's reward is 
 by a model that has learnt its training captions by heart (its greedy caption then beats almost
 every sample, and nearly every advantage is negative).
 
+``repeat_penalty`` P (issue 32): a caption that repeats a content phrase ("a boat is riding a
+boat", scoring.diversity.repeated_phrase) is rewarded P less. CIDEr-D alone pays such loops (the
+repeated words are n-grams the references hold), which is how self-critical training teaches
+them; the term takes that pay back. 0: the plain reward.
+
 What it uses of a model: the contract of :class:`captionkit.models.base.CaptionModel`, the
 steps (``prepare``, ``init_state``, ``step``; to sample and to decode greedily) and the
 teacher-forced ``forward(feats, inputs, image_index) -> (scores, attention)`` (to take the
@@ -30,6 +35,7 @@ from ..core.collectives import process_sum
 from ..core.errors import UserError
 from ..data.vocab import Vocab
 from ..inference.decoding import allowed_words, greedy, select_rows
+from ..scoring.diversity import repeated_phrase
 from ..scoring.metrics import CiderD
 
 
@@ -98,21 +104,32 @@ class SelfCritical:
 
     refs: for each image key, its reference captions as lists of words (document frequencies
     for CIDEr-D come from these). vocab turns word ids back into words. baseline: "greedy"
-    (the greedy caption's reward) or "mean" (the other samples' mean reward; samples >= 2)."""
+    (the greedy caption's reward) or "mean" (the other samples' mean reward; samples >= 2).
+    repeat_penalty: what a caption that repeats a content phrase loses of its reward (0: nothing)."""
 
     def __init__(self, refs: dict, vocab: Vocab, samples: int = 5, max_len: int = 20,
-                 baseline: str = "greedy"):
+                 baseline: str = "greedy", repeat_penalty: float = 0.0):
         if baseline not in BASELINES:
             raise UserError(f"self-critical baseline must be one of {', '.join(BASELINES)}, not {baseline!r}")
         if baseline == "mean" and samples < 2:
             raise UserError("the mean baseline needs at least 2 samples per image")
+        if not repeat_penalty >= 0:
+            raise UserError(f"the self-critical repeat penalty must be a number >= 0, not {repeat_penalty!r}")
         self.cider = CiderD(refs)
         self.vocab, self.samples, self.max_len, self.baseline = vocab, samples, max_len, baseline
+        self.repeat_penalty = float(repeat_penalty)
 
     def rewards(self, keys: list, seqs: list[list[int]]) -> list[float]:
-        """CIDEr-D of each word-id sequence (without <start>/<end>) for its image key, scored on
-        the CPU."""
-        return [self.cider.score(k, self.vocab.decode(s)) for k, s in zip(keys, seqs)]
+        """CIDEr-D of each word-id sequence (without <start>/<end>) for its image key, less
+        ``repeat_penalty`` where it repeats a content phrase; scored on the CPU."""
+        out = []
+        for k, s in zip(keys, seqs):
+            words = self.vocab.decode(s)
+            r = self.cider.score(k, words)
+            if self.repeat_penalty and repeated_phrase(words) is not None:
+                r -= self.repeat_penalty
+            out.append(r)
+        return out
 
     def loss(self, model, feats: torch.Tensor, keys: list) -> tuple[torch.Tensor, SelfCriticalStats]:
         """feats (B, L, D) of the images ``keys`` -> (REINFORCE loss, mean rewards).

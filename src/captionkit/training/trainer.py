@@ -157,7 +157,8 @@ class Trainer:
         self.scst: SelfCritical | None = None
         if tc.objective == "scst":  # CIDEr-D document frequencies from the training references
             refs = {row: [t for t in it.words(cfg.data.words) if t] for row, it in enumerate(data.train_items)}
-            self.scst = SelfCritical(refs, vocab, tc.samples, tc.max_len, tc.scst_baseline)
+            self.scst = SelfCritical(refs, vocab, tc.samples, tc.max_len, tc.scst_baseline,
+                                     tc.scst_repeat_penalty)
 
     # ---- features and batches ----
     def features(self, feats: torch.Tensor) -> torch.Tensor:
