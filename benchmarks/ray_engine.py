@@ -46,8 +46,8 @@ def kind(p: psutil.Process) -> str:
         cmd = " ".join(p.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return "?"
-    for key in ("gcs_server", "raylet", "monitor.py", "log_monitor.py", "dashboard.py", "DashboardAgent",
-                "RuntimeEnvAgent", "MapWorker", "IDLE", "captionkit.cli.main"):
+    for key in ("gcs_server", "raylet", "log_monitor.py", "monitor.py", "dashboard.py", "DashboardAgent",
+                "RuntimeEnvAgent", "MapWorker", "Replica", "IDLE", "captionkit.cli.main"):
         if key in cmd:
             return key
     return cmd.split()[0].rsplit("/", 1)[-1][:30] if cmd else "?"

@@ -126,7 +126,24 @@ def init_ray(opts: RayOptions) -> None:
                    "_system_config": {"enable_worker_prestart": False, "prestart_worker_first_driver": False}}
         ray.init(address=opts.address, num_cpus=opts.cpus if local else None, include_dashboard=False,
                  log_to_driver=False, configure_logging=False, **(trimmed if local else {}))
+        if local:
+            _stop_unused_head_processes(ray)
         signals.reinstall()  # ray.init's SIGTERM handler exits anywhere: the caller's stop handling instead
+
+
+def _stop_unused_head_processes(ray) -> None:
+    """Stop the processes a local Ray's head starts that this pipeline never uses (~160 MiB
+    together here): the autoscaler's monitor (a local Ray of fixed CPUs never scales), the log
+    monitor (it forwards workers' output to drivers, and log_to_driver is off) and the
+    dashboard's head (include_dashboard=False still starts it for Ray's job and state APIs).
+    ray.init has no option for any of them; Ray's node object can stop each, as Ray's own
+    tests do. A Ray without those methods keeps its processes."""
+    node = getattr(getattr(ray, "_private", None), "worker", None)
+    node = getattr(node, "_global_node", None)
+    for name in ("kill_monitor", "kill_log_monitor", "kill_dashboard"):
+        stop = getattr(node, name, None)
+        if stop is not None:
+            stop(check_alive=False)
 
 
 def shard_ranges(n: int, shard_size: int) -> list[range]:
