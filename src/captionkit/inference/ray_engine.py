@@ -59,8 +59,8 @@ DEFAULT_SHARD_SIZE = 1000
 # decoding; decoding is ~5% of a CPU replica's time), while a chunk stays small beside a shard.
 CHUNK_BATCHES = 8
 # The object store of a local Ray: only paths and captions (or a chunk's feature rows, 27 MB at
-# 128 Lite2 images, two chunks queued per replica) pass through it, so Ray's default (30% of the machine's memory) is never
-# needed; Ray's floor is 75 MiB.
+# 128 Lite2 images, two chunks queued per replica) pass through it, so Ray's default (30% of the
+# machine's memory) is never needed; Ray's floor is 75 MiB.
 LOCAL_OBJECT_STORE = 256 * 2**20
 QUEUED = 2  # chunks handed to a replica at a time: one it works on, one waiting behind it
 RESTARTS = 3  # a replica lost (its node, its memory) is restarted and its chunks retried this often
