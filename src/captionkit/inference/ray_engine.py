@@ -269,12 +269,12 @@ def run_shards(paths: list[Path], shards: list[int], shard_size: int, replica: t
     import ray
 
     ranges = shard_ranges(len(paths), shard_size)
-    positions = [i for s in shards for i in ranges[s]]
-    if not positions:
+    size = opts.batch_size * CHUNK_BATCHES
+    # a chunk never spans two shards: a shard is written as soon as its own chunks are back
+    chunks = [list(ranges[s][k:k + size]) for s in shards for k in range(0, len(ranges[s]), size)]
+    if not chunks:
         return
     init_ray(opts)
-    size = opts.batch_size * CHUNK_BATCHES
-    chunks = [positions[k:k + size] for k in range(0, len(positions), size)]
     actor = ray.remote(replica).options(num_cpus=opts.cpus_per_replica, num_gpus=opts.gpus_per_replica or None,
                                         max_restarts=RESTARTS, max_task_retries=RESTARTS)
     args = {**replica_args, "threads": opts.torch_threads(), "batch_size": opts.batch_size, "workers": opts.workers}
