@@ -129,16 +129,28 @@ def photo_batch(paths) -> dict:
     return {"pos": np.arange(len(paths)), "path": np.array([os.fsencode(str(p)) for p in paths], dtype=object)}
 
 
-def test_a_caption_replica_on_a_gpu_moves_its_captioner(picky_models, monkeypatch, replica_threads):
+def replica_photos(folder, good: int = 2) -> list:
+    """``good`` small photos and an unreadable file between them (the Ray engine's replicas read
+    their images themselves)."""
+    paths = []
+    for i in range(good):
+        paths.append(folder / f"p{i}.png")
+        Image.new("RGB", (64, 64), (40 * i, 90, 200)).save(paths[-1])
+        if i == 0:
+            paths.append(folder / "broken.png")
+            paths[-1].write_bytes(b"not a png")
+    return paths
+
+
+def test_a_caption_replica_on_a_gpu_moves_its_captioner(picky_models, monkeypatch, replica_threads, tmp_path):
     monkeypatch.setattr(ray_engine, "replica_device", lambda: META, raising=False)
     replica = ray_engine.CaptionReplica(lambda: Captioner.load(picky_models[0]), replica_threads, beam=2,
-                                        length_penalty=None)
+                                        length_penalty=None, workers=0)
     assert_placed(replica.model, META)
-    batch = {"pos": np.arange(3), "image": np.random.rand(3, 3, 128, 128).astype(np.float32),
-             "error": np.array(["", "photo.png: not an image", ""], dtype=object)}
     with strict_devices(MetaAnswers(fill=Vocab.end)):
-        out = replica(batch)
-    assert list(out["pos"]) == [0, 1, 2] and out["caption"][1] == ""
+        out = replica(photo_batch(replica_photos(tmp_path)))
+    assert list(out["pos"]) == [0, 1, 2] and out["caption"][1] == "" and "broken.png" in out["error"][1]
+    assert out["error"][0] == out["error"][2] == ""
 
 
 @pytest.mark.parametrize("asked, expected", [(None, "bf16"), ("auto", "bf16"), ("fp32", "fp32")])
@@ -174,16 +186,15 @@ def test_caption_engine_ray_hands_the_replicas_the_precision_as_typed(picky_mode
         assert seen.pop("precision") == typed
 
 
-def test_a_feature_replica_on_a_gpu_moves_its_encoder(monkeypatch, replica_threads):
+def test_a_feature_replica_on_a_gpu_moves_its_encoder(monkeypatch, replica_threads, tmp_path):
     monkeypatch.setattr(ray_engine, "replica_device", lambda: META, raising=False)
     replica = ray_engine.FeatureReplica(lambda: create_encoder("patches", weights="random"), replica_threads,
-                                        shape=(256, 192))
+                                        shape=(256, 192), workers=0)
     assert module_device(replica.model) == META
-    batch = {"pos": np.arange(2), "image": np.random.rand(2, 3, 128, 128).astype(np.float32),
-             "error": np.array(["", ""], dtype=object)}
     with strict_devices():
-        out = replica(batch)
-    assert out["feats"].shape == (2, 256, 192)
+        out = replica(photo_batch(replica_photos(tmp_path)))
+    assert out["feats"].shape == (3, 256, 192) and "broken.png" in out["error"][1]
+    assert not out["feats"][1].any()  # an unreadable image's rows stay zero
 
 
 def test_a_replica_takes_the_gpu_ray_gave_it(monkeypatch):
@@ -205,7 +216,7 @@ def test_a_caption_replica_encodes_through_its_captioner(picky_models, picky_dat
     cap = Captioner.load(picky_models[0], tta="flip")
     replica = ray_engine.CaptionReplica(lambda: Captioner.load(picky_models[0], tta="flip"), replica_threads,
                                         beam=3, length_penalty=None)
-    out = replica(ray_engine._decode(photo_batch(paths), cap.encoder.preprocess))
+    out = replica(photo_batch(paths))
     assert list(out["caption"]) == list(direct_captions(cap, paths, beam=3).values())
     plain = direct_captions(Captioner.load(picky_models[0]), paths, beam=3)
     assert list(out["caption"]) != list(plain.values())  # the flip changes some of these captions

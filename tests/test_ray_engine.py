@@ -42,6 +42,91 @@ def test_engine_ray_refuses_what_it_cannot_do_before_loading(tmp_path, capsys, n
     assert code == 2 and "--attention" in capsys.readouterr().err
 
 
+def test_caption_engine_ray_loads_no_model_in_the_driver(picky_models, tmp_path, monkeypatch):
+    """The driver lists paths and writes captions; only the replicas load the model (the
+    driver used to load a whole one to learn the preprocessing: memory and a second of work)."""
+    pytest.importorskip("ray")
+    import captionkit.inference.ray_engine as engine
+    from captionkit.inference.captioner import Captioner
+
+    loaded, seen = [], {}
+    real_load = Captioner.load.__func__
+    monkeypatch.setattr(Captioner, "load", classmethod(lambda cls, *a, **k: loaded.append(a) or real_load(cls, *a, **k)))
+
+    def fake_ray(readable, todo, folder, settings, overwrite, retry_failed, load, *args, **kwargs):
+        seen["load"] = load
+        return iter(())
+
+    monkeypatch.setattr(engine, "caption_with_ray", fake_ray)
+    photo = tmp_path / "a.png"
+    shape_image(0).save(photo)
+    cli.main(["caption", str(photo), "--model", str(picky_models[0]), "--engine", "ray",
+              "--jsonl", str(tmp_path / "o.jsonl")])
+    assert "load" in seen and loaded == []
+    assert isinstance(seen["load"](), Captioner) and len(loaded) == 1  # what each replica calls
+
+
+def test_the_driver_of_engine_ray_imports_no_torch(picky_models, tmp_path):
+    """torch costs ~300 MiB of private memory in each process that imports it (this build):
+    the driver of --engine ray, which only lists paths and writes captions, goes without."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray")
+    photo = tmp_path / "a.png"
+    shape_image(0).save(photo)
+    script = (
+        "import sys\n"
+        "import captionkit.inference.ray_engine as engine\n"
+        "engine.caption_with_ray = lambda *a, **k: iter(())  # the driver's side only\n"
+        "from captionkit.cli.main import main\n"
+        f"main(['caption', {str(photo)!r}, '--model', {str(picky_models[0])!r}, '--engine', 'ray',"
+        f" '--jsonl', {str(tmp_path / 'o.jsonl')!r}])\n"
+        "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr
+
+
+def test_a_local_ray_runs_one_replica_with_the_local_engines_threads(monkeypatch):
+    """On this machine's own Ray the replicas share its CPUs and run the local engine's torch
+    threads (one replica by default: all of them); on a cluster one CPU and thread each."""
+    import os
+
+    from captionkit.cli.common import _ray_options
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    one = _ray_options(None, 1, 0, 16, None, workers=3)
+    assert (one.cpus, one.replicas, one.cpus_per_replica, one.torch_threads(), one.workers) == (8, 1, 8, 8, 3)
+    monkeypatch.setenv("OMP_NUM_THREADS", "6")
+    assert _ray_options(None, 1, 0, 16, None).torch_threads() == 6
+    four = _ray_options(None, 4, 0, 16, None)
+    assert (four.cpus_per_replica, four.torch_threads()) == (2, 2)
+    cluster = _ray_options("auto", 4, 1, 16, None)
+    assert (cluster.cpus, cluster.cpus_per_replica, cluster.torch_threads()) == (None, 1, 1)
+
+
+def test_a_local_ray_is_trimmed_and_a_cluster_left_as_it_is(monkeypatch):
+    """The local Ray gets a small object store and no idle workers started ahead; ray.init on
+    a cluster's address is called as before, with none of these."""
+    ray = pytest.importorskip("ray")
+    import captionkit.inference.ray_engine as engine
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(engine.signals, "reinstall", lambda: None)
+    engine.init_ray(RayOptions(cpus=2))
+    engine.init_ray(RayOptions(address="auto"))
+    local, cluster = calls
+    assert local["num_cpus"] == 2 and local["include_dashboard"] is False
+    assert local["object_store_memory"] == engine.LOCAL_OBJECT_STORE
+    assert local["_system_config"] == {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+    assert cluster == {"address": "auto", "num_cpus": None, "include_dashboard": False, "log_to_driver": False,
+                       "configure_logging": False}
+
+
 @pytest.fixture(scope="session")
 def local_ray():
     """One local Ray of 2 CPUs for the whole session (starting one takes ~10 s)."""
@@ -116,6 +201,24 @@ def test_engine_ray_prints_no_ray_error_line_on_success(local_ray, tiny_run, tmp
     err = capfd.readouterr().err
     assert len(out.read_text().splitlines()) == 3
     assert "core_worker" not in err and not re.search(r"(?m)^\[[^\]]* E \d", err), err
+
+
+@pytest.mark.slow
+def test_engine_ray_says_a_damaged_model_in_one_line(local_ray, tiny_run, photos, tmp_path, capsys):
+    """The driver loads no model, so a checkpoint that does not load is found by the replicas:
+    the command still says it in one line (no Ray retries, no traceback)."""
+    import shutil
+
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_run / "best", broken)
+    weights = next(broken.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    capsys.readouterr()
+    code = cli.main(["caption", str(photos), "--model", str(broken), "--jsonl", str(tmp_path / "o.jsonl"),
+                     "--engine", "ray"])
+    err = capsys.readouterr().err
+    assert code == 2 and "corrupted or truncated" in err.strip().splitlines()[-1]
+    assert "Traceback" not in err and "retries" not in err, err
 
 
 @pytest.mark.slow

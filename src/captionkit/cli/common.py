@@ -40,12 +40,25 @@ def _load_dataset(dataset: str, images: str | None, image_column: str, title_col
 
 
 def _ray_options(address: str | None, replicas: int, gpus_per_replica: float, batch_size: int,
-                 shard_size: int | None):
-    from ..inference.ray_engine import DEFAULT_SHARD_SIZE, RayOptions
+                 shard_size: int | None, workers: int = 2):
+    """--engine ray's options. On a cluster (``address``) each replica holds one CPU and runs
+    one torch thread; on the local Ray the replicas share this machine's CPUs and run the
+    local engine's torch threads (OMP_NUM_THREADS when set) or their share of the CPUs
+    (captionkit.inference.ray_engine.local_options)."""
+    from ..inference.ray_engine import DEFAULT_SHARD_SIZE, RayOptions, local_options
 
-    return RayOptions(address=address, cpus=None if address else os.cpu_count(), replicas=replicas,
-                      gpus_per_replica=gpus_per_replica, batch_size=batch_size,
-                      shard_size=shard_size or DEFAULT_SHARD_SIZE)
+    shared = {"gpus_per_replica": gpus_per_replica, "batch_size": batch_size,
+              "shard_size": shard_size or DEFAULT_SHARD_SIZE, "workers": workers}
+    if address:
+        return RayOptions(address=address, replicas=replicas, **shared)
+    return local_options(os.cpu_count() or 1, replicas, _omp_threads(), **shared)
+
+
+def _omp_threads() -> int | None:
+    """OMP_NUM_THREADS as torch reads it (None when unset or not a positive number), without
+    importing torch."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def _check_targets(*paths: str | None, overwrite: bool) -> None:
@@ -135,9 +148,11 @@ def _add_score_opts(p: argparse.ArgumentParser) -> None:
 def _add_engine_opts(p: argparse.ArgumentParser) -> None:
     """--engine ray and its options (captionkit.inference.ray_engine; docs/scale.md)."""
     p.add_argument("--engine", choices=("local", "ray"), default="local",
-                   help="local: this process; ray: Ray Data tasks and model replicas, shards resumable")
+                   help="local: this process; ray: model replicas on Ray, shards resumable")
     p.add_argument("--address", help="ray: a running Ray cluster (default: a local Ray on this machine's CPUs)")
-    p.add_argument("--replicas", type=positive_int, default=1, help="ray: model replicas (actors), one CPU each")
+    p.add_argument("--replicas", type=positive_int, default=1,
+                   help="ray: model replicas (actors; default 1): on a cluster one CPU each, on the local Ray "
+                        "sharing this machine's CPUs")
     p.add_argument("--gpus-per-replica", type=float_at_least(0), default=0,
                    help="ray: GPUs each replica holds (e.g. 1, or 0.5 for two replicas a GPU; default 0: CPU)")
     p.add_argument("--shard-size", type=positive_int, help="ray: images per output shard (default 1000)")

@@ -108,7 +108,7 @@ def cmd_features(dataset: str, images: str | None, encoder: str,
     ds = _load_dataset(dataset, images, image_column, title_column, image_suffix)
     paths = [it.path for it in ds.all_items()]
     if engine == "ray":
-        opts = _ray_options(address, replicas, gpus_per_replica, batch_size, shard_size)
+        opts = _ray_options(address, replicas, gpus_per_replica, batch_size, shard_size, workers)
         if verify:  # the bad shards lose their record: the Ray run below computes them with the missing ones
             verify_sharded(create_encoder(encoder), paths)
         store = build_features_ray(encoder, None, paths, None, opts)

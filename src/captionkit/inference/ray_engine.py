@@ -1,18 +1,25 @@
-"""``--engine ray``: captioning and feature extraction on Ray Data (docs/scale.md).
+"""``--engine ray``: captioning and feature extraction on Ray (docs/scale.md).
 
 One pipeline serves both commands:
 
 - the image list is cut into shards of ``shard_size`` consecutive images (in the order the local
   engine takes them); only shards not already on disk are sent to Ray;
-- Ray tasks read and decode the images (``map_batches`` over a ``from_items`` dataset of
-  positions and paths), each through :func:`captionkit.data.images.load_rgb`, so an unreadable file
-  gets the very message the local engine gives;
-- an actor pool of model replicas (``map_batches`` with a callable class, ``concurrency`` =
-  replicas, ``num_gpus`` per replica on a GPU cluster) encodes (and decodes captions);
+- a pool of model replicas (Ray actors: ``replicas`` of them, ``num_gpus`` each on a GPU cluster)
+  is handed chunks of paths (``CHUNK_BATCHES`` model batches each, two chunks queued per
+  replica so none waits for the driver); each replica reads its chunk through the local
+  engine's own loader (:func:`captionkit.encoders.image_batches.image_batches`: reader threads
+  one batch ahead of the model on a CPU, DataLoader processes on a GPU), so an unreadable file
+  gets the very message the local engine gives and no image passes through Ray's object
+  store, and encodes (and decodes captions) as the local engine does;
 - the driver gathers each shard's rows and writes the shard atomically when it is complete
   (so a killed run keeps every finished shard and a rerun computes only the rest).
 
-Paths travel as bytes (``os.fsencode``): Arrow strings must be UTF-8, file names need not be.
+Plain Ray actors, not Ray Data: the pipeline is one map over a list of paths, and Ray Data
+added three helper actors and its executor in the driver (about 400 MiB on one node, more
+than the model) for it. The driver imports neither torch nor a model: it lists paths and
+writes captions.
+
+Paths travel as bytes (``os.fsencode``): file names need not be UTF-8.
 Every node must see the image paths (a shared file system) and only the driver writes.
 """
 
@@ -35,26 +42,35 @@ from ..core import signals
 from ..core.outputs import atomic_write_text, check_folder_target, write_marker
 from ..core.stderr_filter import dropping_lines
 
-# Ray Data puts every actor pool's constructor arguments in the object store and makes its actors
-# restartable, so the driver's core worker logs this "E" line on every run, one that went well
-# included (ray-project/ray#53727; Ray 2.60 has no undeprecated way to change either). It only
-# warns that a restart could fail if those objects were lost; a failed restart is reported on
-# its own. captionkit drops exactly this line from standard error while the replicas run.
+# Ray's core worker logs this "E" line for a restartable actor whose constructor arguments are in
+# the object store (ray-project/ray#53727; Ray Data's actor pools, which captionkit used, did so
+# on every run). The replicas' arguments are small and passed inline, so it should not appear;
+# should it (a large argument), it only warns that a restart could fail if those objects were
+# lost, and captionkit drops exactly this line from standard error while the replicas run.
 RESTARTABLE_ACTOR_LINE = (r"core_worker\.cc:\d+: Actor with class name: '.*' .*has constructor arguments in "
                           r"the object store and max_restarts > 0")
 
-INSTALL_HINT = "--engine ray needs Ray Data: pip install 'captionkit[ray]'"
+INSTALL_HINT = "--engine ray needs Ray: pip install 'captionkit[ray]'"
 CAPTION_SHARDS_KIND = "caption-shards"  # the outputs.MARKER kind of a --jsonl OUT's OUT.shards folder
 SHARDS_SUFFIX = ".shards"
 DEFAULT_SHARD_SIZE = 1000
-DECODE_CPUS = 0.5  # Ray CPUs a decoding task holds
+# Model batches in one chunk of paths handed to a replica: the replica's reader threads decode one
+# model batch ahead within it, so only a chunk's first batch waits for its images (1/8 of the
+# decoding; decoding is ~5% of a CPU replica's time), while a chunk stays small beside a shard.
+CHUNK_BATCHES = 8
+# The object store of a local Ray: only paths and captions (or a chunk's feature rows, 27 MB at
+# 128 Lite2 images, two chunks queued per replica) pass through it, so Ray's default (30% of the
+# machine's memory) is never needed; Ray's floor is 75 MiB.
+LOCAL_OBJECT_STORE = 256 * 2**20
+QUEUED = 2  # chunks handed to a replica at a time: one it works on, one waiting behind it
+RESTARTS = 3  # a replica lost (its node, its memory) is restarted and its chunks retried this often
 
 
 def ray_missing() -> str | None:
-    """Why ``--engine ray`` cannot run here (None when it can)."""
-    try:
-        import ray.data  # noqa: F401
-    except ImportError:
+    """Why ``--engine ray`` cannot run here (None when it can). Ray is found, not imported."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
         return INSTALL_HINT
     return None
 
@@ -62,9 +78,11 @@ def ray_missing() -> str | None:
 @dataclass(frozen=True)
 class RayOptions:
     """How the work is spread: ``address`` of a running cluster (None: a local Ray of ``cpus``
-    CPUs), ``replicas`` model actors holding ``cpus_per_replica`` CPUs (torch threads) and
-    ``gpus_per_replica`` GPUs each, images per model call ``batch_size``, images per output
-    shard ``shard_size``."""
+    CPUs), ``replicas`` model actors holding ``cpus_per_replica`` CPUs and ``gpus_per_replica``
+    GPUs each, running ``threads`` torch threads (None: ``cpus_per_replica``) and ``workers``
+    image readers (threads on a CPU, DataLoader processes on a GPU, as the local engine's
+    ``--workers``); images per model call ``batch_size``, images per output shard
+    ``shard_size``."""
 
     address: str | None = None
     cpus: int | None = None
@@ -73,27 +91,59 @@ class RayOptions:
     gpus_per_replica: float = 0
     batch_size: int = 16
     shard_size: int = DEFAULT_SHARD_SIZE
+    threads: int | None = None
+    workers: int = 2
+
+    def torch_threads(self) -> int:
+        return self.threads or max(1, int(self.cpus_per_replica))
+
+
+def local_options(cpus: int, replicas: int, torch_threads: int | None, **options) -> RayOptions:
+    """The options of a local Ray on ``cpus`` CPUs: the replicas share the CPUs (their readers
+    run beside the model, as in the local engine), each running the local engine's
+    ``torch_threads`` torch threads (None: torch's default, all the CPUs) or its share of the
+    CPUs when that is fewer. One replica is the default: on 2 cores a second one halves each
+    replica's threads and doubles the model's memory (docs/scale.md)."""
+    share = max(1, cpus // replicas)
+    return RayOptions(cpus=cpus, replicas=replicas, cpus_per_replica=share, threads=min(share, torch_threads or share),
+                      **options)
 
 
 def init_ray(opts: RayOptions) -> None:
     import ray
-    import ray.data
-
-    from ray.util.debug import log_once
 
     if not ray.is_initialized():
+        local = opts.address is None
         # the local Ray started here says it enabled token authentication, a notice that
         # reads like a problem on a run that went well (Ray's own log files keep it)
-        if opts.address is None:
+        if local:
             logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-        ray.init(address=opts.address, num_cpus=None if opts.address else opts.cpus, include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
+        # A local Ray is trimmed to what the pipeline uses: an object store sized for paths and
+        # captions, and no idle workers started ahead (the replicas are the only workers; Ray
+        # would otherwise start one idle process per CPU, ~45 MiB each). A cluster's own settings
+        # are its own: ray.init(address=...) is given none of these.
+        trimmed = {"object_store_memory": LOCAL_OBJECT_STORE,
+                   "_system_config": {"enable_worker_prestart": False, "prestart_worker_first_driver": False}}
+        ray.init(address=opts.address, num_cpus=opts.cpus if local else None, include_dashboard=False,
+                 log_to_driver=False, configure_logging=False, **(trimmed if local else {}))
+        if local:
+            _stop_unused_head_processes(ray)
         signals.reinstall()  # ray.init's SIGTERM handler exits anywhere: the caller's stop handling instead
-    logging.getLogger("ray.data").setLevel(logging.WARNING)  # not a line per dataset executed
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False  # captionkit draws its own (captionkit.core.progress)
-    log_once("ray_data_progress_manager_disabled")  # ...so Ray need not warn that its own are off
-    ctx.print_on_execution_start = False
+
+
+def _stop_unused_head_processes(ray) -> None:
+    """Stop the processes a local Ray's head starts that this pipeline never uses (~160 MiB
+    together here): the autoscaler's monitor (a local Ray of fixed CPUs never scales), the log
+    monitor (it forwards workers' output to drivers, and log_to_driver is off) and the
+    dashboard's head (include_dashboard=False still starts it for Ray's job and state APIs).
+    ray.init has no option for any of them; Ray's node object can stop each, as Ray's own
+    tests do. A Ray without those methods keeps its processes."""
+    node = getattr(getattr(ray, "_private", None), "worker", None)
+    node = getattr(node, "_global_node", None)
+    for name in ("kill_monitor", "kill_log_monitor", "kill_dashboard"):
+        stop = getattr(node, name, None)
+        if stop is not None:
+            stop(check_alive=False)
 
 
 def shard_ranges(n: int, shard_size: int) -> list[range]:
@@ -101,24 +151,7 @@ def shard_ranges(n: int, shard_size: int) -> list[range]:
     return [range(s, min(s + shard_size, n)) for s in range(0, n, shard_size)]
 
 
-# ---- the Ray stages (run in Ray workers) -------------------------------------------------------
-def _decode(batch: dict[str, np.ndarray], preprocess) -> dict[str, np.ndarray]:
-    """Read and preprocess a batch of images; an unreadable one gets a zero image and its
-    ImageError message (the local engine's message, from the same load_rgb)."""
-    from ..data.images import ImageError, load_rgb, to_tensor
-
-    size = preprocess.size
-    images = np.zeros((len(batch["path"]), 3, size, size), dtype=np.float32)
-    errors = []
-    for i, raw in enumerate(batch["path"]):
-        try:
-            images[i] = to_tensor(load_rgb(Path(os.fsdecode(bytes(raw)))), preprocess).numpy()
-            errors.append("")
-        except ImageError as e:
-            errors.append(str(e))
-    return {"pos": batch["pos"], "image": images, "error": np.array(errors, dtype=object)}
-
-
+# ---- the model replicas (Ray actors) ------------------------------------------------------------
 def replica_device():
     """The device of a model replica in a Ray worker: its GPU when Ray gave it one (Ray hides
     the others: the one it gave is ``cuda`` to this process), else the CPU."""
@@ -129,44 +162,56 @@ def replica_device():
     return resolve_device("cuda" if ray.get_gpu_ids() else "cpu")
 
 
+def batch_paths(batch: dict[str, np.ndarray]) -> list[Path]:
+    """The image paths of a Ray batch (they travel as bytes)."""
+    return [Path(os.fsdecode(bytes(raw))) for raw in batch["path"]]
+
+
 class _Replica:
     """A model replica: ``load()`` builds the model once per actor and ``place()`` puts it on
-    the replica's device (a GPU when Ray gave it one), where batches of decoded images are
-    encoded."""
+    the replica's device (a GPU when Ray gave it one); each Ray batch of paths is read by
+    ``workers`` readers and encoded in model batches of ``batch_size``, as the local engine
+    does."""
 
-    def __init__(self, load: Callable, threads: int):
+    def __init__(self, load: Callable, threads: int, batch_size: int = 16, workers: int = 2):
         import torch
 
+        from ..core.errors import UserError, WeightsUnavailable
+
         torch.set_num_threads(threads)
-        self.model = load()
+        self.batch_size, self.workers = batch_size, workers
+        self.failed: Exception | None = None
+        try:
+            self.model = load()
+        except (UserError, WeightsUnavailable) as e:
+            # a user's mistake (a damaged checkpoint, weights not on this node): kept for
+            # ready(), so the driver says it in one line; raised here, Ray would retry the
+            # actor and print its traceback at every try
+            self.failed = e
+            return
         self.device = replica_device()
         self.place()
+
+    def ready(self) -> Exception | None:
+        """Why this replica has no model (None when it has one)."""
+        return self.failed
 
     def place(self) -> None:
         raise NotImplementedError
 
-    def encode(self, pixels):
-        """Pixels (B, 3, S, S) on the host -> the model's rows on the replica's device."""
-        raise NotImplementedError
-
-    def _encode(self, batch: dict[str, np.ndarray]):
-        """The rows of the readable images of ``batch`` (their mask, and (B, L, D) or None)."""
-        import torch
-
-        ok = np.array([e == "" for e in batch["error"]], dtype=bool)
-        if not ok.any():
-            return ok, None
-        # one host array (B, 3, S, S), copied to the device once by the encoder
-        return ok, self.encode(torch.from_numpy(np.ascontiguousarray(batch["image"][ok])))
+    def run(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """What the driver calls on the actor (Ray calls methods by name)."""
+        return self(batch)
 
 
 class CaptionReplica(_Replica):
-    """Captions a batch with a :class:`captionkit.inference.captioner.Captioner` (greedy or beam)."""
+    """Captions a batch of paths with a :class:`captionkit.inference.captioner.Captioner` (greedy
+    or beam), through its ``caption_files``: the local engine's reading, batching and decoding."""
 
     def __init__(self, load: Callable, threads: int, beam: int, length_penalty: float | None,
-                 precision: str | None = None):
+                 precision: str | None = None, batch_size: int = 16, workers: int = 2):
         self.precision = precision  # (place() in the base's __init__ reads it)
-        super().__init__(load, threads)
+        super().__init__(load, threads, batch_size, workers)
         self.beam, self.length_penalty = beam, length_penalty
 
     def place(self) -> None:
@@ -175,76 +220,110 @@ class CaptionReplica(_Replica):
         # for the replica's device, not the driver's
         self.model.place(self.device, self.precision)
 
-    def encode(self, pixels):
-        # through the captioner: its test-time augmentation and precision, as the local engine
-        return self.model.encode(pixels)
-
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        ok, feats = self._encode(batch)
-        captions = np.array([""] * len(ok), dtype=object)
-        if feats is not None:
-            caps = self.model.decode_features(feats, self.beam, self.length_penalty)
-            captions[ok] = [self.model.result(c).text for c in caps]
-        return {"pos": batch["pos"], "caption": captions, "error": batch["error"]}
+        from ..core.errors import ImageError
+
+        captions, errors = [], []
+        for _, res in self.model.caption_files(batch_paths(batch), beam=self.beam, batch_size=self.batch_size,
+                                               length_penalty=self.length_penalty, workers=self.workers):
+            failed = isinstance(res, ImageError)
+            captions.append("" if failed else res.text)
+            errors.append(str(res) if failed else "")
+        return {"pos": batch["pos"], "caption": np.array(captions, dtype=object),
+                "error": np.array(errors, dtype=object)}
 
 
 class FeatureReplica(_Replica):
-    """Encodes a batch with an :class:`captionkit.encoders.Encoder` into float16 rows."""
+    """Encodes a batch of paths with an :class:`captionkit.encoders.Encoder` into float16 rows."""
 
-    def __init__(self, load: Callable, threads: int, shape: tuple[int, int]):
-        super().__init__(load, threads)
+    def __init__(self, load: Callable, threads: int, shape: tuple[int, int], batch_size: int = 16,
+                 workers: int = 2):
+        super().__init__(load, threads, batch_size, workers)
         self.shape = shape  # (L, D)
 
     def place(self) -> None:
         self.model.to(self.device)  # an encoder knows where it is (encoders.module_device)
 
-    def encode(self, pixels):
-        return self.model.encode(pixels)
-
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        ok, feats = self._encode(batch)
-        rows = np.zeros((len(ok), *self.shape), dtype=np.float16)
-        if feats is not None:
-            rows[ok] = feats.float().cpu().numpy().astype(np.float16)
-        return {"pos": batch["pos"], "feats": rows, "error": batch["error"]}
+        from ..encoders.image_batches import image_batches
+
+        paths = batch_paths(batch)
+        rows = np.zeros((len(paths), *self.shape), dtype=np.float16)  # (B, L, D); unreadable images: zeros
+        errors = [""] * len(paths)
+        start = 0
+        for part in image_batches(paths, self.model.preprocess, self.batch_size, self.workers, self.device):
+            for k, e in part.errors.items():
+                errors[start + k] = str(e)
+            if part.pixels is not None:
+                # written straight into the batch's rows (float32 -> float16 on assignment)
+                rows[[start + k for k in part.good]] = self.model.encode(part.pixels).float().cpu().numpy()
+            start += len(part.paths)
+        return {"pos": batch["pos"], "feats": rows, "error": np.array(errors, dtype=object)}
 
 
-def run_shards(paths: list[Path], shards: list[int], shard_size: int, preprocess, replica: type,
-               replica_args: dict, opts: RayOptions) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-    """Run ``shards`` (indices into :func:`shard_ranges`) of ``paths`` through decode tasks and
-    ``replica`` actors; yield each shard as soon as all its rows are back: (shard, columns in
-    the shard's image order)."""
-    import ray.data
-    from ray.data import ActorPoolStrategy
+def run_shards(paths: list[Path], shards: list[int], shard_size: int, replica: type, replica_args: dict,
+               opts: RayOptions) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+    """Run ``shards`` (indices into :func:`shard_ranges`) of ``paths`` through ``replica``
+    actors; yield each shard as soon as all its rows are back: (shard, columns in the shard's
+    image order)."""
+    import ray
 
     ranges = shard_ranges(len(paths), shard_size)
-    items = [{"pos": i, "path": os.fsencode(str(paths[i]))} for s in shards for i in ranges[s]]
-    if not items:
+    size = opts.batch_size * CHUNK_BATCHES
+    # a chunk never spans two shards: a shard is written as soon as its own chunks are back
+    chunks = [list(ranges[s][k:k + size]) for s in shards for k in range(0, len(ranges[s]), size)]
+    if not chunks:
         return
     init_ray(opts)
-    blocks = max(1, min(len(items) // opts.batch_size, 1000))
-    ds = ray.data.from_items(items, override_num_blocks=blocks)
-    # Decoding holds half a CPU (it also waits on the disk). Its remote arguments differing from
-    # the replicas' keeps Ray from fusing it into the actors, so images are decoded by tasks
-    # while the replicas run the model.
-    ds = ds.map_batches(_decode, batch_size=opts.batch_size, fn_kwargs={"preprocess": preprocess},
-                        num_cpus=DECODE_CPUS)
-    ds = ds.map_batches(replica, batch_size=opts.batch_size, compute=ActorPoolStrategy(size=opts.replicas),
-                        num_cpus=opts.cpus_per_replica, num_gpus=opts.gpus_per_replica or None,
-                        fn_constructor_kwargs={**replica_args, "threads": max(1, int(opts.cpus_per_replica))})
+    actor = ray.remote(replica).options(num_cpus=opts.cpus_per_replica, num_gpus=opts.gpus_per_replica or None,
+                                        max_restarts=RESTARTS, max_task_retries=RESTARTS)
+    args = {**replica_args, "threads": opts.torch_threads(), "batch_size": opts.batch_size, "workers": opts.workers}
+    replicas = [actor.remote(**args) for _ in range(min(opts.replicas, len(chunks)))]
+    try:
+        failed = [e for e in ray.get([rep.ready.remote() for rep in replicas]) if e is not None]
+        if failed:
+            raise failed[0]
+    except BaseException:
+        for rep in replicas:
+            ray.kill(rep)
+        raise
+    running: dict = {}  # the result of a chunk handed out -> its replica
+    handed = 0
+
+    def hand(rep) -> None:
+        nonlocal handed
+        part = chunks[handed]
+        batch = {"pos": np.array(part, dtype=np.int64),
+                 "path": np.array([os.fsencode(str(paths[i])) for i in part], dtype=object)}
+        running[rep.run.remote(batch)] = rep
+        handed += 1
+
+    for _ in range(QUEUED):
+        for rep in replicas:
+            if handed < len(chunks):
+                hand(rep)
     pending: dict[int, list[dict[str, np.ndarray]]] = {}
     got: dict[int, int] = {}
-    with dropping_lines(RESTARTABLE_ACTOR_LINE):
-        for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-            for s in np.unique(batch["pos"] // shard_size):
-                part = {k: v[batch["pos"] // shard_size == s] for k, v in batch.items()}
-                pending.setdefault(int(s), []).append(part)
-                got[int(s)] = got.get(int(s), 0) + len(part["pos"])
-                if got[int(s)] == len(ranges[s]):
-                    parts = pending.pop(int(s))
-                    cols = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-                    order = np.argsort(cols["pos"], kind="stable")
-                    yield int(s), {k: v[order] for k, v in cols.items()}
+    try:
+        with dropping_lines(RESTARTABLE_ACTOR_LINE):
+            while running:
+                [ready], _ = ray.wait(list(running), num_returns=1)
+                rep = running.pop(ready)
+                batch = ray.get(ready)
+                if handed < len(chunks):
+                    hand(rep)
+                for s in np.unique(batch["pos"] // shard_size):
+                    part = {k: v[batch["pos"] // shard_size == s] for k, v in batch.items()}
+                    pending.setdefault(int(s), []).append(part)
+                    got[int(s)] = got.get(int(s), 0) + len(part["pos"])
+                    if got[int(s)] == len(ranges[s]):
+                        parts = pending.pop(int(s))
+                        cols = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+                        order = np.argsort(cols["pos"], kind="stable")
+                        yield int(s), {k: v[order] for k, v in cols.items()}
+    finally:
+        for rep in replicas:  # their processes go now, not when Ray shuts down
+            ray.kill(rep)
 
 
 # ---- captions ------------------------------------------------------------------------------
@@ -287,7 +366,7 @@ def _has_error(shard: Path, all_paths: list[Path], wanted: set[Path]) -> bool:
 
 
 def caption_with_ray(all_paths: list[Path], todo: list[Path], folder: Path, settings: dict, overwrite: bool,
-                     retry_failed: bool, load: Callable, preprocess, beam: int, length_penalty: float | None,
+                     retry_failed: bool, load: Callable, beam: int, length_penalty: float | None,
                      opts: RayOptions, precision: str | None = None) -> Iterator[tuple[Path, object]]:
     """Caption ``todo`` (a subset of ``all_paths``, in its order) on Ray: shards of
     ``all_paths`` holding a todo image and not on disk are computed (and, with
@@ -321,7 +400,7 @@ def caption_with_ray(all_paths: list[Path], todo: list[Path], folder: Path, sett
 
     done = set(needed) - set(missing)
     shown = 0  # shards already yielded, in order
-    rows = run_shards(all_paths, missing, opts.shard_size, preprocess, CaptionReplica,
+    rows = run_shards(all_paths, missing, opts.shard_size, CaptionReplica,
                       {"load": load, "beam": beam, "length_penalty": length_penalty, "precision": precision}, opts)
     for s, cols in rows:
         lines = [json.dumps({"pos": int(p), "error": e} if e else {"pos": int(p), "caption": c}) + "\n"
@@ -359,7 +438,7 @@ def build_features_ray(encoder_name: str, encoder_weights: str | None, paths: li
         load = partial(create_encoder, encoder_name, weights=encoder_weights)
         progress = Progress(sum(len(ranges[s]) for s in missing), desc="features ray")
         skipped: list[str] = []
-        for s, cols in run_shards(paths, missing, shard_size, encoder.preprocess, FeatureReplica,
+        for s, cols in run_shards(paths, missing, shard_size, FeatureReplica,
                                   {"load": load, "shape": shape}, opts):
             failed = {int(i): e for i, e in zip(cols["pos"], cols["error"]) if e}
             write_shard(folder, s, cols["feats"], [str(paths[i]) for i in ranges[s]], failed)
