@@ -141,6 +141,10 @@ def beam_search(model, feats: torch.Tensor, beam: int = 3, max_len: int = 20,
 # result differs from the same row's among more rows for 1-3, 5-7 and 9-11 rows, never from 12
 # on), so a pruned batch keeps at least this many rows.
 MIN_ROWS = 12
+# A batch is pruned once at least this share of its images is done: pruning copies the kept
+# rows' memory (beam search keeps one per beam: the default's is 1.2 MB a row in float32), about
+# what a step costs, so dropping one photo of 16 cost more than stepping it to the end.
+PRUNE_SHARE = 0.25
 
 
 @torch.no_grad()
@@ -269,9 +273,10 @@ def beam_nbest(model, feats: torch.Tensor, n_best: int, beam: int = 3, max_len: 
 def _kept_images(open_images: torch.Tensor, n_open: int, floor: int) -> torch.Tensor | None:
     """Which of a batch's images (open_images (n,): is its search still open) the next step
     keeps, in batch order (n',): the open ones, and the first done ones up to ``floor`` images.
-    None when that is every image. No host read (``n_open`` is known)."""
+    None when that is every image, or when fewer than PRUNE_SHARE of them would leave. No host
+    read (``n_open`` is known)."""
     n = open_images.shape[0]
-    if max(n_open, floor) >= n:
+    if n - max(n_open, floor) < max(1.0, PRUNE_SHARE * n):
         return None
     order = torch.argsort((~open_images).to(torch.uint8), stable=True)  # (n,): the open first, in order
     return order[:max(n_open, floor)].sort().values
