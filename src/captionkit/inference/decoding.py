@@ -197,7 +197,7 @@ def beam_nbest(model, feats: torch.Tensor, n_best: int, beam: int = 3, max_len: 
     rows = torch.arange(B, device=device).repeat_interleave(K)  # (B*K,): image b's group g beam j at b*K + g*Kg + j
     tokens = torch.full((B * K,), Vocab.start, dtype=torch.long, device=device)
     first = None  # the first step over one row per image, when that is as exact as over all
-    if floor is not None and B >= MIN_ROWS:
+    if floor is not None and B >= MIN_ROWS and K > 1:
         # over the memory laid out as index_select lays out the beams' (a transformer's keys are
         # a permuted view until copied, and a matmul of a strided operand rounds otherwise)
         with owned_states():
