@@ -293,12 +293,13 @@ class Captioner:
     def decode_lists(self, feats: torch.Tensor, beam: int | None = None, length_penalty: float | None = None,
                      controls: Controls | None = None, keys: torch.Tensor | None = None) -> list[list[Caption]]:
         """As :meth:`decode_features`, each image's ``controls.num_captions`` captions
-        (captionkit.inference.decoding.decode_lists)."""
+        (captionkit.inference.decoding.decode_lists; beam search steps the open images' rows
+        only: ``prune``)."""
         c = (self.controls if controls is None else controls).check(beam)
         with autocast(self.device, self.precision):
             return decode_lists(self.decoder, self._on_device(feats), beam=c.beam(beam), max_len=self.max_len,
                                 length_penalty=self.length_penalty_or(length_penalty), controls=c,
-                                keys=None if keys is None else to_device(keys, self.device))
+                                keys=None if keys is None else to_device(keys, self.device), prune=True)
 
     def controls_for(self, controls: Controls | None = None, beam: int | None = None, **options) -> Controls:
         """``controls`` (None: the model's own) with ``options`` (Controls fields) replacing
@@ -322,7 +323,7 @@ class Captioner:
         c = self.controls if controls is None else controls
         with autocast(self.device, self.precision):
             return beam_nbest(self.decoder, self._on_device(feats), n, max(beam or n, n), c.max_len(self.max_len),
-                              self.length_penalty_or(length_penalty), c)
+                              self.length_penalty_or(length_penalty), c, prune=True)
 
     def text(self, cap: Caption) -> str:
         """A caption's words as one string (what scoring and reranking compare)."""

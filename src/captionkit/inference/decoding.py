@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..data.vocab import Vocab
+from ..models.base import owned_states
 from .controls import DEFAULT, Controls
 from .shaping import Sampler, StepRules, image_keys
 
@@ -87,7 +88,8 @@ def walk(model, feats: torch.Tensor, max_len: int, controls: Controls, keys: tor
     total = torch.zeros(R, device=device)
     alive = torch.ones(R, dtype=torch.bool, device=device)
     for t in range(max_len + 1):
-        logp, state, alpha = model.step(tokens, state, mem)
+        with owned_states():  # each state is stepped once, then replaced
+            logp, state, alpha = model.step(tokens, state, mem)
         allowed = allowed_words(logp, t == max_len)
         if not shaped_walk:
             best, tokens = allowed.max(1)  # greedy, as it always was
@@ -134,17 +136,42 @@ def beam_search(model, feats: torch.Tensor, beam: int = 3, max_len: int = 20,
     return [best[0] for best in beam_nbest(model, feats, 1, beam, max_len, length_penalty, controls)]
 
 
+# Fewest rows a pruned beam search steps (see beam_nbest): float32 matmuls of fewer rows take
+# another kernel (MKL's small-matrix path; measured on this project's AVX-512 CPU, a row's
+# result differs from the same row's among more rows for 1-3, 5-7 and 9-11 rows, never from 12
+# on), so a pruned batch keeps at least this many rows.
+MIN_ROWS = 12
+# A batch is pruned once at least this share of its images is done: pruning copies the kept
+# rows' memory (beam search keeps one per beam: the default's is 1.2 MB a row in float32), about
+# what a step costs, so dropping one photo of 16 cost more than stepping it to the end.
+PRUNE_SHARE = 0.25
+
+
 @torch.no_grad()
 def beam_nbest(model, feats: torch.Tensor, n_best: int, beam: int = 3, max_len: int = 20,
-               length_penalty: float = 0.0, controls: Controls | None = None) -> list[list[Caption]]:
+               length_penalty: float = 0.0, controls: Controls | None = None, *,
+               prune: bool = False) -> list[list[Caption]]:
     """Beam search keeping each image's ``n_best`` (<= ``beam``) best finished hypotheses,
     best first, ranked as :func:`beam_search` ranks them (whose caption is the first).
 
-    Everything stays on the device until the end, and the one host sync of a step is whether
-    any image is still open. Each step records its chosen words, their beams' parents and its
+    Everything stays on the device until the end, and the one host sync of a step is how many
+    images are still open. Each step records its chosen words, their beams' parents and its
     attention; a hypothesis that finishes is a log-probability, a length and the beam it ended
     on, kept in fixed-size buffers per image with masked tensor operations (:class:`_Finished`);
     its words and attention rows are traced back through the parents once, at the end.
+
+    ``prune`` steps only what can change a result (the captioner decodes so): the first step
+    runs once per image (its beams are copies of one another; only the first is live), and an
+    image whose search is done leaves the batch (its rows of the state, the memory and the
+    bookkeeping), so the model steps the open images' rows only -- in batches of 16 photos, a
+    third of the rows stepped belonged to photos already done. Both keep at least
+    ``MIN_ROWS`` rows (a batch of fewer is stepped whole). Exact where a row's numbers do not
+    depend on the other rows of its batch: so for every shipped model (their widths are
+    multiples of 16 floats, so each row of a matmul is equally aligned whichever rows surround
+    it; tests/test_beam_pruning.py). Models of odd widths can round a row differently by its
+    place in memory (MKL's small-width kernels; the last bit of a log-probability), as they
+    do between batches of different photos. ``prune=False`` (the default) steps every row of
+    the batch until its last image is done, as before.
 
     ``controls``: the step rules shape each step's log-probabilities (hypotheses are ranked by
     the shaped sums; a Caption's ``logprob`` stays the model's own), and ``beam_groups`` G > 1
@@ -152,7 +179,9 @@ def beam_nbest(model, feats: torch.Tensor, n_best: int, beam: int = 3, max_len: 
     beam / G, each a beam search of its own whose candidates lose ``diversity_strength`` per
     time the groups before it chose the word at this step (Hamming diversity). Each group is
     one "image" of :class:`_Finished`; an image's n best are then its groups' bests in turn
-    (group 0's best, group 1's best, ..., then their second bests), distinct."""
+    (group 0's best, group 1's best, ..., then their second bests), distinct. An image leaves
+    the batch once all its groups are done (a done group's beams still steer the later
+    groups' diversity)."""
     c = controls or DEFAULT
     G, max_len = c.beam_groups, c.max_len(max_len)
     if not 1 <= n_best <= beam:
@@ -160,52 +189,97 @@ def beam_nbest(model, feats: torch.Tensor, n_best: int, beam: int = 3, max_len: 
     if beam % G:
         raise ValueError(f"the beam {beam} does not split into {G} groups of one size")
     B, K, device = feats.shape[0], beam, feats.device
-    Kg, BG = K // G, B * G  # each group's beams; the groups of all images, searched side by side
+    Kg = K // G  # each group's beams; the groups of all images are searched side by side
+    # the fewest images a pruned batch keeps (None: this batch is never pruned)
+    floor = -(-MIN_ROWS // K) if prune and B * K >= MIN_ROWS else None
     mem = model.prepare(feats)
     state = model.init_state(mem)
     rows = torch.arange(B, device=device).repeat_interleave(K)  # (B*K,): image b's group g beam j at b*K + g*Kg + j
-    mem, state = mem.index_select(rows), select_rows(state, rows)
     tokens = torch.full((B * K,), Vocab.start, dtype=torch.long, device=device)
-    scores = torch.full((BG, Kg), float("-inf"), device=device)
+    first = None  # the first step over one row per image, when that is as exact as over all
+    if floor is not None and B >= MIN_ROWS and K > 1:
+        # over the memory laid out as index_select lays out the beams' (a transformer's keys are
+        # a permuted view until copied, and a matmul of a strided operand rounds otherwise)
+        with owned_states():
+            first = model.step(tokens[:B], state, mem.index_select(torch.arange(B, device=device)))  # (B, V), ..
+    else:
+        state = select_rows(state, rows)
+    mem = mem.index_select(rows)
+    scores = torch.full((B * G, Kg), float("-inf"), device=device)
     scores[:, 0] = 0.0  # only each group's first beam is live at the start
-    first_row = torch.arange(BG, device=device).unsqueeze(1) * Kg  # (BG, 1): each group's first beam's row
     diverse = G > 1 and c.diversity_strength > 0
     shaped = c.shapes_steps or diverse  # ranking scores differ from the model's log-probabilities
-    model_scores = scores.clone() if shaped else None  # (BG, Kg): the model's own sums, when they differ
-    finished = _Finished(BG, Kg, scores.dtype, device, shaped)
+    model_scores = scores.clone() if shaped else None  # (n*G, Kg): the model's own sums, when they differ
+    finished = _Finished(B * G, Kg, scores.dtype, device, shaped)
     steps = _Steps()
     rules = None
     kept = n_best if G == 1 else Kg  # each group's finished ranked (groups keep spares for duplicates)
+    n = B  # the images in the batch (all of them until some are pruned)
 
     for t in range(max_len + 1):
-        logp, state, alpha = model.step(tokens, state, mem)  # (B*K, V), ..., (B*K, L)
+        if first is not None:  # each image's rows are copies: the one row per image, repeated
+            logp, state, alpha = first[0].index_select(0, rows), select_rows(first[1], rows), \
+                first[2].index_select(0, rows)
+            first = None
+        else:
+            with owned_states():  # the rows selected from the last step's: fresh tensors
+                logp, state, alpha = model.step(tokens, state, mem)  # (n*K, V), ..., (n*K, L)
         V = logp.shape[1]
         allowed = allowed_words(logp, t == max_len)
         if rules is None:
             rules = StepRules(c, B * K, V, device)
         logp = rules.apply(allowed, t)
-        top_s, top_i, live_s, pick = _select(scores, logp, B, G, Kg, V, c.diversity_strength if diverse else 0.0)
-        src, word = top_i // V, top_i % V  # (BG, 2Kg)
+        top_s, top_i, live_s, pick = _select(scores, logp, n, G, Kg, V, c.diversity_strength if diverse else 0.0)
+        src, word = top_i // V, top_i % V  # (n*G, 2Kg)
         is_end = word == Vocab.end
         new = is_end[:, :Kg] & torch.isfinite(top_s[:, :Kg])
+        first_row = torch.arange(n * G, device=device).unsqueeze(1) * Kg  # (n*G, 1): each group's first beam's row
         if shaped:  # the model's sums of the same candidates
-            model_top = model_scores.gather(1, src) + allowed.view(BG, Kg * V).gather(1, top_i)  # (BG, 2Kg)
+            model_top = model_scores.gather(1, src) + allowed.view(n * G, Kg * V).gather(1, top_i)  # (n*G, 2Kg)
             model_scores = model_top.gather(1, pick)
         # A candidate ending in <end> among the best Kg becomes a finished hypothesis.
         finished.add(t, new, top_s[:, :Kg], first_row + src[:, :Kg], model_top[:, :Kg] if shaped else None)
         scores = live_s.gather(1, pick)
-        parent = (first_row + src.gather(1, pick)).view(-1)  # (B*K,)
+        parent = (first_row + src.gather(1, pick)).view(-1)  # (n*K,)
         tokens = word.gather(1, pick).view(-1)
+        finished.update_done(scores[:, 0], kept, length_penalty == 0.0)
+        # the step's one host sync (as greedy's: is any image left? and pruned: how many?)
+        if floor is None:
+            going, keep = bool(finished.open.any()), None
+        else:
+            open_images = finished.open.view(n, G).any(1)  # (n,)
+            n_open = int(open_images.sum())
+            going, keep = n_open > 0, _kept_images(open_images, n_open, floor) if n_open else None
+        if keep is not None:  # the done images leave: their rows go from what the next step reads
+            groups = (keep.unsqueeze(1) * G + torch.arange(G, device=device)).view(-1)  # (n'*G,)
+            beams = (keep.unsqueeze(1) * K + torch.arange(K, device=device)).view(-1)  # (n'*K,)
+            finished.keep(groups)
+            scores = scores.index_select(0, groups)
+            model_scores = model_scores.index_select(0, groups) if shaped else None
+            parent, tokens = parent.index_select(0, beams), tokens.index_select(0, beams)
+            mem = mem.index_select(beams)
+            n = keep.shape[0]
         steps.record(tokens, parent, alpha)
+        if not going:
+            break
         state = select_rows(state, parent)
         rules.advance(tokens, parent)
-        finished.update_done(scores[:, 0], kept, length_penalty == 0.0)
-        if not finished.open.any():  # the step's one host sync (as greedy's: is any image left?)
-            break
     lists = finished.ranked(kept, length_penalty, steps)
     if G == 1:
         return lists
     return [_in_turn(lists[b * G:(b + 1) * G], n_best) for b in range(B)]
+
+
+def _kept_images(open_images: torch.Tensor, n_open: int, floor: int) -> torch.Tensor | None:
+    """Which of a batch's images (open_images (n,): is its search still open) the next step
+    keeps, in batch order (n',): the open ones, and the first done ones up to ``floor`` images.
+    None when that is every image, or when fewer than PRUNE_SHARE of them would leave. No host
+    read (``n_open`` is known)."""
+    n = open_images.shape[0]
+    if n - max(n_open, floor) < max(1.0, PRUNE_SHARE * n):
+        return None
+    order = torch.argsort((~open_images).to(torch.uint8), stable=True)  # (n,): the open first, in order
+    return order[:max(n_open, floor)].sort().values
 
 
 def _select(scores: torch.Tensor, logp: torch.Tensor, B: int, G: int, Kg: int, V: int, strength: float):
@@ -250,9 +324,9 @@ def _in_turn(groups: list[list[Caption]], n: int) -> list[Caption]:
 
 
 class _Steps:
-    """What each step of a beam search chose, on the device: the words (B*K,) its beams go on
-    with, each one's parent row (B*K,) among the step's beams, and the step's attention
-    (B*K, L) of those beams."""
+    """What each step of a beam search chose, on the device: the words (R',) its beams go on
+    with, each one's parent row (R',) among the step's R beams, and the step's attention
+    (R, L) of those beams (R' < R where images left the batch after the step)."""
 
     def __init__(self):
         self.words: list[torch.Tensor] = []
@@ -271,7 +345,9 @@ class _Steps:
         T, N = len(self.words), row.shape[0]
         words = torch.zeros(N, T, dtype=torch.long, device=row.device)
         attention = self.attention[0].new_zeros(N, T, self.attention[0].shape[-1])
-        at = row  # (N,): each hypothesis's beam after word s (meaningful once it has begun)
+        # (N,): each hypothesis's beam after word s (meaningful once it has begun; before, a row
+        # that every step has: batches only shrink, and ``row`` is a row of the step it ended at)
+        at = torch.zeros_like(row)
         for s in range(T - 2, -1, -1):  # a hypothesis that ended at the last step has T - 1 words
             at = torch.where(length == s + 1, row, at)  # those of s + 1 words begin here
             words[:, s] = self.words[s][at]
@@ -287,7 +363,8 @@ class _Finished:
     ``beam``, and a step adds at most ``beam``), plus one spare slot that takes the writes of
     candidates that are not added. Kept lean: a step's bookkeeping is a few small ops. With
     ``shaped`` ranking scores (caption controls), the model's own log-probabilities are kept
-    beside them, for the Captions."""
+    beside them, for the Captions. Images that leave the batch (:meth:`keep`) leave their
+    buffers' rows in full-size copies, where :meth:`ranked` reads every image's."""
 
     def __init__(self, B: int, K: int, dtype: torch.dtype, device: torch.device, shaped: bool = False):
         self.K, self.slots, self.rows = K, 2 * K, B * K
@@ -296,6 +373,31 @@ class _Finished:
         self.ended = torch.zeros(B, self.slots + 1, dtype=torch.long, device=device)
         self.count = torch.zeros(B, 1, dtype=torch.long, device=device)
         self.open = torch.ones(B, dtype=torch.bool, device=device)  # (B,) the images not done
+        self.index: torch.Tensor | None = None  # (n,): which image each row is, once some have left
+        self.full: list[torch.Tensor | None] = []  # all images' buffers, once some have left
+
+    def _buffers(self) -> list[torch.Tensor | None]:
+        return [self.logprob, self.model_logprob, self.ended, self.count]
+
+    def _store(self) -> None:
+        """The rows' buffers written to their images' rows of the full-size copies."""
+        if self.index is not None:
+            for full, now in zip(self.full, self._buffers()):
+                if full is not None:
+                    full.index_copy_(0, self.index, now)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Only the rows ``rows`` (n',) stay (their images' searches go on); the others'
+        results are final, and kept aside."""
+        if self.index is None:  # the first images leave: every row is its image
+            self.full = [None if t is None else t.clone() for t in self._buffers()]
+            self.index = rows
+        else:
+            self._store()
+            self.index = self.index.index_select(0, rows)
+        self.logprob, self.model_logprob, self.ended, self.count = \
+            [None if t is None else t.index_select(0, rows) for t in self._buffers()]
+        self.open = self.open.index_select(0, rows)
 
     def add(self, t: int, new: torch.Tensor, logprob: torch.Tensor, rows: torch.Tensor,
             model_logprob: torch.Tensor | None = None) -> None:
@@ -327,6 +429,10 @@ class _Finished:
     def ranked(self, n_best: int, length_penalty: float, steps: _Steps) -> list[list[Caption]]:
         """Each image's ``n_best`` best, by logprob / (words + 1) ** length_penalty (ties keep
         the order they finished in), copied to the CPU once."""
+        self._store()
+        if self.index is not None:  # every image's, as when none has left
+            self.logprob, self.model_logprob, self.ended, self.count = self.full
+            self.index = None
         B, S = self.ended.shape
         length = torch.div(self.ended, self.rows, rounding_mode="floor")  # (B, S): words
         ids, attention = steps.trace((self.ended % self.rows).view(-1), length.view(-1))  # (B*S, T), (.., L)
@@ -362,7 +468,8 @@ SAMPLE_ROUNDS = 4  # --num-captions K draws K per image, then K more for an imag
 
 
 def decode_lists(model, feats: torch.Tensor, beam: int = 1, max_len: int = 20, length_penalty: float = 0.0,
-                 controls: Controls | None = None, keys: torch.Tensor | None = None) -> list[list[Caption]]:
+                 controls: Controls | None = None, keys: torch.Tensor | None = None, *,
+                 prune: bool = False) -> list[list[Caption]]:
     """Each image's ``controls.num_captions`` captions (K; one without controls), distinct:
 
     - sampling (``controls.sample``): draws in order, K per round, until an image has K
@@ -371,7 +478,8 @@ def decode_lists(model, feats: torch.Tensor, beam: int = 1, max_len: int = 20, l
     - else greedy (beam 1, no length penalty, K = 1, one group), or beam search: its K best,
       or diverse beam search's with ``beam_groups``.
 
-    ``max_len``: the model's longest caption (``max_words`` may shorten it)."""
+    ``max_len``: the model's longest caption (``max_words`` may shorten it); ``prune``: beam
+    search's (:func:`beam_nbest`)."""
     c = controls or DEFAULT
     if beam < 1:
         raise ValueError(f"beam size must be at least 1, got {beam}")
@@ -380,7 +488,7 @@ def decode_lists(model, feats: torch.Tensor, beam: int = 1, max_len: int = 20, l
         return _sample_lists(model, feats, max_len, c, keys)
     if beam == 1 and length_penalty == 0.0 and c.num_captions == 1 and c.beam_groups == 1:
         return walk(model, feats, max_len, c)
-    return beam_nbest(model, feats, c.num_captions, beam, max_len, length_penalty, c)
+    return beam_nbest(model, feats, c.num_captions, beam, max_len, length_penalty, c, prune=prune)
 
 
 def _sample_lists(model, feats: torch.Tensor, max_len: int, c: Controls,

@@ -31,6 +31,8 @@ every registered family, not a set of ``hasattr`` probes.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable
@@ -136,6 +138,29 @@ class CaptionModel(nn.Module, metaclass=ABCMeta):
                       image_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (the loss to minimise, the plain token cross-entropy to report). ``alpha_c``: the
         attention penalty's weight, for families that have one; <pad> targets are ignored."""
+
+
+# ---- decoding loops that own their states ----------------------------------------------------
+_OWNED = contextvars.ContextVar("captionkit_owned_states", default=False)
+
+
+@contextlib.contextmanager
+def owned_states():
+    """Within the block, the decoding loop steps each state once and keeps no reference to a
+    state it has stepped (beam search's reordered rows are fresh tensors): a family's ``step``
+    may then write the next state into the tensors of the one it is given (the transformer's
+    KV cache) instead of copying them. Outside it, ``step`` leaves its inputs as they were,
+    so a caller may step one state with several words."""
+    token = _OWNED.set(True)
+    try:
+        yield
+    finally:
+        _OWNED.reset(token)
+
+
+def states_owned() -> bool:
+    """Whether the running decoding loop owns its states (:func:`owned_states`)."""
+    return _OWNED.get()
 
 
 ATTENTION_VIEWS = ("weights", "onehot-argmax")

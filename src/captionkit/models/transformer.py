@@ -36,7 +36,7 @@ from torch import nn
 
 from ..core.fields import check_fields, field_error, spec
 from ..core.registry import register_exporter, register_family
-from .base import CaptionModel, DecoderExport, KVMemory, token_cross_entropy
+from .base import CaptionModel, DecoderExport, KVMemory, states_owned, token_cross_entropy
 
 
 @dataclass
@@ -288,15 +288,23 @@ class TransformerCaptioner(CaptionModel):
         x = self.embed_tokens(tokens.unsqueeze(1), pos.unsqueeze(1))  # (B, 1, D)
         slots = torch.arange(P, device=pos.device)
         mask = (slots.unsqueeze(0) <= pos.unsqueeze(1)).view(-1, 1, 1, P)  # (B, 1, 1, P): filled slots
+        # Where the decoding loop owns its states (beam search, greedy: base.owned_states), the
+        # new keys and values are written into the given caches in place; the out-of-place
+        # scatter copied every layer's whole cache at every step, besides beam search's reorder.
+        in_place = states_owned()
         new_caches, attention = [], None
         for i, layer in enumerate(self.layers):
             q, k_new, v_new = layer.qkv(x)  # (B, h, 1, d) each
             where = pos.view(-1, 1, 1, 1).expand_as(k_new)  # (B, h, 1, d): the slot to write
             # the caches are in the compute dtype (init_state): these casts are no-ops, kept
             # for a state made outside the autocast region it is decoded in
-            k_cache = caches[2 * i].scatter(2, where, k_new.to(caches[2 * i].dtype))  # (B, h, P, d)
-            v_cache = caches[2 * i + 1].scatter(2, where, v_new.to(caches[2 * i + 1].dtype))
-            x, weights = layer(x, q, k_cache.to(k_new.dtype), v_cache.to(v_new.dtype), mask, mem.keys[i], mem.values[i])
+            k_cache, v_cache = caches[2 * i], caches[2 * i + 1]  # (B, h, P, d)
+            k_new, v_new = k_new.to(k_cache.dtype), v_new.to(v_cache.dtype)
+            if in_place:
+                k_cache, v_cache = k_cache.scatter_(2, where, k_new), v_cache.scatter_(2, where, v_new)
+            else:
+                k_cache, v_cache = k_cache.scatter(2, where, k_new), v_cache.scatter(2, where, v_new)
+            x, weights = layer(x, q, k_cache.to(q.dtype), v_cache.to(q.dtype), mask, mem.keys[i], mem.values[i])
             new_caches += [k_cache, v_cache]
             if i == self.attention_layer:
                 attention = weights.mean(1)[:, 0]  # (B, h, 1, L) -> (B, L)
