@@ -117,18 +117,25 @@ def test_streamed_body_over_limit_is_413(client):
 def test_full_queue_answers_503_and_recovers(shipped):
     app = create_app({"m": shipped}, ServeConfig(queue_size=1, max_batch=1))
     worker = app.state.workers["m"]
-    gate = threading.Event()
+    gate, busy = threading.Event(), threading.Event()
     real = worker._caption
 
     def slow(beam, group):
+        busy.set()
         gate.wait(30)
         real(beam, group)
     worker._caption = slow
     with TestClient(app) as c:
         results = []
-        threads = [threading.Thread(target=lambda: results.append(
-            c.post("/v1/caption", files={"image": ("x.jpg", _jpeg(), "image/jpeg")}).status_code)) for _ in range(4)]
-        for t in threads:
+
+        def post():
+            results.append(c.post("/v1/caption", files={"image": ("x.jpg", _jpeg(), "image/jpeg")}).status_code)
+        threads = [threading.Thread(target=post) for _ in range(4)]
+        threads[0].start()
+        # the first request inside the worker before the others come (on a loaded machine all
+        # four could otherwise reach the queue before the worker takes one: three refused)
+        assert busy.wait(60)
+        for t in threads[1:]:
             t.start()
         for _ in range(200):  # one request in the worker, one queued, the others refused
             if results.count(503) >= 2:
