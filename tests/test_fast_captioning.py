@@ -12,41 +12,24 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from test_beam_search import FEAT, GRID
+from test_beam_search import sat as beam_search_sat
+from test_beam_search import transformer as beam_search_transformer
 from torch.overrides import TorchFunctionMode
 
-from captionkit.data.vocab import Vocab
 from captionkit.encoders import create_encoder
 from captionkit.encoders.efficientnet_lite import MBConv, SameConv2d
 from captionkit.inference.decoding import beam_nbest, greedy
 from captionkit.inference.ensemble import EnsembleDecoder, with_flip_views
-from captionkit.models import create_model
 
-V, FEAT, GRID = 14, 10, [2, 3]
-
-
-def peaked(model, scale: float):
-    """Weights scaled up, so that captions follow the features and beams differ (random decoders
-    at their usual scale give near-uniform word distributions, where float32 rounding decides)."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(scale)
-    return model.eval()
 
 
 def sat(seed: int = 0):
-    torch.manual_seed(seed)
-    return peaked(create_model("sat", {"vocab_size": V, "feat_dim": FEAT, "embed_dim": 8, "hidden_dim": 9,
-                                       "attn_dim": 7, "dropout": 0.0}), 3.0)
+    return beam_search_sat(seed)  # the beam search tests' peaked tiny decoders
 
 
 def transformer(seed: int = 1):
-    torch.manual_seed(seed)
-    model = peaked(create_model("transformer", {"vocab_size": V, "feat_dim": FEAT, "grid": GRID, "width": 8,
-                                                "heads": 2, "decoder_layers": 2, "dropout": 0.0,
-                                                "max_positions": 16}), 6.0)
-    with torch.no_grad():  # scaled, it would hardly ever end a caption before max_len
-        model.head_bias[Vocab.end] += 2.0
-    return model
+    return beam_search_transformer(seed)
 
 
 def views(n: int = 6) -> torch.Tensor:
