@@ -215,3 +215,8 @@ def append_whole(path: str | Path, data: bytes) -> Path:
             os.close(fd)
     return path
 
+
+def display_name(text: str) -> str:
+    """``text`` as it is written to outputs: the bytes of a file name that are not valid UTF-8
+    (held by Python as lone surrogates, PEP 383) become the four characters ``\\xNN``."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")

@@ -26,9 +26,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..core.errors import ImageError, OutputError
-from ..core.outputs import MARKER, owner_kind, write_marker
+from ..core.outputs import MARKER, display_name, owner_kind, write_marker
 from ..data.shard_images import ShardImage, extract_members, scan_shard
-from .writer import display_name
 
 UNPACK_KIND = "shard-images"  # the outputs.MARKER kind of the unpack folder
 

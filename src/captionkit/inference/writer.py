@@ -46,6 +46,7 @@ from ..core.outputs import (
     atomic_write_text,
     check_file_target,
     check_folder_target,
+    display_name,
     write_marker,
 )
 from ..core.progress import lines_above_bars, progress
@@ -56,12 +57,6 @@ META_KIND = "caption-settings"
 FIGURES_KIND = "attention"  # the outputs.MARKER kind of an --attention folder
 EXIT_STDOUT_CLOSED = 128 + signal.SIGPIPE  # what a shell shows for a command ended by a closed pipe
 SKIPPED_SHOWN = 5  # skipped files named without --verbose
-
-
-def display_name(text: str) -> str:
-    """``text`` as it is written to outputs: the bytes of a file name that are not valid UTF-8
-    (held by Python as lone surrogates, PEP 383) become the four characters ``\\xNN``."""
-    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def image_keys(paths: list[Path]) -> tuple[dict[Path, str], list[tuple[Path, str]]]:
