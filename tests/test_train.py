@@ -88,15 +88,20 @@ def test_resume_continues_the_step_count_and_matches_an_unbroken_run(tiny_config
 
 
 @pytest.mark.slow  # training runs
-def test_a_run_resumed_mid_epoch_reports_whole_epochs(tiny_config, tiny_run, tmp_path):
+def test_a_run_resumed_mid_epoch_reports_whole_epochs(tiny_config, tmp_path):
     """The history of a run stopped inside its first epoch and resumed counts that epoch's
-    captions and mean loss as the unbroken run does (its time includes both parts)."""
-    out = tmp_path / "resumed"
+    captions and mean loss as the unbroken run does (its time includes both parts). The unbroken
+    run is trained here, beside the resumed one, not taken from the session's tiny_run: in a
+    fresh-clone CI run the session's tiny_run differed from a run made here by 4e-4 of the loss
+    (the test alone passed; the cause in the session's state was not found). The tiny config's
+    lr 1e-2 lets a float difference grow over two epochs."""
+    out, unbroken = tmp_path / "resumed", tmp_path / "unbroken"
+    train(tiny_config, out=unbroken, progress=False)
     train(tiny_config, out=out, max_steps=3, progress=False)
     assert read_config(out / "last")["state"]["epoch_progress"]["seen"] > 0
     train(tiny_config, out=out, resume=True, progress=False)
     resumed, whole = ([json.loads(l) for l in (run / "history.jsonl").read_text().splitlines()]
-                      for run in (out, tiny_run))
+                      for run in (out, unbroken))
     assert [h["captions"] for h in resumed] == [h["captions"] for h in whole]
     assert whole[0]["captions"] == whole[1]["captions"] > 0  # every caption, each epoch
     for a, b in zip(resumed, whole):
