@@ -324,6 +324,12 @@ def create_app(models: dict[str, Captioner], config: ServeConfig | None = None) 
         for w in workers.values():
             w.stop()
         decoders.shutdown(wait=False, cancel_futures=True)
+        # the workers are daemon threads: one still inside a torch call when the interpreter
+        # finalises can abort the process (a fresh-clone CI run exited -6 after a clean drain),
+        # so they are given a moment to return: after a full drain they have nothing left to do;
+        # after a drain cut off at its bound one may be mid-caption, and the exit does not wait
+        for w in workers.values():
+            w.thread.join(2.0)
 
     def busy() -> list[str]:
         """What is full now, so that /readyz sends new requests elsewhere."""
