@@ -128,7 +128,8 @@ def repeated_bigrams(ws: list[str]) -> list[tuple[str, str]]:
 
 
 # ---- equivalences (exact) ----------------------------------------------------------------------
-NEUTRAL = [Controls(), Controls(no_repeat_ngram=0), Controls(repetition_penalty=1.0), Controls(num_captions=1),
+NEUTRAL = [Controls(), Controls(no_repeat_ngram=0), Controls(repetition_penalty=1.0), Controls(rare_word_bonus=0.0),
+           Controls(num_captions=1),
            Controls(beam_groups=1, diversity_strength=3.0), Controls(min_words=0, max_words=50),
            # the shaped code path (rules on, model log-probabilities kept apart), with a rule that never fires
            Controls(no_repeat_ngram=40, repetition_penalty=1.0)]

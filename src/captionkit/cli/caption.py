@@ -595,6 +595,8 @@ def add_ensemble(sub: argparse._SubParsersAction) -> None:
                              "(docs/decoding-controls.md; default: the first member's)")
     r.add_argument("--no-repeat-ngram", type=int_at_least(0), metavar="N", help="block repeated N-grams")
     r.add_argument("--repetition-penalty", type=float_at_least(0), metavar="P", help="CTRL's repetition penalty")
+    r.add_argument("--rare-word-bonus", type=float_at_least(0), metavar="B",
+                   help="favour words rarer than the 30 most frequent by B x ln(rank / 30)")
     r.add_argument("--min-words", type=int_at_least(0), metavar="N", help="no <end> before N words")
     r.add_argument("--max-words", type=positive_int, metavar="N", help="end captions at N words")
     n.add_argument("--out", required=True, help="the ensemble folder to write")

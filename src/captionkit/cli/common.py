@@ -167,6 +167,9 @@ def _add_control_opts(p: argparse.ArgumentParser, default: str = "none") -> None
     g.add_argument("--repetition-penalty", type=float_at_least(0), metavar="P",
                    help=f"CTRL's penalty on words the caption already holds (1: none, 1.2: the paper's; "
                         f"default {default})")
+    g.add_argument("--rare-word-bonus", type=float_at_least(0), metavar="B",
+                   help=f"favour words rarer than the 30 most frequent by B x ln(rank / 30) (word vocabularies; "
+                        f"0: none; default {default})")
     g.add_argument("--min-words", type=int_at_least(0), metavar="N", help="no <end> before N words")
     g.add_argument("--max-words", type=positive_int, metavar="N",
                    help="end captions at N words (at most the model's own longest)")

@@ -143,6 +143,10 @@ class Captioner:
         self.length_penalty = float(decoding.get("length_penalty", 0.0))
         # the caption controls the model decodes with unless told otherwise (its config may set the rules)
         self.controls = model_controls(decoding, "the model's config")
+        try:
+            self.controls.fit_tokens(vocab.kind)
+        except UserError as e:
+            raise UserError(f"the model's config: decoding: {e}") from None
         # where the decoder and encoder are as given (the CPU: checkpoints are read there, and the
         # ONNX runtime's stand-ins are not modules to move); see place()
         self.device = torch.device("cpu")
@@ -295,7 +299,7 @@ class Captioner:
         """As :meth:`decode_features`, each image's ``controls.num_captions`` captions
         (captionkit.inference.decoding.decode_lists; beam search steps the open images' rows
         only: ``prune``)."""
-        c = (self.controls if controls is None else controls).check(beam)
+        c = (self.controls if controls is None else controls).check(beam).fit_tokens(self.vocab.kind)
         with autocast(self.device, self.precision):
             return decode_lists(self.decoder, self._on_device(feats), beam=c.beam(beam), max_len=self.max_len,
                                 length_penalty=self.length_penalty_or(length_penalty), controls=c,
@@ -304,7 +308,8 @@ class Captioner:
     def controls_for(self, controls: Controls | None = None, beam: int | None = None, **options) -> Controls:
         """``controls`` (None: the model's own) with ``options`` (Controls fields) replacing
         theirs, checked against ``beam`` (one UserError line for a value that does not fit)."""
-        return (self.controls if controls is None else controls).with_options(**options).check(beam)
+        return (self.controls if controls is None else controls).with_options(**options).check(beam) \
+            .fit_tokens(self.vocab.kind)
 
     def _on_device(self, feats: torch.Tensor) -> torch.Tensor:
         return to_device(feats, self.device).float()
@@ -320,7 +325,7 @@ class Captioner:
                        length_penalty: float | None = None, controls: Controls | None = None) -> list[list[Caption]]:
         """feats (B, L, D) -> each image's ``n`` best beams, best first (beam width
         max(beam, n)), under ``controls``' step rules (None: the model's own)."""
-        c = self.controls if controls is None else controls
+        c = (self.controls if controls is None else controls).fit_tokens(self.vocab.kind)
         with autocast(self.device, self.precision):
             return beam_nbest(self.decoder, self._on_device(feats), n, max(beam or n, n), c.max_len(self.max_len),
                               self.length_penalty_or(length_penalty), c, prune=True)
@@ -390,7 +395,7 @@ class Captioner:
             raise UserError(f"unknown reranker {rerank!r} (known: {', '.join(RERANKERS)})")
         if rerank and not nbest:
             raise UserError("reranking chooses among the n best beams: give nbest")
-        c = (self.controls if controls is None else controls).check(beam)
+        c = (self.controls if controls is None else controls).check(beam).fit_tokens(self.vocab.kind)
         if nbest and (c.num_captions > 1 or c.sample or c.beam_groups > 1):
             raise UserError("n-best lists and reranking take the beam's best: not with num_captions, sampling "
                             "or beam groups")
@@ -439,7 +444,7 @@ class Captioner:
         ``beam``: the beam width (default 3; 1: greedy). The caption controls
         (docs/decoding-controls.md) as keywords -- ``num_captions``, ``sample``, ``temperature``,
         ``top_k``, ``top_p``, ``seed``, ``no_repeat_ngram``, ``repetition_penalty``,
-        ``min_words``, ``max_words``, ``beam_groups``, ``diversity_strength`` -- or as a
+        ``rare_word_bonus``, ``min_words``, ``max_words``, ``beam_groups``, ``diversity_strength`` -- or as a
         :class:`~captionkit.inference.controls.Controls` (``controls``; the keywords replace its
         values); a value that does not fit is one UserError before anything is read."""
         if self.encoder is None:

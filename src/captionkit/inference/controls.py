@@ -7,6 +7,13 @@ line refuses a wrong one before anything loads; :mod:`captionkit.inference.decod
 - ``repetition_penalty`` P: CTRL's penalty (Keskar et al. 2019) on the words a caption already
   holds, as Hugging Face applies it to log-probabilities: a negative one is multiplied by P
   (1: none; above 1 repeats less).
+- ``rare_word_bonus`` B: each word is favoured by B * ln(rank / RARE_FROM) added to its
+  log-probability when its rank among the training captions' words (1: the most frequent) is
+  above RARE_FROM, so "a", "dog", "man" and the other 30 most frequent words get nothing and a
+  word 10 times rarer than the 30th gets about B * ln 10 (by Zipf's law the rank is inversely
+  proportional to the count, so this is the word's inverse-frequency information beyond the
+  30th word's). A word vocabulary lists its words in that order (``Vocab.build``); the other
+  tokenizers do not, and are refused (0: none).
 - ``min_words`` / ``max_words``: <end> is blocked before ``min_words`` words, and forced at
   ``max_words`` (never beyond the model's own longest caption, its ``max_len``). Words are the
   decoder's tokens: one per word for word vocabularies (every shipped model but the LM one).
@@ -30,7 +37,11 @@ from ..core.errors import UserError
 DEFAULT_BEAM = 3  # the beam width when none is given (and the command line's)
 SEED_LIMIT = 2 ** 32  # seeds are 32-bit (the sampling noise is a 32-bit hash)
 # what a model's config may set by default in its "decoding" table (the rules, not sampling)
-MODEL_DEFAULTS = ("no_repeat_ngram", "repetition_penalty", "min_words", "max_words")
+MODEL_DEFAULTS = ("no_repeat_ngram", "repetition_penalty", "rare_word_bonus", "min_words", "max_words")
+# rare_word_bonus favours only the words rarer than this rank (the 30 most frequent words of
+# Flickr8k's captions are its articles, prepositions and "dog", "man", "woman", "water", ...)
+RARE_FROM = 30
+RANKED_TOKENS = ("word",)  # the tokenizer kinds whose ids are frequency ranks (after the specials)
 SAMPLING_ONLY = ("temperature", "top_k", "top_p", "seed")
 
 
@@ -42,6 +53,7 @@ def _option(name: str) -> str:
 class Controls:
     no_repeat_ngram: int = 0
     repetition_penalty: float = 1.0
+    rare_word_bonus: float = 0.0
     min_words: int = 0
     max_words: int | None = None
     sample: bool = False
@@ -56,8 +68,9 @@ class Controls:
     @property
     def shapes_steps(self) -> bool:
         """Whether the per-step rules change any log-probability (n-gram blocks, the penalty,
-        the minimum length)."""
-        return self.no_repeat_ngram > 0 or self.repetition_penalty != 1.0 or self.min_words > 0
+        the rare-word bonus, the minimum length)."""
+        return self.no_repeat_ngram > 0 or self.repetition_penalty != 1.0 or self.rare_word_bonus > 0 \
+            or self.min_words > 0
 
     def given(self) -> dict:
         """The fields that differ from the defaults (what a run records beside its outputs)."""
@@ -77,6 +90,7 @@ class Controls:
         nothing to refuse for sampling); returns self."""
         _whole(self.no_repeat_ngram, "no_repeat_ngram", 0)
         _number(self.repetition_penalty, "repetition_penalty", 0, above=True)
+        _number(self.rare_word_bonus, "rare_word_bonus", 0)
         _whole(self.min_words, "min_words", 0)
         if self.max_words is not None:
             _whole(self.max_words, "max_words", 1)
@@ -116,6 +130,14 @@ class Controls:
             how = "the best of the beam" if G == 1 else "the best of the groups' beams"
             raise UserError(f"--num-captions {K} takes {how}: it needs --beam {K} or more, not {beam} "
                             f"(or --sample)")
+        return self
+
+    def fit_tokens(self, kind: str) -> "Controls":
+        """Refuse, in one UserError line, a control the model's tokenizer ``kind`` cannot serve
+        (the rare-word bonus needs ids in frequency order: RANKED_TOKENS); returns self."""
+        if self.rare_word_bonus > 0 and kind not in RANKED_TOKENS:
+            raise UserError(f"--rare-word-bonus ranks words by their frequency in a word vocabulary; this "
+                            f"model's tokens are {kind!r} tokens, in no such order")
         return self
 
     def beam(self, beam: int | None) -> int:

@@ -285,7 +285,7 @@ class EnsembleSpec:
     max_len: int | None = None
     tta: str | None = None  # test-time augmentation ("flip": see with_flip_views)
     # the caption controls' rules the ensemble decodes with by default (controls.MODEL_DEFAULTS:
-    # no_repeat_ngram, repetition_penalty, min_words, max_words); a rule not named: the first member's
+    # no_repeat_ngram, repetition_penalty, rare_word_bonus, min_words, max_words); a rule not named: the first member's
     rules: dict = field(default_factory=dict)
 
     def member_folders(self, shipped_root: Path) -> list[Path]:

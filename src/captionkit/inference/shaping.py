@@ -1,7 +1,8 @@
 """What shapes a decoding step's choice beyond the model's log-probabilities (the caption
 controls of :mod:`captionkit.inference.controls`), on the decoding device, without host reads:
 
-- :class:`StepRules`: n-gram blocking, the repetition penalty and the minimum length, applied
+- :class:`StepRules`: n-gram blocking, the repetition penalty, the rare-word bonus and the
+  minimum length, applied
   to a step's log-probabilities (R, V) from each row's words so far, which it keeps (and
   reorders with beam search's parents).
 - :class:`Sampler`: a word drawn per row from the shaped distribution at a temperature,
@@ -16,10 +17,12 @@ multipliers below 2**31), so they are exact on every device.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..data.vocab import Vocab
-from .controls import Controls
+from ..data.vocab import SPECIALS, Vocab
+from .controls import RARE_FROM, Controls
 
 MASK32 = 0xFFFFFFFF
 _NEG_INF = float("-inf")
@@ -47,6 +50,15 @@ def image_keys(values: torch.Tensor) -> torch.Tensor:
     return mix32((s & MASK32) ^ mix32((s >> 32) & MASK32))
 
 
+def rare_word_bonus(bonus: float, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """(V,) float32 what each id of a frequency-ordered vocabulary gains with the rare-word bonus
+    ``bonus``: bonus * ln(rank / RARE_FROM) above rank RARE_FROM, else 0 (the specials: 0)."""
+    rank = torch.arange(vocab_size, dtype=torch.float64) - (len(SPECIALS) - 1)  # id 4 -> rank 1
+    gain = bonus * (rank.clamp(min=1).log() - math.log(RARE_FROM)).clamp(min=0)
+    gain[:len(SPECIALS)] = 0
+    return gain.float().to(device)
+
+
 class StepRules:
     """The per-step rules of ``controls`` over ``rows`` hypotheses of words (module docstring)."""
 
@@ -59,6 +71,8 @@ class StepRules:
         # each row's words so far (R, t), for n-gram blocking; which words it holds (R, V), for the penalty
         self.history = torch.zeros(rows, 0, dtype=torch.long, device=device) if self.n else None
         self.seen = torch.zeros(rows, vocab_size, dtype=torch.bool, device=device) if self.penalty != 1.0 else None
+        self.bonus = rare_word_bonus(controls.rare_word_bonus, vocab_size, device) \
+            if controls.rare_word_bonus > 0 else None  # (V,)
 
     def apply(self, logp: torch.Tensor, t: int) -> torch.Tensor:
         """A step's log-probabilities (R, V) after ``t`` words -> the shaped ones (a new tensor;
@@ -70,6 +84,8 @@ class StepRules:
         if self.seen is not None:  # CTRL's penalty on log-probabilities (<= 0): times P; 0 divided by P
             p = self.penalty
             out = torch.where(self.seen, torch.where(out < 0, out * p, out / p), out)
+        if self.bonus is not None:  # after the penalty, which scales the model's own log-probabilities
+            out = out + self.bonus
         if self.n and t >= self.n:
             out = out.masked_fill(self._blocked(t), _NEG_INF)
         if t < self.min_words:
