@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 
+from ..core.allocator import tune_allocator
 from ..core.errors import UserError, WeightsUnavailable
 from ..core.signals import EXIT_PREEMPTED, Preempted
 from ..inference.writer import EXIT_STDOUT_CLOSED, silence_stdout
@@ -32,23 +33,6 @@ def build_parser() -> argparse.ArgumentParser:
     for add in COMMANDS:
         add(sub)
     return p
-
-
-def tune_allocator() -> None:
-    """Keep freed tensor memory in the process (glibc): by default every large tensor is
-    mmapped and returned to the OS when freed, so each batch pays page faults again; this
-    made captioning ~1.5x slower. Process-wide, so done by the command line, not the library."""
-    import ctypes
-    import platform
-    if platform.system() != "Linux":
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    libc.mallopt(M_MMAP_THRESHOLD, 128 << 20)
-    libc.mallopt(M_TRIM_THRESHOLD, 256 << 20)
 
 
 def package_version() -> str:

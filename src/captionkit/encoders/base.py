@@ -26,7 +26,7 @@ from ..data.images import Preprocess
 IMAGENET = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
 # Images per encoder pass on the CPU. A larger batch is no faster there (each layer is already
 # milliseconds of work), and its activation maps outgrow the size above which glibc maps fresh
-# memory for every tensor (128 MiB once captionkit.cli.main.tune_allocator has run, at most 32 MiB
+# memory for every tensor (128 MiB once captionkit.core.allocator.tune_allocator has run, at most 32 MiB
 # by default), whose page faults then cost every pass: EfficientNet-Lite2's largest map is 6.6 MB
 # an image at 260 px, and 32 images a pass took 1.2x the time of 16 an image (docs/speed.md).
 CPU_PASS_IMAGES = 16

@@ -257,7 +257,7 @@ def _malloc_trim():
 
 def release_free_memory() -> None:
     """Give the heap's free pages back to the system (glibc). The command line keeps freed
-    memory in the process for speed (cli.main.tune_allocator), so without this the memory of a huge
+    memory in the process for speed (core.allocator.tune_allocator), so without this the memory of a huge
     decode would stay resident after it, in each decode thread's arena."""
     trim = _malloc_trim()
     if trim is not None:
