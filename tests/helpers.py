@@ -226,18 +226,19 @@ def write_picky_flickr8k(root: Path) -> Path:
     return root
 
 
-def write_picky_decoder(folder: Path, seed: int) -> Path:
+def write_picky_decoder(folder: Path, seed: int, more_words: tuple[str, ...] = ()) -> Path:
     """A checkpoint of a random transformer decoder on the patches encoder whose weights are
     scaled x10, so that its captions follow the pixels: on the picky photos a beam width, a
     length penalty, test-time flips, MBR, an ensemble's weights, ... each change several of them
     (checked in float32 and bf16 alike; random decoders at their usual scale, or on the random
-    EfficientNet's near-zero features, give one caption whatever the photo)."""
+    EfficientNet's near-zero features, give one caption whatever the photo). ``more_words``:
+    words after the picky ones (rarer, in a word vocabulary's frequency order)."""
     import torch
 
     from captionkit.data.vocab import SPECIALS
     from captionkit.models import create_model
 
-    words = list(SPECIALS) + PICKY_WORDS
+    words = list(SPECIALS) + PICKY_WORDS + list(more_words)
     torch.manual_seed(seed)
     decoder = create_model("transformer", {"vocab_size": len(words), "feat_dim": 192, "grid": PICKY_GRID,
                                            "width": 16, "heads": 2, "decoder_layers": 1, "dropout": 0.0,

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import PICKY_GRID, PICKY_WORDS, decoder_checkpoint
+from helpers import write_picky_decoder
 
 from captionkit.cli.main import main
 from captionkit.core.errors import UserError
@@ -112,22 +112,10 @@ RARE_WORDS = [f"rare{i}" for i in range(40)]  # ranks 9..48 after the picky word
 
 @pytest.fixture(scope="module")
 def wide_models(tmp_path_factory):
-    """Two picky-style checkpoints (captions that follow the pixels) of a 52-word vocabulary:
-    the picky words, then 40 rarer ones."""
-    from captionkit.models import create_model
-
-    root, words = tmp_path_factory.mktemp("wide"), list(SPECIALS) + PICKY_WORDS + RARE_WORDS
-    out = []
-    for seed in (0, 1):
-        torch.manual_seed(seed)
-        decoder = create_model("transformer", {"vocab_size": len(words), "feat_dim": 192, "grid": PICKY_GRID,
-                                               "width": 16, "heads": 2, "decoder_layers": 1, "dropout": 0.0,
-                                               "max_positions": 16})
-        with torch.no_grad():
-            for p in decoder.parameters():
-                p.mul_(10)
-        out.append(decoder_checkpoint(root / f"m{seed}", decoder, "transformer", words, "patches", PICKY_GRID))
-    return out
+    """Two picky checkpoints (captions that follow the pixels) of a 52-word vocabulary: the
+    picky words, then 40 rarer ones."""
+    root = tmp_path_factory.mktemp("wide")
+    return [write_picky_decoder(root / f"m{seed}", seed, tuple(RARE_WORDS)) for seed in (0, 1)]
 
 
 def rare_share(texts: list[str]) -> float:
