@@ -141,6 +141,11 @@ def test_the_option_changes_captions_toward_rarer_words(wide_models, picky_data,
     char = Captioner(cap.decoder, build_tokenizer("char", [["a", "b"]]), cap.config, encoder=cap.encoder)
     with pytest.raises(UserError, match="this model's tokens are 'char' tokens"):
         char(photos[0], rare_word_bonus=1.0)
+    # and a config that sets it for such a model is refused when it loads, naming the config
+    ruled = {**cap.config, "decoding": {**cap.config["decoding"], "rare_word_bonus": 0.5}}
+    with pytest.raises(UserError, match="^the model's config: decoding: --rare-word-bonus .* 'char' tokens"):
+        Captioner(cap.decoder, char.vocab, ruled, encoder=cap.encoder)
+    assert Captioner(cap.decoder, cap.vocab, ruled, encoder=cap.encoder).controls.rare_word_bonus == 0.5
 
 
 def test_an_ensemble_folder_may_set_it_and_a_flag_overrides_it(wide_models, picky_data, tmp_path, capsys):

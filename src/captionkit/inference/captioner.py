@@ -143,10 +143,11 @@ class Captioner:
         self.length_penalty = float(decoding.get("length_penalty", 0.0))
         # the caption controls the model decodes with unless told otherwise (its config may set the rules)
         self.controls = model_controls(decoding, "the model's config")
-        try:
-            self.controls.fit_tokens(vocab.kind)
-        except UserError as e:
-            raise UserError(f"the model's config: decoding: {e}") from None
+        if self.controls.rare_word_bonus > 0:  # a rule that needs the tokenizer's kind
+            try:
+                self.controls.fit_tokens(vocab.kind)
+            except UserError as e:
+                raise UserError(f"the model's config: decoding: {e}") from None
         # where the decoder and encoder are as given (the CPU: checkpoints are read there, and the
         # ONNX runtime's stand-ins are not modules to move); see place()
         self.device = torch.device("cpu")
