@@ -122,9 +122,32 @@ def test_a_local_ray_is_trimmed_and_a_cluster_left_as_it_is(monkeypatch):
     local, cluster = calls
     assert local["num_cpus"] == 2 and local["include_dashboard"] is False
     assert local["object_store_memory"] == engine.LOCAL_OBJECT_STORE
-    assert local["_system_config"] == {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+    assert local["_system_config"] == {"enable_worker_prestart": False, "prestart_worker_first_driver": False,
+                                       "worker_niceness": 0}
     assert cluster == {"address": "auto", "num_cpus": None, "include_dashboard": False, "log_to_driver": False,
                        "configure_logging": False}
+
+
+@pytest.mark.slow
+def test_a_local_rays_replicas_run_at_the_commands_priority_with_two_malloc_arenas():
+    """In a fresh process (a Ray of its own): the local Ray init_ray starts runs a worker given
+    the replicas' runtime environment (run_shards' REPLICA_ENV) at niceness 0 (Ray's default is
+    15) and with MALLOC_ARENA_MAX=2 in its environment (glibc reads it as the process starts)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray")
+    code = (
+        "import os, ray\n"
+        "import captionkit.inference.ray_engine as engine\n"
+        "engine.init_ray(engine.local_options(2, 1, None))\n"
+        "probe = ray.remote(lambda: (os.nice(0), os.environ.get('MALLOC_ARENA_MAX')))\n"
+        "print(ray.get(probe.options(runtime_env={'env_vars': engine.REPLICA_ENV}).remote()))\n"
+        "ray.shutdown()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "(0, '2')"
 
 
 @pytest.fixture(scope="session")

@@ -129,8 +129,12 @@ def init_ray(opts: RayOptions) -> None:
         # captions, and no idle workers started ahead (the replicas are the only workers; Ray
         # would otherwise start one idle process per CPU, ~45 MiB each). A cluster's own settings
         # are its own: ray.init(address=...) is given none of these.
+        # Ray also starts its workers at niceness 15 (its worker_niceness), so on a machine where
+        # anything else runs the replicas get the CPU last, where the local engine competes on
+        # equal terms (docs/scale.md): a local Ray's replicas run at 0, as the command does.
         trimmed = {"object_store_memory": LOCAL_OBJECT_STORE,
-                   "_system_config": {"enable_worker_prestart": False, "prestart_worker_first_driver": False}}
+                   "_system_config": {"enable_worker_prestart": False, "prestart_worker_first_driver": False,
+                                      "worker_niceness": 0}}
         ray.init(address=opts.address, num_cpus=opts.cpus if local else None, include_dashboard=False,
                  log_to_driver=False, configure_logging=False, **(trimmed if local else {}))
         if local:
