@@ -13,8 +13,8 @@ from ..inference.shipped import FAST_MODEL, list_shipped_models, shipped_models_
 from ..inference.zero_shot import DEFAULT_VLM, DTYPES
 from .argtypes import float_at_least, int_at_least, positive_floats, positive_int
 from .common import (UsageError, _add_control_opts, _add_csv_opts, _add_device_opts, _add_engine_opts, _add_overwrite,
-                     _add_score_opts, _check_targets, _controls, _device, _load_dataset, _print_report, _ray_options,
-                     _score_opts, _write_json)
+                     _add_rule_opts, _add_score_opts, _check_targets, _controls, _device, _load_dataset,
+                     _print_report, _ray_options, _score_opts, _write_json)
 from .common import _diversity_doc, _print_diversity
 
 
@@ -591,14 +591,8 @@ def add_ensemble(sub: argparse._SubParsersAction) -> None:
                    help="loglinear: weighted mean of log-probabilities, renormalised (default); "
                         "linear: weighted mean of probabilities")
     _add_tta_opt(n)
-    r = n.add_argument_group("caption rules the ensemble decodes with unless told otherwise "
-                             "(docs/decoding-controls.md; default: the first member's)")
-    r.add_argument("--no-repeat-ngram", type=int_at_least(0), metavar="N", help="block repeated N-grams")
-    r.add_argument("--repetition-penalty", type=float_at_least(0), metavar="P", help="CTRL's repetition penalty")
-    r.add_argument("--rare-word-bonus", type=float_at_least(0), metavar="B",
-                   help="favour words rarer than the 30 most frequent by B x ln(rank / 30)")
-    r.add_argument("--min-words", type=int_at_least(0), metavar="N", help="no <end> before N words")
-    r.add_argument("--max-words", type=positive_int, metavar="N", help="end captions at N words")
+    _add_rule_opts(n.add_argument_group("caption rules the ensemble decodes with unless told otherwise "
+                                        "(docs/decoding-controls.md)"), default="the first member's")
     n.add_argument("--out", required=True, help="the ensemble folder to write")
     _add_overwrite(n, "replace the ensemble.json of an existing ensemble folder")
 

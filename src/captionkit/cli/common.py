@@ -158,10 +158,10 @@ def _add_engine_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-size", type=positive_int, help="ray: images per output shard (default 1000)")
 
 
-def _add_control_opts(p: argparse.ArgumentParser, default: str = "none") -> None:
-    """The caption controls (captionkit.inference.controls; docs/decoding-controls.md) of caption,
-    evaluate and serve; each None unless given. ``default``: what an option not given means."""
-    g = p.add_argument_group("caption controls (docs/decoding-controls.md)")
+def _add_rule_opts(g, default: str) -> None:
+    """The caption controls' rules (controls.MODEL_DEFAULTS), which a model's config or an
+    ensemble folder may also set, on the argument group ``g``; ``default``: what one not given
+    means. Shared by caption, evaluate, serve (_add_control_opts) and ensemble."""
     g.add_argument("--no-repeat-ngram", type=int_at_least(0), metavar="N",
                    help=f"block a word that would repeat an N-gram of the caption (0: none; default {default})")
     g.add_argument("--repetition-penalty", type=float_at_least(0), metavar="P",
@@ -173,6 +173,13 @@ def _add_control_opts(p: argparse.ArgumentParser, default: str = "none") -> None
     g.add_argument("--min-words", type=int_at_least(0), metavar="N", help="no <end> before N words")
     g.add_argument("--max-words", type=positive_int, metavar="N",
                    help="end captions at N words (at most the model's own longest)")
+
+
+def _add_control_opts(p: argparse.ArgumentParser, default: str = "none") -> None:
+    """The caption controls (captionkit.inference.controls; docs/decoding-controls.md) of caption,
+    evaluate and serve; each None unless given. ``default``: what an option not given means."""
+    g = p.add_argument_group("caption controls (docs/decoding-controls.md)")
+    _add_rule_opts(g, default)
     g.add_argument("--sample", action="store_true", default=None,
                    help="draw each word from the model's distribution instead of beam search (reproducible by "
                         "--seed)")
