@@ -300,7 +300,7 @@ class Captioner:
         """As :meth:`decode_features`, each image's ``controls.num_captions`` captions
         (captionkit.inference.decoding.decode_lists; beam search steps the open images' rows
         only: ``prune``)."""
-        c = (self.controls if controls is None else controls).check(beam).fit_tokens(self.vocab.kind)
+        c = self.controls_for(controls, beam)
         with autocast(self.device, self.precision):
             return decode_lists(self.decoder, self._on_device(feats), beam=c.beam(beam), max_len=self.max_len,
                                 length_penalty=self.length_penalty_or(length_penalty), controls=c,
@@ -396,7 +396,7 @@ class Captioner:
             raise UserError(f"unknown reranker {rerank!r} (known: {', '.join(RERANKERS)})")
         if rerank and not nbest:
             raise UserError("reranking chooses among the n best beams: give nbest")
-        c = (self.controls if controls is None else controls).check(beam).fit_tokens(self.vocab.kind)
+        c = self.controls_for(controls, beam)
         if nbest and (c.num_captions > 1 or c.sample or c.beam_groups > 1):
             raise UserError("n-best lists and reranking take the beam's best: not with num_captions, sampling "
                             "or beam groups")
