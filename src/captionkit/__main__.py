@@ -1,3 +1,4 @@
 from .cli.main import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # (not when a spawned helper process imports this module)
+    raise SystemExit(main())

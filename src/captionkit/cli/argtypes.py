@@ -47,6 +47,16 @@ def positive_floats(text: str) -> list[float]:
     return values
 
 
+def processes_count(text: str) -> int | None:
+    """``--processes``: ``auto`` (None: chosen for the machine and the images) or a whole number >= 1."""
+    if text == "auto":
+        return None
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (or auto)") from None
+
+
 def device_name(text: str) -> str:
     """A ``--device`` spelling (captionkit.core.devices.DEVICE_HELP), checked without probing the
     hardware: a typo is refused by the parser; a device that is not there is refused by

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 from ..core.errors import ImageError
@@ -13,8 +14,8 @@ from ..inference.shipped import FAST_MODEL, list_shipped_models, shipped_models_
 from ..inference.zero_shot import DEFAULT_VLM, DTYPES
 from .argtypes import float_at_least, int_at_least, positive_floats, positive_int
 from .common import (UsageError, _add_control_opts, _add_csv_opts, _add_device_opts, _add_engine_opts, _add_overwrite,
-                     _add_rule_opts, _add_score_opts, _check_targets, _controls, _device, _load_dataset,
-                     _print_report, _ray_options, _score_opts, _write_json)
+                     _add_processes_opt, _add_rule_opts, _add_score_opts, _check_targets, _controls, _device,
+                     _load_dataset, _print_report, _processes, _ray_options, _score_opts, _write_json)
 from .common import _diversity_doc, _print_diversity
 
 
@@ -137,17 +138,18 @@ def _caption_settings(model: list[str] | None, weights: list[float] | None, onnx
     return settings
 
 
-def _caption_with_candidates(writer, load, candidates: Path | None, controls: dict | None = None, **options) -> int:
+def _caption_with_candidates(writer, load, candidates: Path | None, controls: dict | None = None,
+                             processes: int | None = 1, **options) -> int:
     """Run the writer on the PyTorch captioner ``load()`` returns (called only when there are
     images to caption); with ``candidates``, also write each image's n best beams there
     ({key: [caption, ...]}) at the end. ``controls``: the caption controls given (over the
-    model's own)."""
+    model's own); ``processes``: --processes (None: auto), helpers calling ``load`` (picklable)."""
     lists: dict[str, list[str]] = {}
 
     def results(files: list[Path]):
         cap = load()
         given = cap.controls_for(None, options.get("beam"), **(controls or {}))
-        for path, res in cap.caption_files(files, controls=given, **options):
+        for path, res in _caption_files(cap, load, files, processes, controls=given, **options):
             if not isinstance(res, ImageError) and res.candidates is not None:
                 lists[writer.keys[path]] = res.candidates
             yield path, res
@@ -258,7 +260,6 @@ def _caption_ray(writer, model: list[str] | None, weights: list[float] | None, b
     """caption --engine ray: the images not yet in OUT captioned by Ray (captionkit.inference.ray_engine),
     in shards kept in OUT.shards, and written by the same writer as the local engine's. ``precision``:
     --precision as typed; each replica resolves it for the device Ray gives it."""
-    from functools import partial
 
     from ..inference import ray_engine
 
@@ -337,6 +338,7 @@ def add_caption(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--onnx", metavar="DIR", help="caption with an ONNX export (captionkit export onnx) instead")
     _add_control_opts(c, default="the model's")
     _add_device_opts(c, workers=True)
+    _add_processes_opt(c)
     _add_caption_outputs(c)
     _add_engine_opts(c)
 
@@ -349,7 +351,8 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
                 nbest: int | None = None, candidates: str | None = None, engine: str = "local",
                 address: str | None = None, replicas: int = 1, shard_size: int | None = None,
                 gpus_per_replica: float = 0, paths_from: str | None = None, tta: str | None = None,
-                device: str = "auto", precision: str = "auto", fast: bool = False, **controls) -> int:
+                device: str = "auto", precision: str = "auto", fast: bool = False, processes: int | None = None,
+                **controls) -> int:
     """``controls``: the caption controls' options (cli/common.py: _add_control_opts), None where not given."""
     from ..core.outputs import check_file_target
 
@@ -365,7 +368,9 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
     _check_sources(paths, engine)
     if engine == "ray":
         _check_ray_caption(jsonl or csv_out, onnx=onnx, attention=attention, rerank=rerank, nbest=nbest,
-                           candidates=candidates, tta=tta)
+                           candidates=candidates, tta=tta, processes=processes)
+    if onnx and processes not in (None, 1):
+        raise UsageError("--processes runs PyTorch models (--model); --onnx runs in onnxruntime's own threads")
     _check_caption_sources(model, onnx, weights, rerank, nbest, candidates, tta)
     given, beam_used = _controls(controls, beam)
     _check_controls_fit(given, rerank, nbest, candidates, engine)
@@ -405,17 +410,36 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
             cap = load_onnx_captioner(onnx)
             yield from cap.caption_files(files, controls=cap.controls_for(None, beam, **given), **options)
         return writer.run(onnx_results)
-    return _caption_with_candidates(writer, lambda: _load_captioner(model, weights, tta, where, precision),
-                                    candidates_path, given, nbest=_nbest(rerank, nbest), rerank=rerank, **options)
+    return _caption_with_candidates(writer, partial(_load_captioner, model, weights, tta, where, precision),
+                                    candidates_path, given, processes, nbest=_nbest(rerank, nbest), rerank=rerank,
+                                    **options)
 
 
-def _caption_split(cap, items: list, split: str, lists: dict | None = None, **options) -> dict[str, str]:
+def _caption_files(cap, load, files: list[Path], processes: int | None, **options):
+    """``cap.caption_files(files, **options)``, in --processes processes (None: auto; more than one:
+    said on standard error, each holds the model; captionkit.inference.processes)."""
+    from ..inference.processes import caption_in_processes
+
+    batch_size = options.pop("batch_size", 16)
+    n = _processes(processes, cap.device, len(files), batch_size)
+    if n > 1:
+        import torch
+
+        share = max(1, torch.get_num_threads() // n)
+        print(f"captionkit: captioning in {n} processes of {share} torch thread{'s' * (share > 1)} each "
+              f"(--processes 1: in this one)", file=sys.stderr, flush=True)
+    return caption_in_processes(cap, load, files, n, batch_size=batch_size, **options)
+
+
+def _caption_split(cap, load, items: list, split: str, lists: dict | None = None, processes: int | None = 1,
+                   **options) -> dict[str, str]:
     """{image name: caption} of a dataset split; one line if any of its images cannot be read.
-    ``lists``: filled with {image name: [caption, ...]} when the controls ask for several."""
+    ``lists``: filled with {image name: [caption, ...]} when the controls ask for several;
+    ``load`` and ``processes``: as :func:`_caption_files`'."""
     from ..core.progress import progress
 
     captions, failed = {}, []
-    results = cap.caption_files([it.path for it in items], **options)
+    results = _caption_files(cap, load, [it.path for it in items], processes, **options)
     for path, res in progress(results, total=len(items), desc=f"evaluate {split}", unit="image"):
         if isinstance(res, ImageError):
             failed.append(str(res))
@@ -450,6 +474,7 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
     _add_overwrite(e, "replace the --out file if it exists")
     _add_control_opts(e, default="the model's")
     _add_device_opts(e, workers=True)
+    _add_processes_opt(e)
     _add_score_opts(e)
     _add_csv_opts(e)
 
@@ -460,7 +485,7 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
                  image_column: str, title_column: str, image_suffix: str, overwrite: bool = False,
                  weights: list[float] | None = None, rerank: str | None = None, nbest: int | None = None,
                  tta: str | None = None, device: str = "auto", precision: str = "auto", workers: int = 2,
-                 max_images: int | None = None, **controls) -> int:
+                 max_images: int | None = None, processes: int | None = None, **controls) -> int:
     _check_targets(out, overwrite=overwrite)  # before torch, the dataset and the model load
     from ..scoring.diversity import diversity_rows
     from ..scoring.evaluation import score_captions
@@ -474,9 +499,10 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     items = data.split(split)
     split_size = len(items)
     items = items[:max_images] if max_images else items  # the split's order: the same N every time
-    cap = _load_captioner(model, weights, tta, where, precision)
+    load = partial(_load_captioner, model, weights, tta, where, precision)
+    cap = load()
     lists: dict[str, list[str]] = {}
-    captions = _caption_split(cap, items, split, lists, beam=beam, batch_size=batch_size,
+    captions = _caption_split(cap, load, items, split, lists, processes, beam=beam, batch_size=batch_size,
                               length_penalty=length_penalty, nbest=_nbest(rerank, nbest), rerank=rerank,
                               workers=workers, controls=cap.controls_for(None, beam, **given))
     rep = score_captions(captions, {it.name: it.raw for it in items}, source="the model's captions",

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from ..core.errors import UserError
-from .argtypes import device_name, float_at_least, int_at_least, positive_int
+from .argtypes import device_name, float_at_least, int_at_least, positive_int, processes_count
 
 
 class UsageError(UserError):
@@ -126,6 +126,29 @@ def _add_device_opts(p: argparse.ArgumentParser, workers: bool = False, precisio
         p.add_argument("--workers", type=int_at_least(0), default=2,
                        help="processes decoding images ahead of a GPU (0: in this process); "
                             "threads on the CPU")
+
+
+def _add_processes_opt(p: argparse.ArgumentParser) -> None:
+    """--processes: captioning on a CPU in several processes (captionkit.inference.processes)."""
+    p.add_argument("--processes", type=processes_count, default=None, metavar="N",
+                   help="CPU only: caption in N processes of threads/N torch threads each, every process "
+                        "holding the model (1: this process alone; default auto: one per thread where the "
+                        "images and memory allow, docs/speed.md); the captions are the same")
+
+
+def _processes(processes: int | None, device, images: int, batch_size: int) -> int:
+    """--processes resolved: ``auto`` (None) for this device and these images; a count given on
+    a GPU is one line (the GPU is one device, fed by one process)."""
+    import torch
+
+    from ..inference.processes import auto_processes
+
+    if processes is None:
+        return auto_processes(device, torch.get_num_threads(), images, batch_size)
+    if processes > 1 and torch.device(device).type != "cpu":
+        raise UsageError(f"--processes {processes} splits the work of a CPU; the model runs on {device}: "
+                         f"leave --processes out (or give 1)")
+    return processes
 
 
 def _add_csv_opts(p: argparse.ArgumentParser) -> None:

@@ -6,17 +6,19 @@ The one loader of batch captioning and feature extraction (:meth:`Captioner.capt
 and the GPU never waits for them while they keep up; on CUDA the batch is put in pinned
 (page-locked) memory by the DataLoader's pinning thread and copied with ``non_blocking=True``,
 so the copy overlaps the previous batch's work. For the CPU, reader threads decode one batch
-ahead, as before devices existed (see :func:`_threaded` for why). An image that cannot be
+ahead, as before devices existed (see :func:`image_batches` for why), and processes sharing
+the work read the batches each one claims (:func:`claimed_batches`). An image that cannot be
 read is an :class:`ImageError` in its batch's ``errors``; the rest of the batch goes on.
 Order is the order of ``paths``.
 """
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -92,10 +94,16 @@ def image_batches(paths: list[Path], pre: Preprocess, batch_size: int, workers: 
     if workers < 0:
         raise ValueError(f"workers must be 0 (decode in this process) or more, got {workers}")
     device = torch.device(device)
-    files, collate = _Indexed(_ImageFiles(list(paths), pre)), _Collate(list(paths))
     if device.type == "cpu":
-        yield from _threaded(files, collate, batch_size, workers)
+        # The CPU's loader: reader threads decode the next batch while this one is encoded (one
+        # batch ahead, so memory stays flat), the path captioning had before devices existed.
+        # Measured on 2 busy cores, the DataLoader path took several times the CPU time of this
+        # one with two torch threads, and the same with one (docs/devices.md).
+        batches = iter(range(math.ceil(len(paths) / batch_size)))
+        for _, batch in claimed_batches(paths, pre, batch_size, workers, lambda: next(batches, None)):
+            yield batch
         return
+    files, collate = _Indexed(_ImageFiles(list(paths), pre)), _Collate(list(paths))
     loader = DataLoader(files, batch_size=batch_size, shuffle=False, num_workers=workers, collate_fn=collate,
                         pin_memory=device.type == "cuda",
                         # its own generator: a DataLoader draws its workers' seed from it, and
@@ -107,19 +115,24 @@ def image_batches(paths: list[Path], pre: Preprocess, batch_size: int, workers: 
         yield batch
 
 
-def _threaded(files: Dataset, collate: _Collate, batch_size: int, workers: int) -> Iterator[PixelBatch]:
-    """The CPU's loader: ``workers`` threads decode the next batch while this one is encoded
-    (one batch ahead, so memory stays flat), the path captioning had before devices existed.
-    Measured on 2 busy cores, the DataLoader path took several times the CPU time of this one
-    with two torch threads, and the same with one (docs/devices.md)."""
-    starts = range(0, len(files), batch_size)
+def claimed_batches(paths: list[Path], pre: Preprocess, batch_size: int, workers: int,
+                    claim: Callable[[], int | None]) -> Iterator[tuple[int, PixelBatch]]:
+    """CPU reading of the batches ``claim()`` hands out: batch k is ``paths[k * batch_size:
+    (k + 1) * batch_size]``, and ``claim()`` gives this reader's next k (None: no more; the local
+    engine counts 0, 1, 2...; processes sharing the work draw from one counter,
+    captionkit.inference.processes). ``workers`` threads (at least one) read the next claimed
+    batch while the caller works on this one. -> (k, batch k)."""
+    files, collate = _Indexed(_ImageFiles(list(paths), pre)), _Collate(list(paths))
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        def read(start: int) -> list:
-            return [pool.submit(files.__getitem__, i) for i in range(start, min(start + batch_size, len(files)))]
+        def read(k: int | None):  # a batch's reads, under way
+            if k is None:
+                return None
+            return k, [pool.submit(files.__getitem__, i) for i in range(k * batch_size,
+                                                                        min((k + 1) * batch_size, len(files)))]
 
-        ahead = read(starts[0]) if starts else []
-        for k in range(len(starts)):
-            items = [f.result() for f in ahead]
-            if k + 1 < len(starts):
-                ahead = read(starts[k + 1])
-            yield collate(items)
+        ahead = read(claim())
+        while ahead is not None:
+            k, reads = ahead
+            items = [f.result() for f in reads]
+            ahead = read(claim())
+            yield k, collate(items)

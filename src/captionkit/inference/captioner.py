@@ -8,7 +8,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -20,7 +20,7 @@ from ..data.images import ImageError, to_tensor
 from ..data.inputs import input_label, read_input
 from ..data.tokenizers import Tokenizer, load_tokenizer
 from ..encoders import Encoder, create_encoder, load_finetuned
-from ..encoders.image_batches import image_batches
+from ..encoders.image_batches import PixelBatch, image_batches
 from ..models import CaptionModel, create_model
 from ..models.base import view_attention
 from .controls import MODEL_DEFAULTS, Controls, model_controls
@@ -392,6 +392,16 @@ class Captioner:
         ``rerank="mbr"``: choose the caption among them by consensus (:meth:`mbr`), batch by
         batch. ``controls``: the caption controls (None: the model's own); with
         ``num_captions`` K > 1 each Result's ``captions`` holds the K."""
+        if self.encoder is None:
+            raise RuntimeError("this Captioner was loaded without its encoder")
+        yield from self.caption_batches(image_batches(paths, self.encoder.preprocess, batch_size, workers, self.device),
+                                        beam, length_penalty, nbest, rerank, controls)
+
+    def caption_batches(self, batches: Iterable[PixelBatch], beam: int | None = None,
+                        length_penalty: float | None = None, nbest: int | None = None, rerank: str | None = None,
+                        controls: Controls | None = None) -> Iterator[tuple[Path, Result | ImageError]]:
+        """:meth:`caption_files` of batches already read (captionkit.encoders.image_batches: this
+        captioner's preprocessing, on its device): each batch's images in order."""
         if rerank not in (None, *RERANKERS):
             raise UserError(f"unknown reranker {rerank!r} (known: {', '.join(RERANKERS)})")
         if rerank and not nbest:
@@ -400,9 +410,7 @@ class Captioner:
         if nbest and (c.num_captions > 1 or c.sample or c.beam_groups > 1):
             raise UserError("n-best lists and reranking take the beam's best: not with num_captions, sampling "
                             "or beam groups")
-        if self.encoder is None:
-            raise RuntimeError("this Captioner was loaded without its encoder")
-        for batch in image_batches(paths, self.encoder.preprocess, batch_size, workers, self.device):
+        for batch in batches:
             caps: dict[int, Caption] = {}
             lists: dict[int, list[Caption]] = {}
             several: dict[int, list[Caption]] = {}

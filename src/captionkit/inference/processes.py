@@ -1,0 +1,235 @@
+"""Captioning on a CPU in several processes (``captionkit caption --processes``; docs/speed.md).
+
+Beam decoding on a CPU is matmuls of a few dozen rows (a batch's beams), which two OpenMP threads
+of one process share poorly: they meet at every operation. Two processes of one thread each
+caption twice as many batches side by side instead. Measured on 2 cores, the default model, fp32:
+15.5 images/s with two torch threads in one process, 18.9 in two processes of one thread, the
+same captions (docs/speed.md, "Captioning in several processes").
+
+How the work is split: the images are cut into the batches one process would form (``batch_size``
+consecutive images), and each process, the caller included, claims the next batch from one
+shared counter whenever it starts on one (its reader threads read the batch it claimed next
+while it captions this one: captionkit.encoders.image_batches.claimed_batches). The caller
+captions with the captioner it has already loaded; the helpers are started with ``spawn`` (a
+fresh interpreter: nothing of the caller's OpenMP or reader threads is inherited, which ``fork``
+would make unsafe) and load the same model through the caller's ``load`` (a picklable callable,
+e.g. a ``functools.partial`` of the loading function). The caller yields every image's result
+in the order given, holding any batch that finished early. Claiming as they go, the caller
+works alone while the helpers start (a few seconds) and no process waits for another's share.
+Since the batches are the single process's and a row's numbers do not depend on the thread
+count, the captions are the single process's (tests/test_processes.py).
+
+A helper that fails makes the caller raise with the helper's traceback (or its one line, for a
+user's mistake); one that dies (killed, out of memory) holding a batch makes it raise naming its
+exit code. One that failed holding no batch (the others captioned everything) is said in a line
+on standard error once every image is done. The helpers end with the caller's iteration, also
+when it stops early.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import queue
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from ..core.errors import UserError
+
+# What one captioning process holds at its peak with the default model, batches of 16, one torch
+# thread (measured: 1.15 GB of resident memory, torch included); ``auto`` starts no more
+# processes than half the memory available can hold at this size.
+PROCESS_BYTES = 1.2 * 2**30
+# Batches a process should have for a helper to pay for its start (a fresh interpreter importing
+# torch and loading the model: 3-4 s on 2 cores, about two batches' captioning at one thread).
+MIN_BATCHES = 4
+QUEUED = 2  # batches a helper may have captioned ahead of the caller
+POLL_S = 1.0  # how often the caller, waiting for a helper, checks that it is still alive
+
+
+def available_memory() -> int | None:
+    """The memory the kernel says is available (Linux's MemAvailable), in bytes; None elsewhere."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def auto_processes(device: torch.device | str, threads: int, images: int, batch_size: int) -> int:
+    """``--processes auto``: on a CPU, one process per torch thread (each then runs one), no more
+    than the batches keep busy (MIN_BATCHES each) nor than half the available memory holds
+    (PROCESS_BYTES each); one elsewhere (a GPU is one device, fed by one process)."""
+    if torch.device(device).type != "cpu" or threads < 2:
+        return 1
+    batches = math.ceil(images / batch_size)
+    memory = available_memory()
+    fit = threads if memory is None else int(memory / 2 // PROCESS_BYTES)
+    return max(1, min(threads, batches // MIN_BATCHES, fit))
+
+
+def caption_in_processes(cap, load: Callable, paths: Sequence[Path], processes: int, batch_size: int = 16,
+                         workers: int = 1, **options) -> Iterator[tuple[Path, object]]:
+    """``cap.caption_files(paths, batch_size=batch_size, workers=workers, **options)``'s (path,
+    Result or ImageError) pairs, in the same order, captioned by ``processes`` processes: this
+    one (with ``cap``) and ``processes - 1`` helpers that call ``load()`` for their own captioner
+    (module docstring). Each process runs ``threads // processes`` torch threads (at least one)
+    of this process's ``threads`` and ``workers`` reader threads; this process's torch threads
+    are restored at the end."""
+    paths = list(paths)
+    n = math.ceil(len(paths) / batch_size)
+    processes = max(1, min(processes, n))
+    if processes == 1:
+        yield from cap.caption_files(paths, batch_size=batch_size, workers=workers, **options)
+        return
+    if cap.device.type != "cpu":
+        raise ValueError(f"captioning in several processes is for the CPU; this captioner runs on {cap.device}")
+    if cap.encoder is None:
+        raise RuntimeError("this Captioner was loaded without its encoder")
+    threads = torch.get_num_threads()
+    share = max(1, threads // processes)
+    ctx = multiprocessing.get_context("spawn")
+    counter = ctx.Value("q", 0)  # the next batch to claim
+    results = ctx.Queue()  # ("batch", k, outcomes) | ("user" | "error", helper, message)
+    helpers = []
+    try:
+        for j in range(1, processes):
+            proc = ctx.Process(target=_helper, name=f"captionkit-captioner-{j}", daemon=True,
+                               args=(load, paths, batch_size, workers, n, counter, options, share, results))
+            proc.start()
+            helpers.append(proc)
+        torch.set_num_threads(share)
+        ours = _batches(cap, paths, batch_size, workers, _claimer(counter, n), options)
+        done: dict[int, list] = {}  # finished batches not yet yielded
+        for k in range(n):
+            while k not in done:
+                _collect(results, done, helpers, wait=False)
+                if k in done:
+                    break
+                mine = next(ours, None)  # our next batch, while the helpers work on theirs
+                if mine is not None:
+                    done[mine[0]] = mine[1]
+                else:
+                    _collect(results, done, helpers, wait=True)
+            outcomes = done.pop(k)
+            yield from zip(paths[k * batch_size:(k + 1) * batch_size], outcomes)
+        _report_late_failures(results, helpers)
+    finally:
+        torch.set_num_threads(threads)
+        for proc in helpers:
+            proc.terminate()
+        for proc in helpers:
+            proc.join()
+        results.close()
+
+
+def _report_late_failures(results, helpers: list) -> None:
+    """Every image is captioned; a helper that failed without holding a batch (while it loaded,
+    say) cost nothing but its share of the speed: said in a line on standard error."""
+    try:
+        _collect(results, {}, helpers, wait=False)
+    except (UserError, RuntimeError) as e:
+        last = str(e).strip().splitlines()[-1]
+        print(f"captionkit: a captioning process failed and the others captioned its share: {last}",
+              file=sys.stderr, flush=True)
+
+
+def _claimer(counter, n: int) -> Callable[[], int | None]:
+    """The next unclaimed batch of ``n`` from the processes' shared ``counter`` (None: none left)."""
+    def claim() -> int | None:
+        with counter.get_lock():
+            k = counter.value
+            if k >= n:
+                return None
+            counter.value = k + 1
+            return k
+    return claim
+
+
+def _batches(cap, paths: list[Path], batch_size: int, workers: int, claim: Callable, options: dict):
+    """This process's batches as it claims them: (k, [each image's Result or ImageError])."""
+    from ..encoders.image_batches import claimed_batches
+
+    claimed: list[tuple[int, int]] = []  # (k, its images), in the order claimed
+
+    def read():
+        for k, batch in claimed_batches(paths, cap.encoder.preprocess, batch_size, workers, claim):
+            claimed.append((k, len(batch.paths)))
+            yield batch
+
+    outcomes = (res for _, res in cap.caption_batches(read(), **options))
+    while True:
+        first = next(outcomes, None)
+        if first is None:
+            return
+        k, size = claimed.pop(0)
+        yield k, [first, *(next(outcomes) for _ in range(size - 1))]
+
+
+def _collect(results, done: dict[int, list], helpers: list, wait: bool) -> None:
+    """Move the helpers' finished batches into ``done`` (waiting for one when ``wait``), or raise
+    what a helper sent or died of."""
+    while True:
+        try:
+            message = results.get(timeout=POLL_S) if wait else results.get_nowait()
+        except queue.Empty:
+            if not wait:
+                return
+            dead = [p for p in helpers if not p.is_alive()]
+            if dead:
+                raise RuntimeError(f"captioning process {dead[0].name} (pid {dead[0].pid}) ended with exit code "
+                                   f"{dead[0].exitcode} before the images were done") from None
+            continue
+        kind, first, second = message
+        if kind == "batch":
+            done[first] = [_restored(r) for r in second]
+            wait = False  # one arrived: take what else is there, without waiting
+            continue
+        if kind == "user":
+            raise UserError(second)
+        raise RuntimeError(f"captioning process {first} failed:\n{second}")
+def _portable(res):
+    """A Result with its attention as a numpy array (a torch tensor sent between processes would
+    travel through a shared-memory segment of its own); ImageErrors as they are."""
+    from .captioner import Result
+
+    if isinstance(res, Result):
+        return Result(res.words, res.attention.numpy(), res.grid, res.candidates, res.captions)
+    return res
+
+
+def _restored(res):
+    from .captioner import Result
+
+    if isinstance(res, Result):
+        res.attention = torch.from_numpy(res.attention)
+    return res
+
+
+def _helper(load: Callable, paths: list[Path], batch_size: int, workers: int, n: int, counter, options: dict,
+            threads: int, results) -> None:
+    """A helper process: load the captioner, then caption the batches it claims and put each on
+    ``results``; a failure goes there too, for the caller to raise."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the caller, which ends the helpers
+    from ..core.allocator import tune_allocator
+
+    tune_allocator()  # as the command line does in the caller
+    torch.set_num_threads(threads)
+    name = multiprocessing.current_process().name
+    try:
+        cap = load()
+        for k, outcomes in _batches(cap, paths, batch_size, workers, _claimer(counter, n), options):
+            results.put(("batch", k, [_portable(r) for r in outcomes]))
+    except UserError as e:
+        results.put(("user", name, str(e)))
+    except BaseException:  # an internal error: the caller raises it with this traceback
+        results.put(("error", name, traceback.format_exc()))
+    results.close()
+    results.join_thread()
