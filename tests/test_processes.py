@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -151,3 +153,58 @@ def test_auto_processes(monkeypatch):
     assert processes.auto_processes("cuda", 8, 10_000, 16) == 1
     monkeypatch.setattr(processes, "available_memory", lambda: 5 * 2**30)
     assert processes.auto_processes("cpu", 8, 10_000, 16) == 2  # half of 5 GiB holds two
+
+
+class _Slow:
+    """A captioner that takes half a second a batch (a caller stays busy long enough to be killed)."""
+
+    def __init__(self, cap: Captioner):
+        self.cap, self.encoder, self.device = cap, cap.encoder, cap.device
+
+    def caption_batches(self, batches, **options):
+        for batch in batches:
+            time.sleep(0.5)
+            yield from self.cap.caption_batches([batch], **options)
+
+
+def _slow_load(path: str) -> _Slow:
+    return _Slow(Captioner.load(path))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # (a zombie is dead)
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_helpers_end_when_the_caller_is_killed(photos, tiny_run, tmp_path):
+    caller = tmp_path / "caller.py"
+    caller.write_text(f"""
+import multiprocessing, sys, time
+from functools import partial
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_processes import _slow_load
+from captionkit.inference import processes
+
+if __name__ == "__main__":
+    load = partial(_slow_load, {str(tiny_run / "best")!r})
+    photos = {[str(p) for p in photos if p.name != "broken.jpg"]!r} * 20
+    results = processes.caption_in_processes(load(), load, photos, 2, batch_size=1, beam=2)
+    next(results)
+    print(*[p.pid for p in multiprocessing.active_children()], flush=True)
+    time.sleep(600)
+""")
+    proc = subprocess.Popen([sys.executable, str(caller)], stdout=subprocess.PIPE, text=True)
+    try:
+        helper = int(proc.stdout.readline())
+        assert _alive(helper)
+    finally:
+        proc.kill()
+        proc.wait()
+    for _ in range(100):  # the kernel ends it (PR_SET_PDEATHSIG) as the caller dies
+        if not _alive(helper):
+            break
+        time.sleep(0.1)
+    assert not _alive(helper)

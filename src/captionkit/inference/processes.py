@@ -23,13 +23,14 @@ A helper that fails makes the caller raise with the helper's traceback (or its o
 user's mistake); one that dies (killed, out of memory) holding a batch makes it raise naming its
 exit code. One that failed holding no batch (the others captioned everything) is said in a line
 on standard error once every image is done. The helpers end with the caller's iteration, also
-when it stops early.
+when it stops early, and with the caller's process when it is killed.
 """
 
 from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 import queue
 import signal
 import sys
@@ -48,8 +49,8 @@ PROCESS_BYTES = 1.2 * 2**30
 # Batches a process should have for a helper to pay for its start (a fresh interpreter importing
 # torch and loading the model: 3-4 s on 2 cores, about two batches' captioning at one thread).
 MIN_BATCHES = 4
-QUEUED = 2  # batches a helper may have captioned ahead of the caller
 POLL_S = 1.0  # how often the caller, waiting for a helper, checks that it is still alive
+PR_SET_PDEATHSIG = 1  # prctl's option (linux/prctl.h): a signal for this process when its parent dies
 
 
 def available_memory() -> int | None:
@@ -102,7 +103,7 @@ def caption_in_processes(cap, load: Callable, paths: Sequence[Path], processes: 
     try:
         for j in range(1, processes):
             proc = ctx.Process(target=_helper, name=f"captionkit-captioner-{j}", daemon=True,
-                               args=(load, paths, batch_size, workers, n, counter, options, share, results))
+                               args=(load, paths, batch_size, workers, n, counter, options, share, results, os.getpid()))
             proc.start()
             helpers.append(proc)
         torch.set_num_threads(share)
@@ -213,11 +214,28 @@ def _restored(res):
     return res
 
 
+def _die_with_parent() -> None:
+    """Linux: have the kernel end this process when the caller's process dies (killed with
+    SIGKILL, say, when its ``finally`` cannot run): a helper left behind would go on captioning
+    for nobody, holding its memory. Elsewhere the helper stops at its next claim."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
 def _helper(load: Callable, paths: list[Path], batch_size: int, workers: int, n: int, counter, options: dict,
-            threads: int, results) -> None:
+            threads: int, results, caller: int) -> None:
     """A helper process: load the captioner, then caption the batches it claims and put each on
     ``results``; a failure goes there too, for the caller to raise."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the caller, which ends the helpers
+    _die_with_parent()
+    if os.getppid() != caller:  # it died before the line above
+        os._exit(0)
     from ..core.allocator import tune_allocator
 
     tune_allocator()  # as the command line does in the caller
@@ -225,7 +243,14 @@ def _helper(load: Callable, paths: list[Path], batch_size: int, workers: int, n:
     name = multiprocessing.current_process().name
     try:
         cap = load()
-        for k, outcomes in _batches(cap, paths, batch_size, workers, _claimer(counter, n), options):
+        claim = _claimer(counter, n)
+
+        def claim_while_the_caller_lives() -> int | None:
+            if os.getppid() != caller:  # the caller was killed (where PR_SET_PDEATHSIG is not there)
+                os._exit(0)
+            return claim()
+
+        for k, outcomes in _batches(cap, paths, batch_size, workers, claim_while_the_caller_lives, options):
             results.put(("batch", k, [_portable(r) for r in outcomes]))
     except UserError as e:
         results.put(("user", name, str(e)))
