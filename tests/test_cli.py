@@ -184,7 +184,7 @@ def test_output_targets_are_checked_before_the_model_loads(photo_dir, tmp_path, 
             (["--csv", str(mine)], "mine.json: not a captionkit CSV"),
             (["--jsonl", str(mine)], "mine.json: not a captionkit JSONL file"),
             (["--json", str(tmp_path / "a.json"), "--jsonl", str(tmp_path / "a.json")], "given as more than one output"),
-            (["--attention", str(photo_dir)], "photos0: exists and is not empty; pass --overwrite")):
+            (["--attention", str(photo_dir)], f"{photo_dir.name}: exists and is not empty; pass --overwrite")):
         assert main(["caption", str(photo_dir), "--model", no_model, *argv]) == 2
         err = capsys.readouterr().err
         assert named in err and err.count("\n") == 1, (argv, err)

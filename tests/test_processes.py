@@ -26,7 +26,7 @@ from captionkit.inference.captioner import Captioner, Result
 
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory) -> list[Path]:
-    d = tmp_path_factory.mktemp("photos")
+    d = tmp_path_factory.mktemp("processes_photos")
     paths = []
     for i in range(13):
         p = d / f"p{i:02d}.jpg"

@@ -139,17 +139,16 @@ def _caption_settings(model: list[str] | None, weights: list[float] | None, onnx
 
 
 def _caption_with_candidates(writer, load, candidates: Path | None, controls: dict | None = None,
-                             processes: int | None = 1, **options) -> int:
+                             processes: int | None = 1, device=None, **options) -> int:
     """Run the writer on the PyTorch captioner ``load()`` returns (called only when there are
     images to caption); with ``candidates``, also write each image's n best beams there
     ({key: [caption, ...]}) at the end. ``controls``: the caption controls given (over the
-    model's own); ``processes``: --processes (None: auto), helpers calling ``load`` (picklable)."""
+    model's own); ``processes``: --processes (None: auto) on ``device`` (:func:`_caption_files`)."""
     lists: dict[str, list[str]] = {}
 
     def results(files: list[Path]):
-        cap = load()
-        given = cap.controls_for(None, options.get("beam"), **(controls or {}))
-        for path, res in _caption_files(cap, load, files, processes, controls=given, **options):
+        _, outcomes = _caption_files(load, files, processes, device, controls, **options)
+        for path, res in outcomes:
             if not isinstance(res, ImageError) and res.candidates is not None:
                 lists[writer.keys[path]] = res.candidates
             yield path, res
@@ -411,35 +410,45 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
             yield from cap.caption_files(files, controls=cap.controls_for(None, beam, **given), **options)
         return writer.run(onnx_results)
     return _caption_with_candidates(writer, partial(_load_captioner, model, weights, tta, where, precision),
-                                    candidates_path, given, processes, nbest=_nbest(rerank, nbest), rerank=rerank,
-                                    **options)
+                                    candidates_path, given, processes, where, nbest=_nbest(rerank, nbest),
+                                    rerank=rerank, **options)
 
 
-def _caption_files(cap, load, files: list[Path], processes: int | None, **options):
-    """``cap.caption_files(files, **options)``, in --processes processes (None: auto; more than one:
-    said on standard error, each holds the model; captionkit.inference.processes)."""
-    from ..inference.processes import caption_in_processes
+def _caption_files(load, files: list[Path], processes: int | None, device, controls: dict | None = None,
+                   **options):
+    """(``load()``, its ``caption_files(files, **options)``) under the caption controls given over
+    the model's own, in --processes processes (None: auto) for ``device``: more than one is said
+    on standard error, and their helpers are started before this process loads its model, so all
+    load at once (captionkit.inference.processes; ``load`` is picklable)."""
+    import torch
+
+    from ..inference.processes import caption_in_processes, start_helpers
 
     batch_size = options.pop("batch_size", 16)
-    n = _processes(processes, cap.device, len(files), batch_size)
+    n = _processes(processes, device or "cpu", len(files), batch_size)
     if n > 1:
-        import torch
-
         share = max(1, torch.get_num_threads() // n)
         print(f"captionkit: captioning in {n} processes of {share} torch thread{'s' * (share > 1)} each "
               f"(--processes 1: in this one)", file=sys.stderr, flush=True)
-    return caption_in_processes(cap, load, files, n, batch_size=batch_size, **options)
+    helpers = start_helpers(load, n)
+    try:
+        cap = load()
+        given = cap.controls_for(None, options.get("beam"), **(controls or {}))
+    except BaseException:
+        if helpers is not None:
+            helpers.close()
+        raise
+    return cap, caption_in_processes(cap, load, files, n, batch_size=batch_size, helpers=helpers, controls=given,
+                                     **options)
 
 
-def _caption_split(cap, load, items: list, split: str, lists: dict | None = None, processes: int | None = 1,
-                   **options) -> dict[str, str]:
-    """{image name: caption} of a dataset split; one line if any of its images cannot be read.
-    ``lists``: filled with {image name: [caption, ...]} when the controls ask for several;
-    ``load`` and ``processes``: as :func:`_caption_files`'."""
+def _caption_split(results, items: list, split: str, lists: dict | None = None) -> dict[str, str]:
+    """{image name: caption} of a dataset split from its images' ``results`` (path, Result or
+    ImageError); one line if any of its images cannot be read. ``lists``: filled with {image
+    name: [caption, ...]} when the controls ask for several."""
     from ..core.progress import progress
 
     captions, failed = {}, []
-    results = _caption_files(cap, load, [it.path for it in items], processes, **options)
     for path, res in progress(results, total=len(items), desc=f"evaluate {split}", unit="image"):
         if isinstance(res, ImageError):
             failed.append(str(res))
@@ -500,11 +509,11 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     split_size = len(items)
     items = items[:max_images] if max_images else items  # the split's order: the same N every time
     load = partial(_load_captioner, model, weights, tta, where, precision)
-    cap = load()
     lists: dict[str, list[str]] = {}
-    captions = _caption_split(cap, load, items, split, lists, processes, beam=beam, batch_size=batch_size,
-                              length_penalty=length_penalty, nbest=_nbest(rerank, nbest), rerank=rerank,
-                              workers=workers, controls=cap.controls_for(None, beam, **given))
+    cap, results = _caption_files(load, [it.path for it in items], processes, where, given, beam=beam,
+                                  batch_size=batch_size, length_penalty=length_penalty,
+                                  nbest=_nbest(rerank, nbest), rerank=rerank, workers=workers)
+    captions = _caption_split(results, items, split, lists)
     rep = score_captions(captions, {it.name: it.raw for it in items}, source="the model's captions",
                          refs_source=f"{dataset} ({split} split)",
                          **_score_opts(tokenizer, meteor, no_brevity_penalty, metrics))

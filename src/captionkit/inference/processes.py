@@ -2,18 +2,19 @@
 
 Beam decoding on a CPU is matmuls of a few dozen rows (a batch's beams), which two OpenMP threads
 of one process share poorly: they meet at every operation. Two processes of one thread each
-caption twice as many batches side by side instead. Measured on 2 cores, the default model, fp32:
-15.5 images/s with two torch threads in one process, 18.9 in two processes of one thread, the
-same captions (docs/speed.md, "Captioning in several processes").
+caption twice as many batches side by side instead. Measured on 2 cores, the default model, fp32,
+the whole command on the 1,000 Flickr8k test photos: 69.5 s in one process of two threads, 60.1 s
+in two processes of one, the same captions (docs/speed.md, "Two cores, two processes").
 
 How the work is split: the images are cut into the batches one process would form (``batch_size``
 consecutive images), and each process, the caller included, claims the next batch from one
 shared counter whenever it starts on one (its reader threads read the batch it claimed next
 while it captions this one: captionkit.encoders.image_batches.claimed_batches). The caller
-captions with the captioner it has already loaded; the helpers are started with ``spawn`` (a
-fresh interpreter: nothing of the caller's OpenMP or reader threads is inherited, which ``fork``
-would make unsafe) and load the same model through the caller's ``load`` (a picklable callable,
-e.g. a ``functools.partial`` of the loading function). The caller yields every image's result
+captions with its own captioner; the helpers are started with ``spawn`` (a fresh interpreter:
+nothing of the caller's OpenMP or reader threads is inherited, which ``fork`` would make unsafe)
+and load the same model through the caller's ``load`` (a picklable callable, e.g. a
+``functools.partial`` of the loading function), best started (:func:`start_helpers`) before the
+caller loads its own, so both load at once. The caller yields every image's result
 in the order given, holding any batch that finished early. Claiming as they go, the caller
 works alone while the helpers start (a few seconds) and no process waits for another's share.
 Since the batches are the single process's and a row's numbers do not depend on the thread
@@ -76,59 +77,99 @@ def auto_processes(device: torch.device | str, threads: int, images: int, batch_
     return max(1, min(threads, batches // MIN_BATCHES, fit))
 
 
+class Helpers:
+    """Helper processes started ahead of the work (:func:`start_helpers`), so that they import
+    torch and load the model while the caller loads its own; :func:`caption_in_processes` hands
+    them their images and ends them. One use."""
+
+    def __init__(self, load: Callable, count: int, threads: int):
+        ctx = multiprocessing.get_context("spawn")
+        self.threads = threads
+        self.counter = ctx.Value("q", 0)  # the next batch to claim
+        self.jobs = ctx.Queue()  # what to caption: one job a helper
+        self.results = ctx.Queue()  # ("batch", k, outcomes) | ("user" | "error", helper, message)
+        self.procs = []
+        try:
+            for j in range(1, count + 1):
+                proc = ctx.Process(target=_helper, name=f"captionkit-captioner-{j}", daemon=True,
+                                   args=(load, threads, self.counter, self.jobs, self.results, os.getpid()))
+                proc.start()
+                self.procs.append(proc)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.join()
+        self.jobs.close()
+        self.results.close()
+
+
+def start_helpers(load: Callable, processes: int, threads: int | None = None) -> Helpers | None:
+    """The ``processes - 1`` helpers of a :func:`caption_in_processes` call to come, started now
+    (None when ``processes`` is 1), each to run ``threads // processes`` torch threads (at
+    least one) of ``threads`` (None: this process's)."""
+    if processes <= 1:
+        return None
+    share = max(1, (threads or torch.get_num_threads()) // processes)
+    return Helpers(load, processes - 1, share)
+
+
 def caption_in_processes(cap, load: Callable, paths: Sequence[Path], processes: int, batch_size: int = 16,
-                         workers: int = 1, **options) -> Iterator[tuple[Path, object]]:
+                         workers: int = 1, helpers: Helpers | None = None,
+                         **options) -> Iterator[tuple[Path, object]]:
     """``cap.caption_files(paths, batch_size=batch_size, workers=workers, **options)``'s (path,
     Result or ImageError) pairs, in the same order, captioned by ``processes`` processes: this
     one (with ``cap``) and ``processes - 1`` helpers that call ``load()`` for their own captioner
-    (module docstring). Each process runs ``threads // processes`` torch threads (at least one)
-    of this process's ``threads`` and ``workers`` reader threads; this process's torch threads
-    are restored at the end."""
-    paths = list(paths)
-    n = math.ceil(len(paths) / batch_size)
-    processes = max(1, min(processes, n))
-    if processes == 1:
-        yield from cap.caption_files(paths, batch_size=batch_size, workers=workers, **options)
-        return
-    if cap.device.type != "cpu":
-        raise ValueError(f"captioning in several processes is for the CPU; this captioner runs on {cap.device}")
-    if cap.encoder is None:
-        raise RuntimeError("this Captioner was loaded without its encoder")
-    threads = torch.get_num_threads()
-    share = max(1, threads // processes)
-    ctx = multiprocessing.get_context("spawn")
-    counter = ctx.Value("q", 0)  # the next batch to claim
-    results = ctx.Queue()  # ("batch", k, outcomes) | ("user" | "error", helper, message)
-    helpers = []
+    (module docstring): ``helpers`` started earlier by :func:`start_helpers`, or started here.
+    Each process runs ``threads // processes`` torch threads (at least one) of this process's
+    ``threads`` and ``workers`` reader threads; this process's torch threads are restored at
+    the end, and the helpers end with the iteration."""
     try:
-        for j in range(1, processes):
-            proc = ctx.Process(target=_helper, name=f"captionkit-captioner-{j}", daemon=True,
-                               args=(load, paths, batch_size, workers, n, counter, options, share, results, os.getpid()))
-            proc.start()
-            helpers.append(proc)
-        torch.set_num_threads(share)
-        ours = _batches(cap, paths, batch_size, workers, _claimer(counter, n), options)
+        paths = list(paths)
+        n = math.ceil(len(paths) / batch_size)
+        if helpers is None and min(processes, n) > 1:
+            helpers = start_helpers(load, min(processes, n))
+        if helpers is None:
+            yield from cap.caption_files(paths, batch_size=batch_size, workers=workers, **options)
+            return
+        if cap.device.type != "cpu":
+            raise ValueError(f"captioning in several processes is for the CPU; this captioner runs on {cap.device}")
+        if cap.encoder is None:
+            raise RuntimeError("this Captioner was loaded without its encoder")
+        for _ in helpers.procs:
+            helpers.jobs.put((paths, batch_size, workers, n, options))
+        yield from _shared(cap, helpers, paths, batch_size, workers, n, options)
+    finally:
+        if helpers is not None:
+            helpers.close()
+
+
+def _shared(cap, helpers: Helpers, paths: list[Path], batch_size: int, workers: int, n: int, options: dict):
+    """The caller's side of the shared work: its own batches while the helpers' come in."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(helpers.threads)
+    try:
+        ours = _batches(cap, paths, batch_size, workers, _claimer(helpers.counter, n), options)
         done: dict[int, list] = {}  # finished batches not yet yielded
         for k in range(n):
             while k not in done:
-                _collect(results, done, helpers, wait=False)
+                _collect(helpers.results, done, helpers.procs, wait=False)
                 if k in done:
                     break
                 mine = next(ours, None)  # our next batch, while the helpers work on theirs
                 if mine is not None:
                     done[mine[0]] = mine[1]
                 else:
-                    _collect(results, done, helpers, wait=True)
+                    _collect(helpers.results, done, helpers.procs, wait=True)
             outcomes = done.pop(k)
             yield from zip(paths[k * batch_size:(k + 1) * batch_size], outcomes)
-        _report_late_failures(results, helpers)
+        _report_late_failures(helpers.results, helpers.procs)
     finally:
         torch.set_num_threads(threads)
-        for proc in helpers:
-            proc.terminate()
-        for proc in helpers:
-            proc.join()
-        results.close()
 
 
 def _report_late_failures(results, helpers: list) -> None:
@@ -228,10 +269,10 @@ def _die_with_parent() -> None:
         pass
 
 
-def _helper(load: Callable, paths: list[Path], batch_size: int, workers: int, n: int, counter, options: dict,
-            threads: int, results, caller: int) -> None:
-    """A helper process: load the captioner, then caption the batches it claims and put each on
-    ``results``; a failure goes there too, for the caller to raise."""
+def _helper(load: Callable, threads: int, counter, jobs, results, caller: int) -> None:
+    """A helper process: load the captioner, wait for the caller's job, then caption the
+    batches it claims and put each on ``results``; a failure goes there too, for the caller to
+    raise."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the caller, which ends the helpers
     _die_with_parent()
     if os.getppid() != caller:  # it died before the line above
@@ -243,6 +284,7 @@ def _helper(load: Callable, paths: list[Path], batch_size: int, workers: int, n:
     name = multiprocessing.current_process().name
     try:
         cap = load()
+        paths, batch_size, workers, n, options = jobs.get()
         claim = _claimer(counter, n)
 
         def claim_while_the_caller_lives() -> int | None:
