@@ -3,7 +3,7 @@
 Beam decoding on a CPU is matmuls of a few dozen rows (a batch's beams), which two OpenMP threads
 of one process share poorly: they meet at every operation. Two processes of one thread each
 caption twice as many batches side by side instead. Measured on 2 cores, the default model, fp32,
-the whole command on the 1,000 Flickr8k test photos: 69.5 s in one process of two threads, 60.1 s
+the whole command on the 1,000 Flickr8k test photos: 59.1 s in one process of two threads, 53.7 s
 in two processes of one, the same captions (docs/speed.md, "Two cores, two processes").
 
 How the work is split: the images are cut into the batches one process would form (``batch_size``
