@@ -97,6 +97,19 @@ def test_a_wrong_rule_is_one_line_before_anything_loads(picky_models, tmp_path, 
         Captioner.load_ensemble([tmp_path / "missing"], rules=rules)  # refused before the member is looked for
 
 
+def test_a_misspelt_setting_in_ensemble_json_is_one_line(picky_models, tmp_path):
+    a, _ = picky_models
+    folder = tmp_path / "typo"
+    folder.mkdir()
+    (folder / ENSEMBLE_FILE).write_text(json.dumps(
+        {"format": "captionkit-ensemble", "version": 1, "members": [{"path": str(a), "weight": 1}],
+         "decoding": {"length_penalty": 0.0, "no_repeat_ngrams": 2}}))
+    with pytest.raises(CheckpointError) as e:
+        read_ensemble(folder)
+    assert str(e.value).startswith(str(folder / ENSEMBLE_FILE))
+    assert "decoding.no_repeat_ngrams is not a setting an ensemble has" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_an_unknown_rule_is_refused(picky_models):
     a, _ = picky_models
     with pytest.raises(UserError, match="'no_repeat_ngrams' is not one of no_repeat_ngram"):

@@ -347,6 +347,13 @@ def read_ensemble(folder: Path) -> EnsembleSpec:
     if combine not in COMBINE:
         raise CheckpointError(f"{path}: 'combine' must be one of {', '.join(COMBINE)}, not {combine!r}")
     decoding = doc.get("decoding", {})
+    if not isinstance(decoding, dict):
+        raise CheckpointError(f"{path}: 'decoding' must be a table of settings, not {decoding!r}")
+    known = ("length_penalty", "max_len", "tta", *MODEL_DEFAULTS)
+    unknown = [k for k in decoding if k not in known]
+    if unknown:  # (a misspelt rule would otherwise be dropped without a word, and the captions change)
+        raise CheckpointError(f"{path}: decoding.{unknown[0]} is not a setting an ensemble has "
+                              f"(known: {', '.join(known)})")
     lp, max_len = decoding.get("length_penalty", 0.0), decoding.get("max_len")
     if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp) or lp < 0:
         raise CheckpointError(f"{path}: decoding.length_penalty must be a number >= 0, not {lp!r}")
