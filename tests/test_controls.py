@@ -440,6 +440,10 @@ def test_evaluate_scores_the_first_and_keeps_the_lists(picky_models, picky_data,
     plain, k = (json.loads((tmp_path / f).read_text()) for f in ("plain.json", "k.json"))
     assert "caption_lists" not in plain and "controls" not in plain
     assert k["controls"] == {"num_captions": 2, "no_repeat_ngram": 2}
+    # the rules decoded with, given or the model's own, in every file
+    assert plain["rules"] == {"no_repeat_ngram": 0, "repetition_penalty": 1.0, "rare_word_bonus": 0.0,
+                              "min_words": 0, "max_words": None}
+    assert k["rules"] == {**plain["rules"], "no_repeat_ngram": 2}
     assert {n: c[0] for n, c in k["caption_lists"].items()} == k["captions"] != plain["captions"]
 
 

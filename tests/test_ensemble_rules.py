@@ -124,3 +124,17 @@ def test_the_ensemble_command_refuses_rules_that_do_not_fit(picky_models, tmp_pa
     err = capsys.readouterr().err.strip()
     assert "--min-words 5 is more than --max-words 2" in err and "\n" not in err
     assert not out.exists()
+
+
+def test_evaluate_records_the_rules_of_an_ensemble_folder(picky_models, picky_data, tmp_path, capsys):
+    folder = ruled_ensemble(tmp_path, list(picky_models), {"no_repeat_ngram": 1, "repetition_penalty": 1.2})
+    base = ["evaluate", "--model", str(folder), "--dataset", str(picky_data), "--device", "cpu", "--workers", "0",
+            "--tokenizer", "python", "--meteor", "none", "--metrics", "bleu"]
+    assert main([*base, "--out", str(tmp_path / "own.json")]) == 0
+    assert "no repeat ngram 1 (the model's), repetition penalty 1.2 (the model's)" in capsys.readouterr().out
+    assert main([*base, "--out", str(tmp_path / "flag.json"), "--no-repeat-ngram", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "no repeat ngram 0, repetition penalty 1.2 (the model's)" in printed
+    own, flag = (json.loads((tmp_path / f).read_text()) for f in ("own.json", "flag.json"))
+    assert own["rules"]["no_repeat_ngram"] == 1 and own["rules"]["repetition_penalty"] == 1.2
+    assert flag["rules"]["no_repeat_ngram"] == 0 and flag["controls"] == {"no_repeat_ngram": 0}

@@ -523,9 +523,12 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     mbr = _nbest(rerank, nbest)
     scored = f"{len(items)} of its {split_size} images (--max-images)" if len(items) < split_size else \
         f"{len(items)} images"
+    rules = _caption_rules(cap, beam, given)
     print(f"{split} split, {scored}, beam {beam}, length penalty {lp:g}"
           + (f", MBR over the {mbr} best beams" if mbr else "") + (f", test-time {cap.tta}" if cap.tta else "")
-          + "".join(f", {k.replace('_', ' ')} {v}" for k, v in given.items()))
+          + "".join(f", {k.replace('_', ' ')} {v}" for k, v in given.items())
+          + "".join(f", {k.replace('_', ' ')} {v} (the model's)" for k, v in rules.items()
+                    if k not in given and v != _no_rules()[k]))
     _print_report(rep)
     _print_diversity(diversity)
     if out:
@@ -534,10 +537,26 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
                           "scores": {k: round(100 * v, 4) for k, v in rep.scores.items()},
                           "implementation": rep.implementation, "tokenizer": rep.tokenizer,
                           "empty_captions": len(rep.empty), "notes": rep.notes, "captions": captions,
-                          **({"controls": given} if given else {}), **({"caption_lists": lists} if lists else {}),
+                          "rules": rules, **({"controls": given} if given else {}),
+                          **({"caption_lists": lists} if lists else {}),
                           **({"max_images": max_images, "images": len(items), "split_images": split_size}
                              if max_images else {}), "diversity": _diversity_doc(diversity)})
     return 0
+
+
+def _caption_rules(cap, beam: int | None, given: dict) -> dict:
+    """The caption rules a run decoded with: the model's own (its config, or an ensemble folder's
+    ensemble.json) under the flags ``given`` (captionkit.inference.controls.MODEL_DEFAULTS)."""
+    from ..inference.controls import MODEL_DEFAULTS
+
+    used = cap.controls_for(None, beam, **given)
+    return {k: getattr(used, k) for k in MODEL_DEFAULTS}
+
+
+def _no_rules() -> dict:
+    from ..inference.controls import DEFAULT, MODEL_DEFAULTS
+
+    return {k: getattr(DEFAULT, k) for k in MODEL_DEFAULTS}
 
 
 def add_zero_shot(sub: argparse._SubParsersAction) -> None:
