@@ -75,7 +75,14 @@ def test_training_run_writes_best_and_last_with_history(tiny_run):
 
 
 @pytest.mark.slow  # training runs
-def test_resume_continues_the_step_count_and_matches_an_unbroken_run(tiny_config, tmp_path):
+@pytest.mark.parametrize("schedule", ["", 'schedule = "cosine"\nwarmup_steps = 4\n'])
+def test_resume_continues_the_step_count_and_matches_an_unbroken_run(tiny_config, tmp_path, schedule):
+    """Also with a warm-up and a cosine schedule: the resumed run's learning rate goes on along
+    the same curve (trainer.lr_factor reads the saved step), not from the warm-up's start."""
+    if schedule:  # (the [train] table is the config's last)
+        scheduled = tmp_path / "scheduled.toml"
+        scheduled.write_text(tiny_config.read_text() + schedule)
+        tiny_config = scheduled
     broken, whole = tmp_path / "broken", tmp_path / "whole"
     train(tiny_config, out=broken, max_steps=3, progress=False)
     assert read_config(broken / "last")["state"]["step"] == 3
