@@ -501,3 +501,14 @@ def test_ngram_history_follows_the_beams():
     for caps in lists:
         assert all(not repeated_bigrams(words(c)) for c in caps)
     assert select_rows  # (the decoder contract's helper the rules share)
+
+
+def test_nbest_features_checks_its_controls_as_every_path_does(picky_models):
+    """The n best beams are beam search's: sampling controls, or a rule out of range, are one line
+    there too (as in decode_lists and caption_files), before anything is decoded."""
+    cap = Captioner.load(picky_models[0])
+    feats = torch.zeros(1, 4, 4)  # (never reached: refused first)
+    with pytest.raises(UserError, match="--sample draws each word; --beam 3 is beam search's"):
+        cap.nbest_features(feats, 2, beam=3, controls=cap.controls_for(sample=True))
+    with pytest.raises(UserError, match="--no-repeat-ngram must be a whole number >= 0"):
+        cap.nbest_features(feats, 2, beam=3, controls=Controls(no_repeat_ngram=-1))

@@ -326,7 +326,7 @@ class Captioner:
                        length_penalty: float | None = None, controls: Controls | None = None) -> list[list[Caption]]:
         """feats (B, L, D) -> each image's ``n`` best beams, best first (beam width
         max(beam, n)), under ``controls``' step rules (None: the model's own)."""
-        c = (self.controls if controls is None else controls).fit_tokens(self.vocab.kind)
+        c = self.controls_for(controls, max(beam or n, n))  # (checked as every other path checks them)
         with autocast(self.device, self.precision):
             return beam_nbest(self.decoder, self._on_device(feats), n, max(beam or n, n), c.max_len(self.max_len),
                               self.length_penalty_or(length_penalty), c, prune=True)
