@@ -420,17 +420,15 @@ def _caption_files(load, files: list[Path], processes: int | None, device, contr
     the model's own, in --processes processes (None: auto) for ``device``: more than one is said
     on standard error, and their helpers are started before this process loads its model, so all
     load at once (captionkit.inference.processes; ``load`` is picklable)."""
-    import torch
-
     from ..inference.processes import caption_in_processes, start_helpers
 
     batch_size = options.pop("batch_size", 16)
     n = _processes(processes, device or "cpu", len(files), batch_size)
-    if n > 1:
-        share = max(1, torch.get_num_threads() // n)
+    helpers = start_helpers(load, n)
+    if helpers is not None:
+        share = helpers.threads
         print(f"captionkit: captioning in {n} processes of {share} torch thread{'s' * (share > 1)} each "
               f"(--processes 1: in this one)", file=sys.stderr, flush=True)
-    helpers = start_helpers(load, n)
     try:
         cap = load()
         given = cap.controls_for(None, options.get("beam"), **(controls or {}))
@@ -523,12 +521,11 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     mbr = _nbest(rerank, nbest)
     scored = f"{len(items)} of its {split_size} images (--max-images)" if len(items) < split_size else \
         f"{len(items)} images"
-    rules = _caption_rules(cap, beam, given)
+    rules, own = _caption_rules(cap, beam, given)
     print(f"{split} split, {scored}, beam {beam}, length penalty {lp:g}"
           + (f", MBR over the {mbr} best beams" if mbr else "") + (f", test-time {cap.tta}" if cap.tta else "")
           + "".join(f", {k.replace('_', ' ')} {v}" for k, v in given.items())
-          + "".join(f", {k.replace('_', ' ')} {v} (the model's)" for k, v in rules.items()
-                    if k not in given and v != _no_rules()[k]))
+          + "".join(f", {k.replace('_', ' ')} {v} (the model's)" for k, v in own.items()))
     _print_report(rep)
     _print_diversity(diversity)
     if out:
@@ -544,19 +541,15 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     return 0
 
 
-def _caption_rules(cap, beam: int | None, given: dict) -> dict:
+def _caption_rules(cap, beam: int | None, given: dict) -> tuple[dict, dict]:
     """The caption rules a run decoded with: the model's own (its config, or an ensemble folder's
-    ensemble.json) under the flags ``given`` (captionkit.inference.controls.MODEL_DEFAULTS)."""
-    from ..inference.controls import MODEL_DEFAULTS
-
-    used = cap.controls_for(None, beam, **given)
-    return {k: getattr(used, k) for k in MODEL_DEFAULTS}
-
-
-def _no_rules() -> dict:
+    ensemble.json) under the flags ``given`` (captionkit.inference.controls.MODEL_DEFAULTS); and
+    of those, the model's own that are in force (not given, and not the plain default)."""
     from ..inference.controls import DEFAULT, MODEL_DEFAULTS
 
-    return {k: getattr(DEFAULT, k) for k in MODEL_DEFAULTS}
+    used = cap.controls_for(None, beam, **given)
+    rules = {k: getattr(used, k) for k in MODEL_DEFAULTS}
+    return rules, {k: v for k, v in rules.items() if k not in given and v != getattr(DEFAULT, k)}
 
 
 def add_zero_shot(sub: argparse._SubParsersAction) -> None:

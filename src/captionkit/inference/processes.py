@@ -196,23 +196,12 @@ def _claimer(counter, n: int) -> Callable[[], int | None]:
 
 
 def _batches(cap, paths: list[Path], batch_size: int, workers: int, claim: Callable, options: dict):
-    """This process's batches as it claims them: (k, [each image's Result or ImageError])."""
+    """This process's batches as it claims them: (k, [each image's Result or ImageError]). The
+    reader threads read the next claimed batch while this one is captioned."""
     from ..encoders.image_batches import claimed_batches
 
-    claimed: list[tuple[int, int]] = []  # (k, its images), in the order claimed
-
-    def read():
-        for k, batch in claimed_batches(paths, cap.encoder.preprocess, batch_size, workers, claim):
-            claimed.append((k, len(batch.paths)))
-            yield batch
-
-    outcomes = (res for _, res in cap.caption_batches(read(), **options))
-    while True:
-        first = next(outcomes, None)
-        if first is None:
-            return
-        k, size = claimed.pop(0)
-        yield k, [first, *(next(outcomes) for _ in range(size - 1))]
+    for k, batch in claimed_batches(paths, cap.encoder.preprocess, batch_size, workers, claim):
+        yield k, [res for _, res in cap.caption_batches([batch], **options)]
 
 
 def _collect(results, done: dict[int, list], helpers: list, wait: bool) -> None:
