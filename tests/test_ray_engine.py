@@ -69,6 +69,7 @@ def test_caption_engine_ray_loads_no_model_in_the_driver(picky_models, tmp_path,
 def test_the_driver_of_engine_ray_imports_no_torch(picky_models, tmp_path):
     """torch costs ~300 MiB of private memory in each process that imports it (this build):
     the driver of --engine ray, which only lists paths and writes captions, goes without."""
+    import os
     import subprocess
     import sys
 
@@ -84,7 +85,7 @@ def test_the_driver_of_engine_ray_imports_no_torch(picky_models, tmp_path):
         f" '--jsonl', {str(tmp_path / 'o.jsonl')!r}])\n"
         "print('torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
     assert out.stdout.strip().splitlines()[-1] == "False", out.stderr
 
 
@@ -133,6 +134,7 @@ def test_a_local_rays_replicas_run_at_the_commands_priority_with_two_malloc_aren
     """In a fresh process (a Ray of its own): the local Ray init_ray starts runs a worker given
     the replicas' runtime environment (run_shards' REPLICA_ENV) at niceness 0 (Ray's default is
     15) and with MALLOC_ARENA_MAX=2 in its environment (glibc reads it as the process starts)."""
+    import os
     import subprocess
     import sys
 
@@ -145,7 +147,7 @@ def test_a_local_rays_replicas_run_at_the_commands_priority_with_two_malloc_aren
         "print(ray.get(probe.options(runtime_env={'env_vars': engine.REPLICA_ENV}).remote()))\n"
         "ray.shutdown()\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "(0, '2')"
 
