@@ -16,6 +16,7 @@ from test_beam_search import FEAT, GRID
 from test_beam_search import sat as beam_search_sat
 from test_beam_search import transformer as beam_search_transformer
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from captionkit.encoders import create_encoder
 from captionkit.encoders.efficientnet_lite import MBConv, SameConv2d
@@ -192,6 +193,70 @@ def test_in_place_relu6_and_residual_keep_outputs_and_gradients():
         (g_got,) = torch.autograd.grad(got.square().sum(), x)
         (g_want,) = torch.autograd.grad(want.square().sum(), x)
         torch.testing.assert_close(g_got, g_want)
+
+
+class Ops(TorchDispatchMode):
+    """The names of the operators a block of code runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name,size,photos", [("efficientnet_lite0", 224, 2), ("efficientnet_lite1", 240, 2),
+                                              ("efficientnet_lite2", 260, 2), ("efficientnet_lite2", 231, 2),
+                                              ("efficientnet_lite2", 260, 1)])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fused_encoder_passes_give_the_layer_by_layer_features(name, size, photos, bf16):
+    """Inference (no autograd) runs EfficientNet-Lite in oneDNN's fused convolutions (ReLU6
+    applied as each output is written, the stride-2 padding around the narrow block input) and
+    gives the layer-by-layer path's features to float32 (or bf16) rounding, at the encoders' own
+    sizes (whose stride-2 convolutions pad one side more), an odd one, and a photo alone (oneDNN
+    may choose another kernel for a small map's fused 1x1 convolution, which rounds otherwise;
+    elsewhere they are bit for bit the same here). With autograd on (fine-tuning) it is the
+    layer-by-layer path."""
+    encoder = create_encoder(name, weights="random")
+    torch.manual_seed(0)
+    x = torch.rand(photos, 3, size, size).contiguous(memory_format=torch.channels_last) * 4 - 2
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.enable_grad(), Ops() as layered:
+            want = encoder(x)
+        with torch.inference_mode(), Ops() as fused:
+            got = encoder(x)
+    assert got.dtype == want.dtype == (torch.bfloat16 if bf16 else torch.float32)
+    if bf16:
+        torch.testing.assert_close(got, want)  # bf16's tolerances: an accumulator that rounds to the next bf16
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not any("_convolution_pointwise" in op for op in layered.names)
+    assert sum("_convolution_pointwise" in op for op in fused.names) > len(encoder._blocks)
+    assert not any(op.startswith(("aten.clamp", "aten.hardtanh")) for op in fused.names)  # ReLU6 fused
+
+
+def test_a_traced_encoder_is_layer_by_layer():
+    """Traced (the ONNX exporter traces), even in channels_last without autograd, the encoder is
+    the layer-by-layer path: a graph has no oneDNN fused convolution."""
+    encoder = create_encoder("efficientnet_lite0", weights="random")
+    x = torch.rand(1, 3, 64, 64).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        graph = torch.jit.trace(encoder, x)
+    assert "_convolution_pointwise" not in str(graph.inlined_graph)
+    with torch.enable_grad():
+        assert torch.equal(graph(x), encoder(x))
+
+
+def test_the_encoder_outside_float32_and_bf16_autocast_is_layer_by_layer():
+    """fp16 autocast on the CPU, or float64 pixels: the layer-by-layer path (the fused one would
+    compute in another precision than the one asked for)."""
+    encoder = create_encoder("efficientnet_lite0", weights="random").double()
+    x = torch.rand(1, 3, 64, 64, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    with torch.inference_mode(), Ops() as ops:
+        encoder(x)
+    assert not any("_convolution_pointwise" in op for op in ops.names)
 
 
 class TorchCalls(TorchFunctionMode):

@@ -37,19 +37,22 @@ def _round_filters(c: int, width: float, divisor: int = 8) -> int:
 class SameConv2d(nn.Conv2d):
     """Conv2d with TensorFlow's "SAME" padding (asymmetric when the stride is 2)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ih, iw = x.shape[-2:]
+    def same_padding(self, ih: int, iw: int) -> tuple[int, int, int, int]:
+        """The zeros "SAME" puts around an (ih, iw) input: (top, left, bottom, right)."""
         k, s = self.kernel_size[0], self.stride[0]
         pad_h = max((math.ceil(ih / s) - 1) * s + k - ih, 0)
         pad_w = max((math.ceil(iw / s) - 1) * s + k - iw, 0)
-        if pad_h % 2 == 0 and pad_w % 2 == 0:
+        return pad_h // 2, pad_w // 2, pad_h - pad_h // 2, pad_w - pad_w // 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top, left, bottom, right = self.same_padding(*x.shape[-2:])
+        if (top, left) == (bottom, right):
             # symmetric: the convolution pads by itself, the same zeros without a padded copy
             # of the input (each copy of an expanded activation map cost as much as the
             # depthwise convolution that reads it; the output is bit for bit the same)
-            return F.conv2d(x, self.weight, self.bias, self.stride, (pad_h // 2, pad_w // 2), self.dilation,
-                            self.groups)
-        return F.conv2d(_pad(x, pad_h // 2, pad_w // 2, pad_h - pad_h // 2, pad_w - pad_w // 2), self.weight,
-                        self.bias, self.stride, 0, self.dilation, self.groups)
+            return F.conv2d(x, self.weight, self.bias, self.stride, (top, left), self.dilation, self.groups)
+        return F.conv2d(_pad(x, top, left, bottom, right), self.weight, self.bias, self.stride, 0, self.dilation,
+                        self.groups)
 
 
 def _pad(x: torch.Tensor, top: int, left: int, bottom: int, right: int) -> torch.Tensor:
@@ -67,8 +70,64 @@ def _pad(x: torch.Tensor, top: int, left: int, bottom: int, right: int) -> torch
     return out
 
 
+def _zero_border(y: torch.Tensor, top: int, left: int, bottom: int, right: int) -> torch.Tensor:
+    """y with its outer ``top`` rows, ``left`` columns, ... set to zero, in place."""
+    H, W = y.shape[-2:]
+    y[:, :, :top].zero_()
+    y[:, :, H - bottom:].zero_()
+    y[:, :, :, :left].zero_()
+    y[:, :, :, W - right:].zero_()
+    return y
+
+
 def _bn(c: int) -> nn.BatchNorm2d:
     return nn.BatchNorm2d(c, eps=1e-3, momentum=0.01)
+
+
+# The inference path (see fused_dtype): oneDNN's convolution with the ReLU6 applied to each
+# output as it is written, instead of a second pass over the whole activation map, and the
+# stride-2 padding written around the narrow block input (MBConv._fused_forward). The same
+# arithmetic as the layer-by-layer path (the convolution's sums, then the clamp, which commutes
+# with bf16's rounding: 0 and 6 are bf16 numbers); the features are that path's to float32
+# rounding, bit for bit where oneDNN runs the same kernel for a fused convolution as for a plain
+# one (here: every batch of two images or more; a photo alone rounded a few 1x1 convolutions of
+# 9x9 maps otherwise, by 1e-6; tests/test_fast_captioning.py). On one thread, EfficientNet-Lite2
+# encodes 1.1x as fast in float32 and 1.2x in bf16 (docs/speed.md). Not differentiable, so only
+# where no gradient is asked for.
+
+
+def _fused_op():
+    try:  # a PyTorch built with oneDNN (x86 and Arm wheels) has it
+        return torch.ops.mkldnn._convolution_pointwise
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_CONV_FUSED = _fused_op()
+
+
+def fused_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype a fused pass over ``x`` computes in, or None where the layer-by-layer path runs:
+    on the CPU with oneDNN, ``x`` in channels_last, without autograd; float32 outside autocast,
+    bf16 under the CPU's bf16 autocast (which that path computes in); never under another, nor
+    while a graph is traced or compiled (an ONNX export has no such operator)."""
+    if (_CONV_FUSED is None or x.device.type != "cpu" or torch.is_grad_enabled()
+            or torch.jit.is_tracing() or torch.compiler.is_compiling()
+            or not torch.backends.mkldnn.is_available() or not x.is_contiguous(memory_format=torch.channels_last)):
+        return None
+    if not torch.is_autocast_enabled("cpu"):
+        return torch.float32 if x.dtype == torch.float32 else None
+    if torch.get_autocast_dtype("cpu") == torch.bfloat16 and x.dtype in (torch.float32, torch.bfloat16):
+        return torch.bfloat16
+    return None
+
+
+def _conv_relu6(conv: nn.Conv2d, x: torch.Tensor, dtype: torch.dtype,
+                padding: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """relu6(conv(x)) in one pass, in ``dtype`` (a folded conv: its BatchNorm is its bias; cast
+    as autocast casts them, at every call)."""
+    return _CONV_FUSED(x.to(dtype), conv.weight.to(dtype), conv.bias.to(dtype), list(padding), list(conv.stride),
+                       list(conv.dilation), conv.groups, "hardtanh", [0.0, 6.0], "")
 
 
 class MBConv(nn.Module):
@@ -86,8 +145,12 @@ class MBConv(nn.Module):
         self._bn2 = _bn(cout)
         self.expand = expand != 1
         self.residual = stride == 1 and cin == cout
+        self.folded = False  # BatchNorms folded into the convolutions (fold_batchnorms): fused passes allowed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = fused_dtype(x) if self.folded else None
+        if dtype is not None:
+            return self._fused_forward(x, dtype)
         # ReLU6 and the residual sum in place, on the tensors the convolutions (or BatchNorms)
         # just made, which nothing else holds and whose backward needs only their inputs: no
         # new activation map is allocated and written for each (a third of the encoder's time)
@@ -96,6 +159,28 @@ class MBConv(nn.Module):
             y = F.relu6(self._bn0(self._expand_conv(y)), inplace=True)
         y = F.relu6(self._bn1(self._depthwise_conv(y)), inplace=True)
         y = self._bn2(self._project_conv(y))
+        return y.add_(x) if self.residual else y
+
+    def _fused_forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """forward() in fused passes in ``dtype`` (fused_dtype), BatchNorms folded."""
+        dw = self._depthwise_conv
+        pads = dw.same_padding(*x.shape[-2:])  # top, left, bottom, right
+        symmetric = pads[:2] == pads[2:]
+        y = x
+        if not symmetric:
+            # The zeros go around the block's input, not around the expanded map the depthwise
+            # convolution reads (`expand` times the channels, so that copy was `expand` times
+            # larger): the 1x1 expansion maps each padded location to relu6(bias), which is set
+            # back to zero, as "SAME" padding of the expanded map has it.
+            y = _pad(y, *pads)
+        if self.expand:
+            y = _conv_relu6(self._expand_conv, y, dtype)
+            if not symmetric:
+                _zero_border(y, *pads)
+        y = _conv_relu6(dw, y, dtype, pads[:2] if symmetric else (0, 0))
+        # the projection without a fused residual sum: oneDNN's fused sum rounded otherwise on
+        # small maps (a photo alone, 9x9 locations), and in bf16 it skips a rounding
+        y = F.conv2d(y, self._project_conv.weight.to(dtype), self._project_conv.bias.to(dtype))
         return y.add_(x) if self.residual else y
 
 
@@ -118,17 +203,29 @@ class EfficientNetLite(Encoder):
         self._blocks = nn.ModuleList(blocks)
         self._conv_head = nn.Conv2d(cin, 1280, 1, bias=False)
         self._bn1 = _bn(1280)
+        self.folded = False  # see MBConv.folded
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return self._head(self._trunk(x, len(self._blocks)))  # (B, 1280, H, W)
 
     def _trunk(self, x: torch.Tensor, n_blocks: int) -> torch.Tensor:
-        x = F.relu6(self._bn0(self._conv_stem(x)), inplace=True)
+        dtype = fused_dtype(x) if self.folded else None
+        if dtype is not None:
+            pads = self._conv_stem.same_padding(*x.shape[-2:])
+            if pads[:2] == pads[2:]:
+                x = _conv_relu6(self._conv_stem, x, dtype, pads[:2])
+            else:
+                x = _conv_relu6(self._conv_stem, _pad(x, *pads), dtype)
+        else:
+            x = F.relu6(self._bn0(self._conv_stem(x)), inplace=True)
         for block in self._blocks[:n_blocks]:
             x = block(x)
         return x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = fused_dtype(x) if self.folded else None
+        if dtype is not None:
+            return _conv_relu6(self._conv_head, x, dtype)
         return F.relu6(self._bn1(self._conv_head(x)), inplace=True)
 
     def split(self, blocks: int) -> tuple[Encoder, nn.Module]:
@@ -190,6 +287,8 @@ def fold_batchnorms(model: EfficientNetLite) -> None:
         for conv, attr, owner in pairs:
             _fold_bn(conv, getattr(owner, attr))
             setattr(owner, attr, nn.Identity())
+    for m in [model, *model._blocks]:
+        m.folded = True
 
 
 def _package_weights(variant: str) -> Path:
