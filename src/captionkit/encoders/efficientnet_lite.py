@@ -145,7 +145,11 @@ class MBConv(nn.Module):
         self._bn2 = _bn(cout)
         self.expand = expand != 1
         self.residual = stride == 1 and cin == cout
-        self.folded = False  # BatchNorms folded into the convolutions (fold_batchnorms): fused passes allowed
+
+    @property
+    def folded(self) -> bool:
+        """Its BatchNorms folded into the convolutions (fold_batchnorms): fused passes allowed."""
+        return isinstance(self._bn1, nn.Identity)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = fused_dtype(x) if self.folded else None
@@ -203,7 +207,11 @@ class EfficientNetLite(Encoder):
         self._blocks = nn.ModuleList(blocks)
         self._conv_head = nn.Conv2d(cin, 1280, 1, bias=False)
         self._bn1 = _bn(1280)
-        self.folded = False  # see MBConv.folded
+
+    @property
+    def folded(self) -> bool:
+        """See MBConv.folded (fold_batchnorms folds every one at once)."""
+        return isinstance(self._bn0, nn.Identity)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return self._head(self._trunk(x, len(self._blocks)))  # (B, 1280, H, W)
@@ -287,8 +295,6 @@ def fold_batchnorms(model: EfficientNetLite) -> None:
         for conv, attr, owner in pairs:
             _fold_bn(conv, getattr(owner, attr))
             setattr(owner, attr, nn.Identity())
-    for m in [model, *model._blocks]:
-        m.folded = True
 
 
 def _package_weights(variant: str) -> Path:

@@ -226,6 +226,8 @@ def _collect(results, done: dict[int, list], helpers: list, wait: bool) -> None:
         if kind == "user":
             raise UserError(second)
         raise RuntimeError(f"captioning process {first} failed:\n{second}")
+
+
 def _portable(res):
     """A Result with its attention as a numpy array (a torch tensor sent between processes would
     travel through a shared-memory segment of its own); ImageErrors as they are."""
