@@ -217,7 +217,8 @@ def test_shipped_default_captions_on_cuda_as_on_the_cpu(monkeypatch):
     ["--sample", "--seed", "7", "--temperature", "0.8", "--top-p", "0.9", "--num-captions", "3"],
     ["--beam", "3", "--no-repeat-ngram", "2", "--repetition-penalty", "1.3", "--min-words", "4"],
     ["--beam", "3", "--num-captions", "3", "--beam-groups", "3", "--diversity-strength", "0.7"],
-], ids=["sampling", "blocking", "diverse-beam"])
+    ["--beam", "3", "--rare-word-bonus", "0.8", "--no-repeat-ngram", "2", "--repetition-penalty", "1.2"],
+], ids=["sampling", "blocking", "diverse-beam", "rare-word-bonus"])
 def test_caption_controls_on_cuda_match_the_cpu(tiny_run, flickr_dir, tmp_path, controls):
     """The caption controls (docs/decoding-controls.md) keep their state on the decoding device:
     a sampling seed's noise is a hash, not a generator's state, so the GPU draws the CPU's words."""
@@ -226,3 +227,25 @@ def test_caption_controls_on_cuda_match_the_cpu(tiny_run, flickr_dir, tmp_path, 
     cpu = _caption_json(tmp_path, "cpu.json", [*base, "--device", "cpu"])
     gpu = _caption_json(tmp_path, "gpu.json", [*base, "--device", "cuda"])
     assert gpu == cpu and len(cpu) == len(paths)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_captioning_on_cuda_stays_in_one_process(tiny_run, flickr_dir, tmp_path, capsys):
+    """--processes auto is one process on a GPU (the device is one, fed by one process), with
+    batches enough for several on this machine's CPU; a count above one is refused in one line."""
+    import shutil
+
+    from captionkit.inference.processes import auto_processes
+
+    model, many = str(tiny_run / "best"), []
+    for k in range(4):  # distinct files: batches of 1 enough for several CPU processes
+        for p in _images(flickr_dir):
+            many.append(str(shutil.copy(p, tmp_path / f"{k}_{p.name}")))
+    assert auto_processes("cpu", max(2, torch.get_num_threads()), len(many), 1) > 1
+    assert main(["caption", "--model", model, "--batch-size", "1", "--device", "cuda", *many,
+                 "--json", str(tmp_path / "a.json")]) == 0
+    assert "processes" not in capsys.readouterr().err
+    assert len(json.loads((tmp_path / "a.json").read_text())) == len(many)
+    assert main(["caption", "--model", model, "--device", "cuda", "--processes", "2", *many]) == 2
+    assert "--processes 2 splits the work of a CPU" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """Training on a CUDA GPU: a few steps match the CPU's, fp16 trains under its gradient scaler,
 the checkpoints load on the CPU, SCST samples on the GPU. Skipped without a GPU (CI has none;
-they ran on an H200 on 2026-11-26: docs/devices.md, "What ran on a GPU")."""
+they ran on two H200s and an H100 on 2026-11-26: docs/devices.md, "What ran on a GPU")."""
 
 from __future__ import annotations
 
@@ -81,9 +81,11 @@ def test_fp16_trains_under_a_gradient_scaler_and_loads_on_the_cpu(tiny_config, t
     assert cap.decode_features(torch.rand(1, 49, 1280), beam=2)[0].ids
 
 
-def test_self_critical_steps_on_cuda(tiny_run, tiny_config, tmp_path):
-    cfg = _config(tiny_config, tmp_path, "scst", f'init = "{tiny_run / "best"}"\nobjective = "scst"\nsamples = 2',
-                  drop_model=True)
+@pytest.mark.parametrize("variant", ["", 'scst_baseline = "mean"\nscst_repeat_penalty = 0.3'],
+                         ids=["greedy-baseline", "mean-baseline-repeat-penalty"])
+def test_self_critical_steps_on_cuda(tiny_run, tiny_config, tmp_path, variant):
+    cfg = _config(tiny_config, tmp_path, "scst",
+                  f'init = "{tiny_run / "best"}"\nobjective = "scst"\nsamples = 2\n{variant}', drop_model=True)
     out = tmp_path / "scst"
     train(cfg, out=out, max_steps=2, progress=False, device="cuda")
     assert read_config(out / "last")["state"]["history"][-1]["reward"] >= 0  # 2 steps: the 9 images' epoch
