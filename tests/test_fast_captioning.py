@@ -18,7 +18,7 @@ from test_beam_search import transformer as beam_search_transformer
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from captionkit.encoders import create_encoder
+from captionkit.encoders import create_encoder, efficientnet_lite
 from captionkit.encoders.efficientnet_lite import MBConv, SameConv2d
 from captionkit.inference.decoding import beam_nbest, greedy
 from captionkit.inference.ensemble import EnsembleDecoder, with_flip_views
@@ -233,8 +233,30 @@ def test_fused_encoder_passes_give_the_layer_by_layer_features(name, size, photo
     else:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert not any("_convolution_pointwise" in op for op in layered.names)
+    if bf16 and not efficientnet_lite._FUSED_BF16:  # a CPU whose oneDNN has no bf16 convolution
+        assert not any("_convolution_pointwise" in op for op in fused.names)
+        return
     assert sum("_convolution_pointwise" in op for op in fused.names) > len(encoder._blocks)
     assert not any(op.startswith(("aten.clamp", "aten.hardtanh")) for op in fused.names)  # ReLU6 fused
+
+
+def test_bf16_without_onednn_bf16_convolutions_is_layer_by_layer(monkeypatch):
+    """On a CPU whose oneDNN has no bf16 convolution (AVX2 only: its fused bf16 operator
+    raises), bf16 autocast runs the layer-by-layer path, the same features as with autograd on;
+    float32 stays fused. Simulated here on any CPU."""
+    monkeypatch.setattr(efficientnet_lite, "_FUSED_BF16", False)
+    encoder = create_encoder("efficientnet_lite0", weights="random")
+    x = torch.rand(2, 3, 64, 64).contiguous(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        with Ops() as ops, torch.autocast("cpu", dtype=torch.bfloat16):
+            got = encoder(x)
+        with Ops() as fp32:
+            encoder(x)
+    with torch.enable_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = encoder(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert not any("_convolution_pointwise" in op for op in ops.names)
+    assert any("_convolution_pointwise" in op for op in fp32.names)
 
 
 def test_a_traced_encoder_is_layer_by_layer():

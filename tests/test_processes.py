@@ -48,17 +48,32 @@ def _same(a: list, b: list) -> None:
             assert str(x) == str(y)
 
 
+def _one_thread(cap: Captioner, photos: list[Path]) -> list:
+    """One process's results at one torch thread, as each helper runs: a matmul split over more
+    threads may round otherwise on some CPUs (seen on an AVX2 AMD EPYC: attention 1e-7 apart)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return list(cap.caption_files(photos, beam=2, batch_size=4))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_two_processes_give_one_process_results_in_order(photos, tiny_run):
     load = partial(Captioner.load, str(tiny_run / "best"))
     cap = load()
-    one = list(cap.caption_files(photos, beam=2, batch_size=4))
+    one = _one_thread(cap, photos)
     threads = torch.get_num_threads()
     two = list(processes.caption_in_processes(cap, load, photos, 2, batch_size=4, beam=2))
     _same(two, one)
     assert isinstance(two[5][1], ImageError) and "broken.jpg" in str(two[5][1])
     assert torch.get_num_threads() == threads  # the caller's threads restored
+    # the words are the same as this process's at its own thread count
+    assert [r.words for _, r in two if isinstance(r, Result)] == \
+        [r.words for _, r in cap.caption_files(photos, beam=2, batch_size=4) if isinstance(r, Result)]
     # more processes than batches: as many as there are batches
-    _same(list(processes.caption_in_processes(cap, load, photos[:6], 5, batch_size=4, beam=2)), one[:6])
+    _same(list(processes.caption_in_processes(cap, load, photos[:6], 5, batch_size=4, beam=2)),
+          _one_thread(cap, photos[:6]))
 
 
 def test_claimed_batches_read_what_each_claim_names(photos, tiny_run):

@@ -103,21 +103,33 @@ def _fused_op():
         return None
 
 
+def _onednn_bf16() -> bool:
+    """Whether oneDNN convolves bf16 on this CPU (AVX512BW/VL/DQ or AVX-NE-CONVERT): without,
+    its bf16 convolution raises, and PyTorch's own convolutions emulate bf16 instead."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 _CONV_FUSED = _fused_op()
+_FUSED_BF16 = _CONV_FUSED is not None and _onednn_bf16()
 
 
 def fused_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The dtype a fused pass over ``x`` computes in, or None where the layer-by-layer path runs:
     on the CPU with oneDNN, ``x`` in channels_last, without autograd; float32 outside autocast,
-    bf16 under the CPU's bf16 autocast (which that path computes in); never under another, nor
-    while a graph is traced or compiled (an ONNX export has no such operator)."""
+    bf16 under the CPU's bf16 autocast (which that path computes in) where oneDNN has bf16
+    convolutions (an AVX2-only CPU has none); never under another autocast, nor while a graph is
+    traced or compiled (an ONNX export has no such operator)."""
     if (_CONV_FUSED is None or x.device.type != "cpu" or torch.is_grad_enabled()
             or torch.jit.is_tracing() or torch.compiler.is_compiling()
             or not torch.backends.mkldnn.is_available() or not x.is_contiguous(memory_format=torch.channels_last)):
         return None
     if not torch.is_autocast_enabled("cpu"):
         return torch.float32 if x.dtype == torch.float32 else None
-    if torch.get_autocast_dtype("cpu") == torch.bfloat16 and x.dtype in (torch.float32, torch.bfloat16):
+    bf16 = torch.get_autocast_dtype("cpu") == torch.bfloat16 and x.dtype in (torch.float32, torch.bfloat16)
+    if bf16 and _FUSED_BF16:
         return torch.bfloat16
     return None
 
