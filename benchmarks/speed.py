@@ -78,6 +78,15 @@ def matmul_peak(dtype: torch.dtype, repeats: int) -> float:
     return 2 * n ** 3 / min_time(lambda: a @ b, max(repeats, 7))
 
 
+def matmul_peaks(repeats: int) -> dict[str, float]:
+    """{precision: peak FLOP/s} for each of TRAIN_PRECISIONS."""
+    return {p: matmul_peak(DTYPES[p], repeats) for p in TRAIN_PRECISIONS}
+
+
+def peaks_text(peaks: dict[str, float]) -> str:
+    return "matmul peak (2048^3): " + ", ".join(f"{p} {peaks[p] / 1e9:.0f} GFLOP/s" for p in reversed(TRAIN_PRECISIONS))
+
+
 def train_step_flops() -> float:
     """Multiply-adds of one training step of the SAT decoder at these sizes, x2 for FLOPs,
     x3 for forward + backward (the attention projection's backward needs no input grad: x2)."""
@@ -209,9 +218,8 @@ def main() -> None:
         return compare(args, reps, n_img)
     if args.captioning_only:
         return report_captioning(n_img, args.model or [None], args.precision)
-    peaks = {p: matmul_peak(DTYPES[p], reps) for p in TRAIN_PRECISIONS}
-    print("matmul peak (2048^3): " + ", ".join(f"{p} {peaks[p] / 1e9:.0f} GFLOP/s" for p in reversed(TRAIN_PRECISIONS))
-          + ("" if "bf16" in peaks else "; bf16 not measured: no native bf16 on this CPU (AMX, AVX512-BF16)"))
+    peaks = matmul_peaks(reps)
+    print(peaks_text(peaks) + ("" if "bf16" in peaks else "; bf16 not measured: no native bf16 on this CPU (AMX, AVX512-BF16)"))
     if not args.training_only:
         print(f"feature extraction (EfficientNet-Lite2, 260 px, {n_img} JPEGs): {bench_extraction(n_img):.1f} images/s")
 
@@ -243,8 +251,7 @@ def child(what: str, reps: int, n_img: int, precision: str) -> dict:
         return {"feature extraction images/s": bench_extraction(n_img)}
     if what == "training":  # with the matmul peaks measured in the same process
         out = {f"decoder training {name} captions/s": B / t for name, t in bench_training(reps, False).items()}
-        return {**out, **{f"peak {p}": matmul_peak(DTYPES[p], reps)
-                          for p in TRAIN_PRECISIONS}}
+        return {**out, **{f"peak {p}": peak for p, peak in matmul_peaks(reps).items()}}
     if what == "tutorial":
         return {"tutorial": B / bench_training(reps)["tutorial-style fp32"]}
     model = what.split(":", 1)[1] or None
@@ -261,8 +268,7 @@ def report_training_shares(got: dict[str, dict[str, list]]) -> None:
     flops, tutorial = train_step_flops(), statistics.median(got["new"]["tutorial"])
     # one peak per precision for both trees: the median of every child's (the same machine)
     peaks = {p: statistics.median(got["old"]["peak " + p] + got["new"]["peak " + p]) for p in TRAIN_PRECISIONS}
-    print("  matmul peak (2048^3): " + ", ".join(f"{p} {peaks[p] / 1e9:.0f} GFLOP/s" for p in reversed(TRAIN_PRECISIONS))
-          + f"; tutorial-style decoder, fp32: {tutorial:.1f} captions/s", flush=True)
+    print(f"  {peaks_text(peaks)}; tutorial-style decoder, fp32: {tutorial:.1f} captions/s", flush=True)
     for label in ("old", "new"):
         for p in reversed(TRAIN_PRECISIONS):
             rate = statistics.median(got[label][f"decoder training captionkit {p} captions/s"]) / B * flops

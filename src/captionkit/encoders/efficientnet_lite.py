@@ -113,7 +113,7 @@ def _onednn_bf16() -> bool:
 
 
 _CONV_FUSED = _fused_op()
-_FUSED_BF16 = _CONV_FUSED is not None and _onednn_bf16()
+_FUSED_BF16 = _onednn_bf16()  # (fused_dtype asks for _CONV_FUSED first)
 
 
 def fused_dtype(x: torch.Tensor) -> torch.dtype | None:
