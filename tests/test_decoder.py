@@ -42,6 +42,42 @@ def test_fused_attention_kernel_matches_pytorch():
 
 
 @pytest.mark.skipif(not kernel_available(), reason="no C compiler: fused kernel unavailable")
+def test_training_tanh_is_float32_accurate():
+    """Teacher-forced training's energy uses the kernel's rational tanh: with one attention unit
+    (A = 1, w = 1, q = 0) the energy is that tanh itself, and its backward 1 - tanh^2. Checked
+    against float64 over the whole range, both sides of the clamp at |x| = 8, and tiny x."""
+    from captionkit.kernels import energy_backward, energy_forward
+    pos = torch.cat([torch.linspace(0, 12, 120001), torch.logspace(-30, -1, 300), torch.tensor([7.9999, 8.0001, 1e4])])
+    x = torch.cat([pos, -pos])
+    proj, q, w = x.view(1, -1, 1).contiguous(), torch.zeros(1, 1), torch.ones(1)
+    t = energy_forward(proj, q, w, rational=True)[0]
+    exact = torch.tanh(x.double())
+    assert (t.double() - exact).abs().max() < 4e-7  # glibc's tanhf: about 1e-7
+    assert t.abs().max() <= 1 and torch.equal(t[:len(pos)], -t[len(pos):])  # bounded, odd
+    small = x.abs() < 1e-3
+    assert ((t[small].double() - exact[small]).abs() <= 1e-6 * exact[small].abs()).all()  # relative near 0
+    gproj, gq, gw = torch.zeros_like(proj), torch.empty(1, 1), torch.zeros(1)
+    energy_backward(torch.ones(1, x.numel()), proj, q, w, gproj, gq, gw, rational=True)
+    assert (gproj.view(-1).double() - (1 - exact ** 2)).abs().max() < 1e-6
+    # decoding's energy (glibc's tanhf) is another function, as accurate
+    assert (energy_forward(proj, q, w)[0].double() - exact).abs().max() < 4e-7
+
+
+@pytest.mark.skipif(not kernel_available(), reason="no C compiler: fused kernel unavailable")
+def test_recurrence_kernels_refuse_tensors_they_cannot_read():
+    """An internal contract, loud when broken: a column slice where a whole tensor is needed."""
+    from captionkit.kernels import lstm_forward
+    B, H = 2, 3
+    gz = torch.zeros(B, 8 * H)[:, : 4 * H]  # rows 8H apart: not contiguous
+    with pytest.raises(RuntimeError, match="recurrence kernel given"):
+        lstm_forward(gz, torch.zeros(B, 4 * H), torch.zeros(B, 4 * H), torch.zeros(B, H), torch.empty(B, 4 * H),
+                     torch.empty(B, H), torch.empty(B, H), torch.empty(B, H))
+    with pytest.raises(RuntimeError, match="recurrence kernel given"):
+        lstm_forward(torch.zeros(B, 4 * H), torch.zeros(B, 4 * H, dtype=torch.float64), torch.zeros(B, 4 * H),
+                     torch.zeros(B, H), torch.empty(B, 4 * H), torch.empty(B, H), torch.empty(B, H), torch.empty(B, H))
+
+
+@pytest.mark.skipif(not kernel_available(), reason="no C compiler: fused kernel unavailable")
 def test_loading_the_kernel_keeps_subnormal_floats():
     """The kernel is built with -ffast-math; linked with it, loading the library would switch the
     whole process to flush-to-zero, so that numpy and torch silently turn 1e-40 into 0."""

@@ -100,6 +100,23 @@ def test_fused_step_gives_todays_loss_and_gradients(gate, feats_grad):
     assert new[2]["h_proj.weight"].abs().sum() > 0 and new[2]["gates_ctx.weight"].abs().sum() > 0
 
 
+def test_fused_step_without_a_loss_on_the_attention_weights():
+    """Without the attention penalty the alphas get no gradient of their own (None in backward)."""
+    m = tiny()
+    g = torch.Generator().manual_seed(4)
+    feats = torch.randn(4, 7, 24, generator=g).abs()
+    ids = torch.randint(4, 37, (4, 6), generator=g)
+    grads = []
+    for run in (fused, reference_unroll):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        logits, _ = run(m, feats, ids[:, :-1], None)
+        F.cross_entropy(logits.transpose(1, 2), ids[:, 1:]).backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+    for name in grads[1]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], msg=name)
+
+
 def test_fused_step_with_shared_images():
     """Self-critical training: several captions per image through ``image_index``."""
     m = tiny()

@@ -31,14 +31,14 @@ import torch
 
 from ..core.cache import cache_dir
 
-_SRC = Path(__file__).with_name("attention.c")
+_SOURCES = [Path(__file__).with_name(n) for n in ("attention.c", "recurrence.c")]  # one library
 _lib = None
 _tried = False
 _plain = 0  # > 0 inside ``plain_pytorch()``
 
 
 def _load():
-    """Compile (once per source, machine and compiler) and load the C kernel, or None."""
+    """Compile (once per source, machine and compiler) and load the C kernels, or None."""
     global _lib, _tried
     if _tried:
         return _lib
@@ -53,19 +53,23 @@ def _load():
     # moment the library loads, so every later numpy and torch op would silently lose subnormals.
     compile_flags = ["-O3", "-ffast-math", "-march=native", "-fopenmp", "-fPIC", "-c"]
     link_flags = ["-shared", "-fopenmp"]
-    key = hashlib.sha1(_SRC.read_bytes() + " ".join([cc, platform.machine(), platform.node(), *compile_flags,
-                                                     "|", *link_flags]).encode())
+    key = hashlib.sha1(b"".join(src.read_bytes() for src in _SOURCES)
+                       + " ".join([cc, platform.machine(), platform.node(), *compile_flags, "|", *link_flags]).encode())
     so = cache_dir("kernels") / f"attention-{key.hexdigest()[:12]}.so"
     if not so.exists():
         so.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
         os.close(fd)
-        obj = tmp[:-3] + ".o"
-        r = subprocess.run([cc, *compile_flags, str(_SRC), "-o", obj], capture_output=True, text=True)
-        if r.returncode == 0:
-            r = subprocess.run([cc, *link_flags, obj, "-o", tmp, "-lm"], capture_output=True, text=True)
-        if os.path.exists(obj):
-            os.unlink(obj)
+        objs = [f"{tmp[:-3]}-{src.stem}.o" for src in _SOURCES]
+        for src, obj in zip(_SOURCES, objs):
+            r = subprocess.run([cc, *compile_flags, str(src), "-o", obj], capture_output=True, text=True)
+            if r.returncode != 0:
+                break
+        else:
+            r = subprocess.run([cc, *link_flags, *objs, "-o", tmp, "-lm"], capture_output=True, text=True)
+        for obj in objs:
+            if os.path.exists(obj):
+                os.unlink(obj)
         if r.returncode != 0:
             os.unlink(tmp)
             print(f"captionkit: fused attention kernel did not compile, using PyTorch ({r.stderr.strip()[:200]})",
@@ -74,9 +78,16 @@ def _load():
         os.replace(tmp, so)
     lib = ctypes.CDLL(str(so))
     P, L_, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    lib.attn_energy_fwd.argtypes = [P, P, P, P, L_, L_, L_, I]
-    lib.attn_energy_bwd.argtypes = [P, P, P, P, P, P, P, L_, L_, L_, I]
+    lib.attn_energy_fwd.argtypes = [P, P, P, P, L_, L_, L_, I, I]
+    lib.attn_energy_bwd.argtypes = [P, P, P, P, P, P, P, L_, L_, L_, I, I]
     lib.attn_energy_bwd.restype = I
+    lib.attn_softmax_fwd.argtypes = [P, P, L_, P, P, L_, L_, L_, I]
+    lib.attn_softmax_bwd.argtypes = [P, P, P, P, P, L_, P, P, P, P, L_, L_, L_, I]
+    lib.attn_softmax_bwd.restype = I
+    lib.gate_fwd.argtypes = [P, L_, P, P, P, L_, L_]
+    lib.gate_bwd.argtypes = [P, P, P, P, L_, L_, L_]
+    lib.lstm_fwd.argtypes = [P, P, L_, P, P, P, P, P, P, L_, L_, I]
+    lib.lstm_bwd.argtypes = [P, P, P, P, P, P, P, L_, L_, L_, I]
     _lib = lib
     return lib
 
@@ -114,28 +125,101 @@ def energy_reference(proj: torch.Tensor, q: torch.Tensor, w: torch.Tensor) -> to
     return torch.tanh(proj + q.unsqueeze(1)) @ w
 
 
-def _fwd(lib, proj, q, w) -> torch.Tensor:
+def _fwd(lib, proj, q, w, rational: bool = False) -> torch.Tensor:
     B, L, A = proj.shape
     e = torch.empty(B, L, dtype=torch.float32)
-    lib.attn_energy_fwd(_ptr(proj), _ptr(q), _ptr(w), _ptr(e), B, L, A, torch.get_num_threads())
+    lib.attn_energy_fwd(_ptr(proj), _ptr(q), _ptr(w), _ptr(e), B, L, A, torch.get_num_threads(), int(rational))
     return e
 
 
-def energy_forward(proj: torch.Tensor, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def energy_forward(proj: torch.Tensor, q: torch.Tensor, w: torch.Tensor, *, rational: bool = False) -> torch.Tensor:
     """The C kernel's energy, no autograd: (B, L, A), (B, A), (A,) -> (B, L). For callers
     that write their own backward (the SAT decoder's fused recurrence); only where
-    ``kernel_available()`` and ``_check`` hold."""
-    return _fwd(_load(), proj, q, w)
+    ``kernel_available()`` and ``_check`` hold. ``rational``: tanh from the kernel's rational
+    approximation (float32-accurate to a few ulp, 2-3x faster than glibc's) instead of glibc's
+    ``tanhf``; teacher-forced training takes it, decoding keeps ``tanhf`` (its captions stay
+    the same bit for bit)."""
+    return _fwd(_load(), proj, q, w, rational)
 
 
 def energy_backward(ge: torch.Tensor, proj: torch.Tensor, q: torch.Tensor, w: torch.Tensor,
-                    gproj: torch.Tensor, gq: torch.Tensor, gw: torch.Tensor) -> None:
+                    gproj: torch.Tensor, gq: torch.Tensor, gw: torch.Tensor, *, rational: bool = False) -> None:
     """The C kernel's backward of :func:`energy_forward` for ge (B, L): adds into gproj
-    (B, L, A) and gw (A,), writes gq (B, A). All float32 and contiguous."""
+    (B, L, A) and gw (A,), writes gq (B, A). All float32 and contiguous. ``rational`` as in
+    the forward."""
     B, L, A = proj.shape
     if _load().attn_energy_bwd(_ptr(ge), _ptr(proj), _ptr(q), _ptr(w), _ptr(gproj), _ptr(gq), _ptr(gw),
-                               B, L, A, torch.get_num_threads()) != 0:
+                               B, L, A, torch.get_num_threads(), int(rational)) != 0:
         raise MemoryError("attention kernel could not allocate its buffer")
+
+
+# ---- the SAT recurrence's per-word kernels (recurrence.c), for models/sat_recurrence.py ----
+# float32 CPU tensors; a column slice of h_proj's output (B, A + 1 + 4H) is read or written in
+# place, its row stride passed on as ``ld``. Attention uses the rational tanh.
+
+def _need(*contiguous: torch.Tensor, strided: tuple[torch.Tensor, ...] = ()) -> None:
+    """Internal contract of these kernels: float32 CPU tensors, ``contiguous`` ones contiguous,
+    ``strided`` ones matrices with contiguous rows or vectors of any stride (passed with ``ld``)."""
+    for t in (*contiguous, *strided):
+        ok = t.dtype == torch.float32 and t.device.type == KERNEL_DEVICE
+        if ok and any(t is x for x in contiguous):
+            ok = t.is_contiguous()
+        elif ok:
+            ok = t.dim() == 1 or (t.dim() == 2 and t.stride(1) == 1)
+        if not ok:
+            raise RuntimeError(f"recurrence kernel given a {t.dtype} {t.device} tensor of strides {t.stride()}")
+
+
+def attention_softmax(proj: torch.Tensor, q: torch.Tensor, w: torch.Tensor, alpha: torch.Tensor) -> None:
+    """alpha (B, L) <- softmax over l of w . tanh(proj[b, l] + q[b]); proj (B, L, A), q (B, A)."""
+    B, L, A = proj.shape
+    _need(proj, w, alpha, strided=(q,))
+    _load().attn_softmax_fwd(_ptr(proj), _ptr(q), q.stride(0), _ptr(w), _ptr(alpha), B, L, A, torch.get_num_threads())
+
+
+def attention_softmax_backward(d_alpha: torch.Tensor, g_alpha: torch.Tensor | None, alpha: torch.Tensor,
+                               proj: torch.Tensor, q: torch.Tensor, w: torch.Tensor,
+                               gproj: torch.Tensor, gq: torch.Tensor, gw: torch.Tensor) -> None:
+    """Backward of :func:`attention_softmax` for alpha's gradient d_alpha (+ g_alpha): adds
+    into gproj (B, L, A) and gw (A,), writes gq (B, A)."""
+    B, L, A = proj.shape
+    _need(d_alpha, alpha, proj, w, gproj, gw, *([] if g_alpha is None else [g_alpha]), strided=(q, gq))
+    if _load().attn_softmax_bwd(_ptr(d_alpha), None if g_alpha is None else _ptr(g_alpha), _ptr(alpha), _ptr(proj),
+                                _ptr(q), q.stride(0), _ptr(w), _ptr(gproj), _ptr(gq), _ptr(gw), B, L, A,
+                                torch.get_num_threads()) != 0:
+        raise MemoryError("attention kernel could not allocate its buffer")
+
+
+def gate_forward(beta_logit: torch.Tensor, zc: torch.Tensor, beta: torch.Tensor, z: torch.Tensor) -> None:
+    """beta (B,) <- sigmoid(beta_logit (B,)); z (B, D) <- beta zc."""
+    _need(zc, beta, z, strided=(beta_logit,))
+    _load().gate_fwd(_ptr(beta_logit), beta_logit.stride(0), _ptr(zc), _ptr(beta), _ptr(z), *zc.shape)
+
+
+def gate_backward(dz: torch.Tensor, zc: torch.Tensor, beta: torch.Tensor, g_logit: torch.Tensor) -> None:
+    """dz (B, D), the gated context's gradient, becomes the ungated one's; g_logit (B,) <- beta's logit's."""
+    _need(dz, zc, beta, strided=(g_logit,))
+    _load().gate_bwd(_ptr(dz), _ptr(zc), _ptr(beta), _ptr(g_logit), g_logit.stride(0), *dz.shape)
+
+
+def lstm_forward(gz: torch.Tensor, gh: torch.Tensor, gx: torch.Tensor, c_prev: torch.Tensor,
+                 acts: torch.Tensor, c: torch.Tensor, tanh_c: torch.Tensor, h: torch.Tensor) -> None:
+    """The LSTM cell on pre-activations gz + gh + gx (B, 4H each, [i f g o]): writes acts
+    (B, 4H), c, tanh(c) and h (B, H)."""
+    B, H = c_prev.shape
+    _need(gz, gx, c_prev, acts, c, tanh_c, h, strided=(gh,))
+    _load().lstm_fwd(_ptr(gz), _ptr(gh), gh.stride(0), _ptr(gx), _ptr(c_prev), _ptr(acts), _ptr(c), _ptr(tanh_c),
+                     _ptr(h), B, H, torch.get_num_threads())
+
+
+def lstm_backward(dh: torch.Tensor, dh_out: torch.Tensor, dc: torch.Tensor, acts: torch.Tensor,
+                  tanh_c: torch.Tensor, c_prev: torch.Tensor, dgates: torch.Tensor) -> None:
+    """Backward of :func:`lstm_forward` for h's gradient dh + dh_out and c's gradient dc
+    (replaced by c_prev's): writes the pre-activations' gradient dgates (B, 4H)."""
+    B, H = dh.shape
+    _need(dh, dh_out, dc, acts, tanh_c, c_prev, strided=(dgates,))
+    _load().lstm_bwd(_ptr(dh), _ptr(dh_out), _ptr(dc), _ptr(acts), _ptr(tanh_c), _ptr(c_prev), _ptr(dgates),
+                     dgates.stride(0), B, H, torch.get_num_threads())
 
 
 class _PassGrad(torch.autograd.Function):
@@ -168,7 +252,7 @@ class _Energy(torch.autograd.Function):
         gq = torch.empty(B, A)
         gw = torch.zeros(A)
         rc = _load().attn_energy_bwd(_ptr(ge.contiguous().float()), _ptr(proj), _ptr(q), _ptr(w),
-                                     _ptr(ctx.buf), _ptr(gq), _ptr(gw), B, L, A, torch.get_num_threads())
+                                     _ptr(ctx.buf), _ptr(gq), _ptr(gw), B, L, A, torch.get_num_threads(), 0)
         if rc != 0:
             raise MemoryError("attention kernel could not allocate its buffer")
         return None, gq, gw, None

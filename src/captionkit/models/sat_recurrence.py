@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..kernels import energy_backward, energy_forward
+from .. import kernels as K
 
 
 class SoftRecurrence(torch.autograd.Function):
@@ -32,7 +32,10 @@ class SoftRecurrence(torch.autograd.Function):
     proj (B, L, A): W_a a, float32 contiguous; feats (B, L, D); gates_x (B, T, 4H): the
     embedding's share of the gates, bias included; h0, c0 (B, H); w_h (A + 1 + 4H, H) and
     b_h: h_proj; att_w (A,); w_ctx (4H, D): gates_ctx; gate: multiply the context by beta.
-    Returns h_1..h_T (B, T, H), the gated contexts z_1..z_T (B, T, D), alphas (B, T, L)."""
+    Returns h_1..h_T (B, T, H), the gated contexts z_1..z_T (B, T, D), alphas (B, T, L).
+
+    Per word, the matmuls run in PyTorch and the rest in the C kernels of recurrence.c: the
+    energy and softmax (with attention.c's rational tanh), the gate, the LSTM cell."""
 
     @staticmethod
     def forward(ctx, proj, feats, gates_x, h0, c0, w_h, b_h, att_w, w_ctx, gate: bool):
@@ -43,35 +46,24 @@ class SoftRecurrence(torch.autograd.Function):
         cs = torch.empty(T + 1, B, H)  # c_0 .. c_T
         tanh_c = torch.empty(T, B, H)  # tanh(c_t), reused by backward
         acts = torch.empty(T, B, 4 * H)  # sigmoid(i), sigmoid(f), tanh(g), sigmoid(o)
-        qs = torch.empty(T, B, A)  # U_a h_{t-1}, contiguous per word for the kernel
+        hps = torch.empty(T, B, A + 1 + 4 * H)  # h_proj(h_{t-1}) = [q | beta's logit | W_hh h + b]
         alphas = torch.empty(T, B, L)
         zcs = torch.empty(T, B, D)  # ungated contexts
-        betas = torch.empty(T, B, 1)
-        zs = torch.empty(T, B, D)  # gated contexts
-        hp = torch.empty(B, A + 1 + 4 * H)
+        betas = torch.empty(T, B)
+        zs = torch.empty(T, B, D) if gate else zcs  # gated contexts
+        gz = torch.empty(B, 4 * H)  # W_ctx z
         hs[0], cs[0] = h0, c0
         w_h_t, w_ctx_t = w_h.t(), w_ctx.t()
         for t in range(T):
-            torch.addmm(b_h, hs[t], w_h_t, out=hp)  # (B, A + 1 + 4H)
-            qs[t] = hp[:, :A]
-            alphas[t] = torch.softmax(energy_forward(proj, qs[t], att_w), 1)  # (B, L)
+            hp = torch.addmm(b_h, hs[t], w_h_t, out=hps[t])  # (B, A + 1 + 4H)
+            K.attention_softmax(proj, hp[:, :A], att_w, alphas[t])  # (B, L)
             torch.bmm(alphas[t].unsqueeze(1), feats, out=zcs[t].unsqueeze(1))  # (B, 1, D)
             if gate:
-                torch.sigmoid(hp[:, A:A + 1], out=betas[t])
-                torch.mul(zcs[t], betas[t], out=zs[t])
-            else:
-                zs[t] = zcs[t]
-            gates = torch.addmm(gx[t] + hp[:, A + 1:], zs[t], w_ctx_t)  # (B, 4H)
-            a = acts[t]
-            torch.sigmoid(gates[:, :2 * H], out=a[:, :2 * H])
-            torch.tanh(gates[:, 2 * H:3 * H], out=a[:, 2 * H:3 * H])
-            torch.sigmoid(gates[:, 3 * H:], out=a[:, 3 * H:])
-            i, f, g, o = a.chunk(4, dim=1)
-            torch.addcmul(f * cs[t], i, g, out=cs[t + 1])  # c = sigmoid(f) c + sigmoid(i) tanh(g)
-            torch.tanh(cs[t + 1], out=tanh_c[t])
-            torch.mul(o, tanh_c[t], out=hs[t + 1])
+                K.gate_forward(hp[:, A], zcs[t], betas[t], zs[t])
+            torch.mm(zs[t], w_ctx_t, out=gz)  # (B, 4H)
+            K.lstm_forward(gz, hp[:, A + 1:], gx[t], cs[t], acts[t], cs[t + 1], tanh_c[t], hs[t + 1])
         ctx.gate = gate
-        ctx.save_for_backward(proj, feats, w_h, att_w, w_ctx, hs, cs, tanh_c, acts, qs, alphas, zcs, betas, zs)
+        ctx.save_for_backward(proj, feats, w_h, att_w, w_ctx, hs, cs, tanh_c, acts, hps, alphas, zcs, betas, zs)
         # (copies: the outputs must not be views of what backward reads)
         return (hs[1:].transpose(0, 1).contiguous(), zs.transpose(0, 1).contiguous(),
                 alphas.transpose(0, 1).contiguous())  # (B, T, H), (B, T, D), (B, T, L)
@@ -79,7 +71,7 @@ class SoftRecurrence(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_hs, g_zs, g_alphas):
-        proj, feats, w_h, att_w, w_ctx, hs, cs, tanh_c, acts, qs, alphas, zcs, betas, zs = ctx.saved_tensors
+        proj, feats, w_h, att_w, w_ctx, hs, cs, tanh_c, acts, hps, alphas, zcs, betas, zs = ctx.saved_tensors
         T, B, H = tanh_c.shape
         A = proj.shape[2]
         g_hs = torch.zeros(T, B, H) if g_hs is None else g_hs.transpose(0, 1).contiguous()
@@ -90,36 +82,21 @@ class SoftRecurrence(torch.autograd.Function):
         g_att_w = torch.zeros(A)
         g_hp = torch.empty(T, B, A + 1 + 4 * H)  # every word's gradient of h_proj's output
         g_gates = g_hp[:, :, A + 1:]  # (T, B, 4H): gates_h, gates_x and W_ctx z share it
-        g_q = torch.empty(B, A)
         dh, dc = torch.zeros(B, H), torch.zeros(B, H)
         for t in reversed(range(T)):
-            dh += g_hs[t]
-            i, f, g, o = acts[t].chunk(4, dim=1)
-            dg_t = g_gates[t]
-            # h = o tanh(c): the output gate, then c's gradient from h and from c_{t+1}
-            torch.mul(dh * tanh_c[t], o * (1 - o), out=dg_t[:, 3 * H:])
-            dc += dh * o * (1 - tanh_c[t] * tanh_c[t])
-            torch.mul(dc * g, i * (1 - i), out=dg_t[:, :H])
-            torch.mul(dc * cs[t], f * (1 - f), out=dg_t[:, H:2 * H])
-            torch.mul(dc * i, 1 - g * g, out=dg_t[:, 2 * H:3 * H])
-            dc *= f  # -> c_{t-1}'s gradient
-            dz = torch.addmm(g_zs[t], dg_t, w_ctx)  # (B, D)
-            if ctx.gate:
-                beta = betas[t]
-                g_hp[t, :, A:A + 1] = (dz * zcs[t]).sum(1, keepdim=True) * beta * (1 - beta)
-                dz *= beta  # -> the ungated context's gradient
+            # h_t's gradient (from h_{t+1}'s words and the loss), c_t's -> the gates', c_{t-1}'s
+            K.lstm_backward(dh, g_hs[t], dc, acts[t], tanh_c[t], cs[t], g_gates[t])
+            dz = torch.addmm(g_zs[t], g_gates[t], w_ctx)  # (B, D)
+            if ctx.gate:  # -> beta's logit's gradient; dz becomes the ungated context's
+                K.gate_backward(dz, zcs[t], betas[t], g_hp[t, :, A])
             else:
                 g_hp[t, :, A] = 0
             if g_feats is not None:
                 g_feats.baddbmm_(alphas[t].unsqueeze(2), dz.unsqueeze(1))  # (B, L, 1) x (B, 1, D)
             # (as a row times feats^T: the (B, L, D) x (B, D, 1) form runs a far slower kernel)
             d_alpha = torch.bmm(dz.unsqueeze(1), feats.transpose(1, 2)).squeeze(1)  # (B, L)
-            if g_alphas is not None:
-                d_alpha += g_alphas[t]
-            alpha = alphas[t]
-            d_e = alpha * (d_alpha - (alpha * d_alpha).sum(1, keepdim=True))  # softmax's backward
-            energy_backward(d_e, proj, qs[t], att_w, g_proj, g_q, g_att_w)
-            g_hp[t, :, :A] = g_q
+            K.attention_softmax_backward(d_alpha, None if g_alphas is None else g_alphas[t], alphas[t], proj,
+                                         hps[t, :, :A], att_w, g_proj, g_hp[t, :, :A], g_att_w)
             dh = g_hp[t] @ w_h  # -> h_{t-1}'s gradient, (B, H)
         # the weight gradients once for all words: inner size T * B
         flat = g_hp.view(T * B, -1)  # (T B, A + 1 + 4H)
