@@ -6,7 +6,8 @@
 Prints:
 1. the machine's matmul peak (fp32, and bf16 where the CPU has it natively; 2048^3), for reference;
 2. feature extraction images/s (JPEG decode + resize + EfficientNet-Lite2);
-3. decoder training captions/s at the sgrvinod tutorial's sizes (196 locations x 1280 features,
+3. decoder training captions/s at the sgrvinod tutorial's sizes (196 locations x 1280 features
+   of float16 values, as the feature store keeps them,
    attention/embedding/LSTM width 512, batch 32, vocabulary 2,633, 13 words), for captionkit
    (bf16 mixed precision where the CPU multiplies bf16 natively, and fp32) and for a
    tutorial-style decoder (recomputes the encoder's attention projection at every word), with
@@ -102,7 +103,9 @@ def bench_training(repeats: int, tutorial: bool = True) -> dict:
     """name -> seconds a training step: captionkit in bf16 mixed precision (where the CPU has
     native bf16) and fp32, and the tutorial-style decoder (``tutorial``)."""
     torch.manual_seed(0)
-    feats = torch.randn(B, L, D).abs()
+    # float32 tensors of float16 values, as training reads them from the feature store (every
+    # decoder here, old or new, gets the same ones)
+    feats = torch.randn(B, L, D).abs().half().float()
     ids = torch.randint(4, V, (B, T + 1))
     out = {}
     for precision in TRAIN_PRECISIONS:

@@ -117,6 +117,52 @@ def test_fused_step_without_a_loss_on_the_attention_weights():
         torch.testing.assert_close(grads[0][name], grads[1][name], msg=name)
 
 
+@pytest.mark.parametrize("width", [24, 13])  # 13: a row of float16 not a whole number of vectors
+def test_fused_step_on_store_features_reads_them_as_float16(monkeypatch, width):
+    """Features from the feature store are float16 values: the recurrence's context reads a
+    float16 copy (half the bytes) and gives the float32 results; any value that float16 cannot
+    hold exactly keeps the float32 path."""
+    from captionkit import kernels
+    calls = []
+    for name in ("context_forward", "context_backward"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a)))
+    torch.manual_seed(0)
+    m = SoftAttentionDecoder(SATConfig(vocab_size=37, feat_dim=width, embed_dim=16, hidden_dim=20, attn_dim=12,
+                                       dropout=0.3, embed_dropout=0.2)).train()
+    g = torch.Generator().manual_seed(5)
+    feats = (torch.randn(5, 7, width, generator=g) * 3).half().float()  # (B, L, D) as the store gives them
+    ids = torch.randint(4, 37, (5, 9), generator=g)
+    new = loss_and_grads(m, feats, ids, fused)
+    old = loss_and_grads(m, feats, ids, reference_unroll)
+    half = kernels._load().half_supported() == 1  # x86 with F16C; elsewhere the float32 path
+    assert calls.count("context_forward") == (8 if half else 0) and calls.count("context_backward") == (8 if half else 0)
+    torch.testing.assert_close(new[0], old[0])
+    for name in old[2]:
+        torch.testing.assert_close(new[2][name], old[2][name], msg=name)
+    calls.clear()
+    feats[2, 3, 1] += 1e-3  # no longer a float16 value
+    loss_and_grads(m, feats, ids, fused)
+    assert calls == []
+
+
+def test_half_copy_only_where_every_value_converts_exactly():
+    from captionkit import kernels
+    if kernels._load().half_supported() != 1:
+        pytest.skip("no float16 conversion in vectors on this CPU")
+    x = torch.randn(3, 5, 19).half().float()
+    x[0, 0, :4] = torch.tensor([0.0, 65504.0, 2.0 ** -24, float("inf")])  # largest, smallest subnormal
+    h = kernels.half_copy(x)
+    assert h is not None and h.dtype == torch.float16 and torch.equal(h.float(), x)
+    for bad in (70000.0, 1e-40, 0.1, 2.0 ** -26):  # overflow, underflow, inexact, below float16's subnormals
+        y = x.clone()
+        y[2, 4, 18] = bad  # the scalar tail, past the last whole vector
+        assert kernels.half_copy(y) is None, bad
+        y = x.clone()
+        y[1, 1, 3] = bad
+        assert kernels.half_copy(y) is None, bad
+
+
 def test_fused_step_with_shared_images():
     """Self-critical training: several captions per image through ``image_index``."""
     m = tiny()

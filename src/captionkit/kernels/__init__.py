@@ -88,6 +88,11 @@ def _load():
     lib.gate_bwd.argtypes = [P, P, P, P, L_, L_, L_]
     lib.lstm_fwd.argtypes = [P, P, L_, P, P, P, P, P, P, L_, L_, I]
     lib.lstm_bwd.argtypes = [P, P, P, P, P, P, P, L_, L_, L_, I]
+    lib.half_supported.restype = I
+    lib.to_half_exact.argtypes = [P, P, L_, I]
+    lib.to_half_exact.restype = L_
+    lib.context_fwd_half.argtypes = [P, P, P, L_, L_, L_, I]
+    lib.context_bwd_half.argtypes = [P, P, P, L_, L_, L_, I]
     _lib = lib
     return lib
 
@@ -220,6 +225,41 @@ def lstm_backward(dh: torch.Tensor, dh_out: torch.Tensor, dc: torch.Tensor, acts
     _need(dh, dh_out, dc, acts, tanh_c, c_prev, strided=(dgates,))
     _load().lstm_bwd(_ptr(dh), _ptr(dh_out), _ptr(dc), _ptr(acts), _ptr(tanh_c), _ptr(c_prev), _ptr(dgates),
                      dgates.stride(0), B, H, torch.get_num_threads())
+
+
+def _need_half(t: torch.Tensor) -> None:
+    if t.dtype != torch.float16 or t.device.type != KERNEL_DEVICE or not t.is_contiguous():
+        raise RuntimeError(f"context kernel given a {t.dtype} {t.device} tensor of strides {t.stride()}")
+
+
+def half_copy(feats: torch.Tensor) -> torch.Tensor | None:
+    """feats (B, L, D) float32 as float16, or None where a value does not convert exactly (or
+    the compiler has no float16): the context kernels below read half the bytes and compute
+    the float32 products. Features from the feature store are float16 values (one pass here
+    finds out)."""
+    _need(feats)
+    lib = _load()
+    if not lib.half_supported():
+        return None
+    out = torch.empty(feats.shape, dtype=torch.float16)
+    bad = lib.to_half_exact(_ptr(feats), _ptr(out), feats.numel(), torch.get_num_threads())
+    return out if bad == 0 else None
+
+
+def context_forward(alpha: torch.Tensor, feats_half: torch.Tensor, z: torch.Tensor) -> None:
+    """z (B, D) <- sum over l of alpha (B, L) x feats_half (B, L, D) (from :func:`half_copy`)."""
+    _need(alpha, z)
+    _need_half(feats_half)
+    B, L, D = feats_half.shape
+    _load().context_fwd_half(_ptr(alpha), _ptr(feats_half), _ptr(z), B, L, D, torch.get_num_threads())
+
+
+def context_backward(dz: torch.Tensor, feats_half: torch.Tensor, d_alpha: torch.Tensor) -> None:
+    """d_alpha (B, L) <- feats_half (B, L, D) . dz (B, D): the context's gradient of alpha."""
+    _need(dz, d_alpha)
+    _need_half(feats_half)
+    B, L, D = feats_half.shape
+    _load().context_bwd_half(_ptr(dz), _ptr(feats_half), _ptr(d_alpha), B, L, D, torch.get_num_threads())
 
 
 class _PassGrad(torch.autograd.Function):

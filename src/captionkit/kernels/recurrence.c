@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#include <stdint.h>
 
 float energy_row(const float *p, const float *qb, const float *w, long A, int fast);
 void energy_row_backward(float g, const float *p, const float *qb, const float *w,
@@ -146,3 +147,79 @@ void lstm_bwd(const float *dh, const float *dh_out, float *dc, const float *acts
         }
     }
 }
+
+/* The context's two reads of the annotation vectors a word (z = alpha a forward, d_alpha = a dz
+ * backward) are memory-bound: 32 MB a word at the benchmark's sizes. Features come from the
+ * feature store as float16 values; kept as float16 here they are half the bytes, and converted
+ * to float32 as they are read the products are the float32 ones (a float16 value is a float32
+ * value exactly). Only for features that convert exactly (to_half_exact says which), and only
+ * where the CPU converts float16 in vectors (x86 F16C: GCC does not vectorise _Float16 loads). */
+#if defined(__F16C__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+int half_supported(void) { return 1; }
+
+/* dst (n) <- src as float16; returns how many values did not convert exactly. */
+long to_half_exact(const float *src, uint16_t *dst, long n, int nthreads) {
+    long bad = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(+ : bad)
+    for (long i = 0; i < n / 8 * 8; i += 8) {
+        const __m256 x = _mm256_loadu_ps(src + i);
+        const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
+        _mm_storeu_si128((__m128i *)(dst + i), h);
+        bad += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_cvtph_ps(h), x, _CMP_NEQ_UQ)));
+    }
+    for (long i = n / 8 * 8; i < n; i++) {
+        dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+        bad += _cvtsh_ss(dst[i]) != src[i];
+    }
+    return bad;
+}
+
+static inline __m256 load8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* z (B, D) <- sum_l alpha[b, l] f[b, l]: f (B, L, D) float16. */
+void context_fwd_half(const float *alpha, const uint16_t *f, float *z, long B, long L, long D, int nthreads) {
+    const long D8 = D / 8 * 8;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (long b = 0; b < B; b++) {
+        float *zb = z + b * D;
+        memset(zb, 0, D * sizeof(float));
+        for (long l = 0; l < L; l++) {
+            const float a = alpha[b * L + l];
+            const __m256 av = _mm256_set1_ps(a);
+            const uint16_t *fl = f + (b * L + l) * D;
+            for (long d = 0; d < D8; d += 8)
+                _mm256_storeu_ps(zb + d, _mm256_fmadd_ps(av, load8(fl + d), _mm256_loadu_ps(zb + d)));
+            for (long d = D8; d < D; d++) zb[d] += a * _cvtsh_ss(fl[d]);
+        }
+    }
+}
+
+/* d_alpha (B, L) <- f[b, l] . dz[b]: f (B, L, D) float16. */
+void context_bwd_half(const float *dz, const uint16_t *f, float *d_alpha, long B, long L, long D, int nthreads) {
+    const long D16 = D / 16 * 16;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (long b = 0; b < B; b++) {
+        const float *db = dz + b * D;
+        for (long l = 0; l < L; l++) {
+            const uint16_t *fl = f + (b * L + l) * D;
+            __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+            for (long d = 0; d < D16; d += 16) {
+                s0 = _mm256_fmadd_ps(load8(fl + d), _mm256_loadu_ps(db + d), s0);
+                s1 = _mm256_fmadd_ps(load8(fl + d + 8), _mm256_loadu_ps(db + d + 8), s1);
+            }
+            float part[8], s = 0.f;
+            _mm256_storeu_ps(part, _mm256_add_ps(s0, s1));
+            for (int k = 0; k < 8; k++) s += part[k];
+            for (long d = D16; d < D; d++) s += _cvtsh_ss(fl[d]) * db[d];
+            d_alpha[b * L + l] = s;
+        }
+    }
+}
+#else  /* no F16C: the context stays float32 (torch.bmm) */
+int half_supported(void) { return 0; }
+long to_half_exact(const float *src, uint16_t *dst, long n, int nthreads) { return n; }
+void context_fwd_half(const float *alpha, const uint16_t *f, float *z, long B, long L, long D, int nthreads) {}
+void context_bwd_half(const float *dz, const uint16_t *f, float *d_alpha, long B, long L, long D, int nthreads) {}
+#endif

@@ -41,7 +41,7 @@ from ..core.errors import UserError
 from ..core.fields import check_fields, spec
 from ..core.registry import register_exporter, register_family
 from ..data.vocab import Vocab
-from ..kernels import KERNEL_DEVICE, EnergyContext, kernel_available
+from ..kernels import KERNEL_DEVICE, EnergyContext, half_copy, kernel_available
 from .base import CaptionModel, DecoderExport, token_cross_entropy
 from .sat_recurrence import SoftRecurrence
 
@@ -253,9 +253,12 @@ class SoftAttentionDecoder(CaptionModel):
                 mean.index_select(0, image_index)
         h, c = self._init_from_mean(mean)
         emb = self.embed_drop(self.embed(inputs))  # (B, T, M)
+        feats = feats.contiguous()
+        # features from the feature store are float16 values: the context then reads them so
+        feats_half = None if feats.requires_grad else half_copy(feats)
         H_all, Z_all, alphas = SoftRecurrence.apply(
-            proj.contiguous(), feats.contiguous(), self.gates_emb(emb), h, c, self.h_proj.weight, self.h_proj.bias,
-            self.att_w, self.gates_ctx.weight, self.cfg.gate)  # (B, T, H), (B, T, D), (B, T, L)
+            proj.contiguous(), feats, self.gates_emb(emb), h, c, self.h_proj.weight, self.h_proj.bias,
+            self.att_w, self.gates_ctx.weight, self.cfg.gate, feats_half)  # (B, T, H), (B, T, D), (B, T, L)
         return self._logits(emb, H_all, Z_all), alphas, None
 
     def training_loss(self, feats: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor, *,

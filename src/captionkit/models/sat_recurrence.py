@@ -10,6 +10,10 @@ forward writes what backward needs into preallocated (T, B, ...) buffers; backwa
 recurrence in reverse with the LSTM cell, the gate, the softmax and the attention energy
 differentiated by hand, keeps every word's gradient of the gates and of h_proj's output, and
 takes the weight gradients once for all words: one matmul of inner size T * B per weight.
+Per word, what is not a matmul (the energy and softmax, the gate, the LSTM cell, forward and
+backward) is one C kernel each (kernels/recurrence.c), not a dozen small operators; the
+energy's tanh there is a rational approximation as accurate as glibc's float32 tanh and 2-3x
+cheaper (kernels/attention.c), which decoding does not use.
 
 The math is the step-by-step code's (``SoftAttentionDecoder._unroll`` without a sampled
 location): per word t, with hp = h_proj(h_{t-1}) = [q | beta_logit | gates_h],
@@ -27,11 +31,12 @@ from .. import kernels as K
 
 
 class SoftRecurrence(torch.autograd.Function):
-    """apply(proj, feats, gates_x, h0, c0, w_h, b_h, att_w, w_ctx, gate) -> (hs, zs, alphas)
+    """apply(proj, feats, gates_x, h0, c0, w_h, b_h, att_w, w_ctx, gate, feats_half) -> (hs, zs, alphas)
 
     proj (B, L, A): W_a a, float32 contiguous; feats (B, L, D); gates_x (B, T, 4H): the
     embedding's share of the gates, bias included; h0, c0 (B, H); w_h (A + 1 + 4H, H) and
-    b_h: h_proj; att_w (A,); w_ctx (4H, D): gates_ctx; gate: multiply the context by beta.
+    b_h: h_proj; att_w (A,); w_ctx (4H, D): gates_ctx; gate: multiply the context by beta;
+    feats_half: feats as float16 (``kernels.half_copy``) for the context's products, or None.
     Returns h_1..h_T (B, T, H), the gated contexts z_1..z_T (B, T, D), alphas (B, T, L).
 
     Per word, the matmuls run in PyTorch and the rest in the C kernels of recurrence.c: the
@@ -41,7 +46,7 @@ class SoftRecurrence(torch.autograd.Function):
     at the benchmark's sizes on 2 AVX2 cores), more than the copy of a (B, out) block costs."""
 
     @staticmethod
-    def forward(ctx, proj, feats, gates_x, h0, c0, w_h, b_h, att_w, w_ctx, gate: bool):
+    def forward(ctx, proj, feats, gates_x, h0, c0, w_h, b_h, att_w, w_ctx, gate: bool, feats_half=None):
         B, L, A = proj.shape
         T, H, D = gates_x.shape[1], h0.shape[1], feats.shape[2]
         gx = gates_x.transpose(0, 1).contiguous()  # (T, B, 4H): each word's rows in one block
@@ -62,12 +67,15 @@ class SoftRecurrence(torch.autograd.Function):
             hp = hps[t]
             hp.copy_(torch.addmm(bias, w_h, hs[t].t(), out=hp_t).t())  # (B, A + 1 + 4H)
             K.attention_softmax(proj, hp[:, :A], att_w, alphas[t])  # (B, L)
-            torch.bmm(alphas[t].unsqueeze(1), feats, out=zcs[t].unsqueeze(1))  # (B, 1, D)
+            if feats_half is None:
+                torch.bmm(alphas[t].unsqueeze(1), feats, out=zcs[t].unsqueeze(1))  # (B, 1, D)
+            else:  # the same products, reading half the bytes
+                K.context_forward(alphas[t], feats_half, zcs[t])
             if gate:
                 K.gate_forward(hp[:, A], zcs[t], betas[t], zs[t])
             gz.copy_(torch.mm(w_ctx, zs[t].t(), out=gz_t).t())  # (B, 4H)
             K.lstm_forward(gz, hp[:, A + 1:], gx[t], cs[t], acts[t], cs[t + 1], tanh_c[t], hs[t + 1])
-        ctx.gate = gate
+        ctx.gate, ctx.feats_half = gate, feats_half
         ctx.save_for_backward(proj, feats, w_h, att_w, w_ctx, hs, cs, tanh_c, acts, hps, alphas, zcs, betas, zs)
         # (copies: the outputs must not be views of what backward reads)
         return (hs[1:].transpose(0, 1).contiguous(), zs.transpose(0, 1).contiguous(),
@@ -90,6 +98,7 @@ class SoftRecurrence(torch.autograd.Function):
         g_gates = g_hp[:, :, A + 1:]  # (T, B, 4H): gates_h, gates_x and W_ctx z share it
         dh, dc = torch.zeros(B, H), torch.zeros(B, H)
         dz, dz_t, dh_t = torch.empty(B, D), torch.empty(D, B), torch.empty(H, B)
+        d_alpha = torch.empty(B, proj.shape[1])
         # (transposed views: a contiguous copy ran the products a little faster, but copying
         # the weights cost more than that)
         w_ctx_t, w_h_t = w_ctx.t(), w_h.t()  # (D, 4H), (H, A + 1 + 4H)
@@ -104,7 +113,10 @@ class SoftRecurrence(torch.autograd.Function):
             if g_feats is not None:
                 g_feats.baddbmm_(alphas[t].unsqueeze(2), dz.unsqueeze(1))  # (B, L, 1) x (B, 1, D)
             # (as a row times feats^T: the (B, L, D) x (B, D, 1) form runs a far slower kernel)
-            d_alpha = torch.bmm(dz.unsqueeze(1), feats.transpose(1, 2)).squeeze(1)  # (B, L)
+            if ctx.feats_half is None:
+                d_alpha = torch.bmm(dz.unsqueeze(1), feats.transpose(1, 2)).squeeze(1)  # (B, L)
+            else:
+                K.context_backward(dz, ctx.feats_half, d_alpha)
             K.attention_softmax_backward(d_alpha, None if g_alphas is None else g_alphas[t], alphas[t], proj,
                                          hps[t, :, :A], att_w, g_proj, g_hp[t, :, :A], g_att_w)
             dh.copy_(torch.mm(w_h_t, g_hp[t].t(), out=dh_t).t())  # -> h_{t-1}'s gradient, (B, H)
@@ -113,4 +125,4 @@ class SoftRecurrence(torch.autograd.Function):
         g_w_h = flat.t() @ hs[:T].reshape(T * B, H)
         g_b_h = flat.sum(0)
         g_w_ctx = g_gates.reshape(T * B, 4 * H).t() @ zs.view(T * B, -1)
-        return (g_proj, g_feats, g_gates.transpose(0, 1), dh, dc, g_w_h, g_b_h, g_att_w, g_w_ctx, None)
+        return (g_proj, g_feats, g_gates.transpose(0, 1), dh, dc, g_w_h, g_b_h, g_att_w, g_w_ctx, None, None)
