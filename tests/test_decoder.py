@@ -52,15 +52,15 @@ def test_training_tanh_is_float32_accurate():
     proj, q, w = x.view(1, -1, 1).contiguous(), torch.zeros(1, 1), torch.ones(1)
     t = energy_forward(proj, q, w, rational=True)[0]
     exact = torch.tanh(x.double())
-    assert (t.double() - exact).abs().max() < 4e-7  # glibc's tanhf: about 1e-7
+    assert (t.double() - exact).abs().max() < 4e-7  # 3.0e-7 measured on AVX2; glibc's tanhf 9.3e-8
     assert t.abs().max() <= 1 and torch.equal(t[:len(pos)], -t[len(pos):])  # bounded, odd
     small = x.abs() < 1e-3
     assert ((t[small].double() - exact[small]).abs() <= 1e-6 * exact[small].abs()).all()  # relative near 0
     gproj, gq, gw = torch.zeros_like(proj), torch.empty(1, 1), torch.zeros(1)
     energy_backward(torch.ones(1, x.numel()), proj, q, w, gproj, gq, gw, rational=True)
     assert (gproj.view(-1).double() - (1 - exact ** 2)).abs().max() < 1e-6
-    # decoding's energy (glibc's tanhf) is another function, as accurate
-    assert (energy_forward(proj, q, w)[0].double() - exact).abs().max() < 4e-7
+    # decoding's energy (glibc's tanhf) is another function (9.3e-8 measured)
+    assert (energy_forward(proj, q, w)[0].double() - exact).abs().max() < 2.5e-7
 
 
 @pytest.mark.skipif(not kernel_available(), reason="no C compiler: fused kernel unavailable")

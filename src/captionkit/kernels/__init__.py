@@ -141,7 +141,7 @@ def energy_forward(proj: torch.Tensor, q: torch.Tensor, w: torch.Tensor, *, rati
     """The C kernel's energy, no autograd: (B, L, A), (B, A), (A,) -> (B, L). For callers
     that write their own backward (the SAT decoder's fused recurrence); only where
     ``kernel_available()`` and ``_check`` hold. ``rational``: tanh from the kernel's rational
-    approximation (float32-accurate to a few ulp, 2-3x faster than glibc's) instead of glibc's
+    approximation (within 3e-7 of tanh, 2-3x faster than glibc's) instead of glibc's
     ``tanhf``; teacher-forced training takes it, decoding keeps ``tanhf`` (its captions stay
     the same bit for bit)."""
     return _fwd(_load(), proj, q, w, rational)
