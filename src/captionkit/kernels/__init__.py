@@ -139,8 +139,9 @@ def _fwd(lib, proj, q, w, rational: bool = False) -> torch.Tensor:
 
 def energy_forward(proj: torch.Tensor, q: torch.Tensor, w: torch.Tensor, *, rational: bool = False) -> torch.Tensor:
     """The C kernel's energy, no autograd: (B, L, A), (B, A), (A,) -> (B, L). For callers
-    that write their own backward (the SAT decoder's fused recurrence); only where
-    ``kernel_available()`` and ``_check`` hold. ``rational``: tanh from the kernel's rational
+    that write their own backward (the SAT decoder's fused recurrence runs it with the softmax:
+    :func:`attention_softmax`); only where ``kernel_available()`` and ``_check`` hold, e.g.
+    with A = 1, w = 1 and q = 0 it is the kernel's tanh itself. ``rational``: tanh from the kernel's rational
     approximation (within 3e-7 of tanh, 2-3x faster than glibc's) instead of glibc's
     ``tanhf``; teacher-forced training takes it, decoding keeps ``tanhf`` (its captions stay
     the same bit for bit)."""

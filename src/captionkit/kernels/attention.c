@@ -59,27 +59,23 @@ void attn_energy_fwd(const float *proj, const float *q, const float *w, float *e
             e[b * L + l] = energy_row(proj + (b * L + l) * A, q + b * A, w, A, fast);
 }
 
+/* What one attention unit of one location adds to the gradients, given its tanh t. */
+static inline void accumulate(float g, float t, float wa, float *gp, float *gq, float *gw) {
+    const float d = g * wa * (1.f - t * t);
+    *gp += d;
+    *gq += d;
+    *gw += g * t;
+}
+
 /* One location's backward for the energy's grad g: adds into gp, gqb and gwp. */
 void energy_row_backward(float g, const float *p, const float *qb, const float *w,
-                                float *gp, float *gqb, float *gwp, long A, int fast) {
+                         float *gp, float *gqb, float *gwp, long A, int fast) {
     if (fast) {
 #pragma omp simd
-        for (long a = 0; a < A; a++) {
-            const float t = tanh_rational(p[a] + qb[a]);
-            const float d = g * w[a] * (1.f - t * t);
-            gp[a] += d;
-            gqb[a] += d;
-            gwp[a] += g * t;
-        }
+        for (long a = 0; a < A; a++) accumulate(g, tanh_rational(p[a] + qb[a]), w[a], gp + a, gqb + a, gwp + a);
     } else {
 #pragma omp simd
-        for (long a = 0; a < A; a++) {
-            const float t = tanhf(p[a] + qb[a]);
-            const float d = g * w[a] * (1.f - t * t);
-            gp[a] += d;
-            gqb[a] += d;
-            gwp[a] += g * t;
-        }
+        for (long a = 0; a < A; a++) accumulate(g, tanhf(p[a] + qb[a]), w[a], gp + a, gqb + a, gwp + a);
     }
 }
 
@@ -97,7 +93,7 @@ int attn_energy_bwd(const float *ge, const float *proj, const float *q, const fl
             memset(gqb, 0, A * sizeof(float));
             for (long l = 0; l < L; l++)
                 energy_row_backward(ge[b * L + l], proj + (b * L + l) * A, q + b * A, w,
-                             gproj + (b * L + l) * A, gqb, gwp, A, fast);
+                                    gproj + (b * L + l) * A, gqb, gwp, A, fast);
         }
     }
     for (int k = 0; k < nthreads; k++)
