@@ -24,8 +24,11 @@ process per tree (benchmarks/device_path.py's ``run_in_tree``), alternating old,
 (``--rounds`` times), so both see the same machine; each figure is printed for both trees with
 the speed-up (new / old; old / new for times). Captioning figures also say whether the two trees wrote the same captions.
 Training's figures come with each tree's share of the matmul peaks (measured in the same child
-process) and its multiple of the tutorial-style decoder (measured once per round, between the
-trees' children), e.g. ``--compare ../old/src --training-only --threads 2``.
+process) and its multiple of the tutorial-style decoder, whose steps run between the tree's own
+in the same child (the median over the rounds of each child's ratio; each child's is printed
+too), e.g. ``--compare ../old/src --training-only --threads 2``. Training steps are always
+interleaved that way, one step of each decoder a round, so that a ratio's two figures see the
+same moment of a shared machine.
 """
 
 from __future__ import annotations
@@ -100,15 +103,19 @@ def train_step_flops() -> float:
 
 
 def bench_training(repeats: int, tutorial: bool = True) -> dict:
-    """name -> seconds a training step: captionkit in bf16 mixed precision (where the CPU has
-    native bf16) and fp32, and the tutorial-style decoder (``tutorial``)."""
+    """name -> median seconds of a training step: captionkit in bf16 mixed precision (where the
+    CPU has native bf16) and fp32, and the tutorial-style decoder (``tutorial``). Their steps are
+    interleaved, one of each per round after two unmeasured, so that every figure sees the same
+    machine: on a shared host the load moves within seconds, and the multiple of the tutorial-
+    style decoder is a ratio of two of these figures."""
     torch.manual_seed(0)
     # float32 tensors of float16 values, as training reads them from the feature store (every
     # decoder here, old or new, gets the same ones)
     feats = torch.randn(B, L, D).abs().half().float()
     ids = torch.randint(4, V, (B, T + 1))
-    out = {}
-    for precision in TRAIN_PRECISIONS:
+    steps = {}
+
+    def captionkit_step(precision: str):
         model = SoftAttentionDecoder(SATConfig(vocab_size=V, feat_dim=D, embed_dim=DIM, hidden_dim=DIM, attn_dim=DIM,
                                              embed_dropout=EMBED_DROPOUT))
         opt = make_optimizer([{"params": list(model.parameters()), "lr": 4e-4}], TrainConfig(precision=precision))
@@ -122,25 +129,32 @@ def bench_training(repeats: int, tutorial: bool = True) -> dict:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
             opt.step()
+        return step
 
-        out[f"captionkit {precision}"] = median_time(step, repeats)
-    if not tutorial:
-        return out
-    base = TutorialDecoder(V, feat_dim=D, dim=DIM)
-    opt = torch.optim.Adam(base.parameters(), 4e-4)
-    lengths = torch.full((B,), T)
+    for precision in TRAIN_PRECISIONS:
+        steps[f"captionkit {precision}"] = captionkit_step(precision)
+    if tutorial:
+        base = TutorialDecoder(V, feat_dim=D, dim=DIM)
+        base_opt = torch.optim.Adam(base.parameters(), 4e-4)
+        lengths = torch.full((B,), T)
 
-    def base_step():
-        scores, alphas = base(feats, ids, lengths)
-        loss = torch.nn.functional.cross_entropy(scores.reshape(-1, V), ids[:, 1:].reshape(-1))
-        loss = loss + ((1.0 - alphas.sum(1)) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(base.parameters(), 5.0)
-        opt.step()
-
-    out["tutorial-style fp32"] = median_time(base_step, max(3, repeats // 3), warmup=1)
-    return out
+        def base_step():
+            scores, alphas = base(feats, ids, lengths)
+            loss = torch.nn.functional.cross_entropy(scores.reshape(-1, V), ids[:, 1:].reshape(-1))
+            loss = loss + ((1.0 - alphas.sum(1)) ** 2).mean()
+            base_opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(base.parameters(), 5.0)
+            base_opt.step()
+        steps["tutorial-style fp32"] = base_step
+    for step in steps.values():
+        step()
+        step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            times[name].append(median_time(step, 1, warmup=0))
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def sample_photos(n: int) -> list[Path]:
@@ -252,11 +266,9 @@ def child(what: str, reps: int, n_img: int, precision: str) -> dict:
     """One --compare measurement in this process (the tree on PYTHONPATH): name -> figure."""
     if what == "extraction":
         return {"feature extraction images/s": bench_extraction(n_img)}
-    if what == "training":  # with the matmul peaks measured in the same process
-        out = {f"decoder training {name} captions/s": B / t for name, t in bench_training(reps, False).items()}
+    if what == "training":  # with the tutorial-style decoder's steps between its own, and the matmul peaks
+        out = {f"decoder training {name} captions/s": B / t for name, t in bench_training(reps).items()}
         return {**out, **{f"peak {p}": peak for p, peak in matmul_peaks(reps).items()}}
-    if what == "tutorial":
-        return {"tutorial": B / bench_training(reps)["tutorial-style fp32"]}
     model = what.split(":", 1)[1] or None
     c = bench_captioning(n_img, model=model, precision=precision)
     name = model or "default model"
@@ -266,17 +278,23 @@ def child(what: str, reps: int, n_img: int, precision: str) -> dict:
 
 
 def report_training_shares(got: dict[str, dict[str, list]]) -> None:
-    """Training's figures against the matmul peaks (measured in each child beside them) and
-    the tutorial-style decoder (measured in the same rounds)."""
-    flops, tutorial = train_step_flops(), statistics.median(got["new"]["tutorial"])
+    """Training's figures against the matmul peaks and the tutorial-style decoder, each
+    measured in the same child as the tree's own steps: the multiple is the median over the
+    rounds of each child's ratio."""
+    flops, tut = train_step_flops(), "decoder training tutorial-style fp32 captions/s"
     # one peak per precision for both trees: the median of every child's (the same machine)
     peaks = {p: statistics.median(got["old"]["peak " + p] + got["new"]["peak " + p]) for p in TRAIN_PRECISIONS}
-    print(f"  {peaks_text(peaks)}; tutorial-style decoder, fp32: {tutorial:.1f} captions/s", flush=True)
+    tutorial = statistics.median(got["old"][tut] + got["new"][tut])
+    print(f"  {peaks_text(peaks)}; tutorial-style decoder, fp32: {tutorial:.1f} captions/s "
+          f"(median of every child's)", flush=True)
     for label in ("old", "new"):
         for p in reversed(TRAIN_PRECISIONS):
-            rate = statistics.median(got[label][f"decoder training captionkit {p} captions/s"]) / B * flops
+            rates = got[label][f"decoder training captionkit {p} captions/s"]
+            rate = statistics.median(rates) / B * flops
+            multiple = statistics.median(r / t for r, t in zip(rates, got[label][tut]))
             print(f"  {label} {p}: {rate / 1e9:.1f} GFLOP/s = {rate / peaks[p]:.1%} of the {p} peak, "
-                  f"{rate / flops * B / tutorial:.1f}x tutorial-style", flush=True)
+                  f"{multiple:.1f}x tutorial-style (in its own children: "
+                  f"{', '.join(f'{r / t:.1f}x' for r, t in zip(rates, got[label][tut]))})", flush=True)
 
 
 def compare(args: argparse.Namespace, reps: int, n_img: int) -> None:
@@ -297,14 +315,11 @@ def compare(args: argparse.Namespace, reps: int, n_img: int) -> None:
             for label, src in trees.items():
                 for name, value in run_in_tree(src, __file__, ["--child", section, *argv]).items():
                     got[label].setdefault(name, []).append(value)
-            if section == "training":  # the peer, in the same round (its code is this tree's)
-                got["new"].setdefault("tutorial", []).append(
-                    run_in_tree(trees["new"], __file__, ["--child", "tutorial", *argv])["tutorial"])
         if section == "training":
             report_training_shares(got)
         for name, values in got["new"].items():
             old = got["old"].get(name)
-            if name.startswith(("precision", "peak", "tutorial")):
+            if name.startswith(("precision", "peak", "decoder training tutorial")):
                 continue
             if name.startswith("captions"):
                 same = sum(a == b for a, b in zip(old[0], values[0]))
