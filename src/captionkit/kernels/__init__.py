@@ -78,8 +78,8 @@ def _load():
         os.replace(tmp, so)
     lib = ctypes.CDLL(str(so))
     P, L_, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    lib.attn_energy_fwd.argtypes = [P, P, P, P, L_, L_, L_, I, I]
-    lib.attn_energy_bwd.argtypes = [P, P, P, P, P, P, P, L_, L_, L_, I, I]
+    lib.attn_energy_fwd.argtypes = [P, P, L_, P, P, L_, L_, L_, I, I]
+    lib.attn_energy_bwd.argtypes = [P, P, P, L_, P, P, P, P, L_, L_, L_, I, I]
     lib.attn_energy_bwd.restype = I
     lib.attn_softmax_fwd.argtypes = [P, P, L_, P, P, L_, L_, L_, I]
     lib.attn_softmax_bwd.argtypes = [P, P, P, P, P, L_, P, P, P, P, L_, L_, L_, I]
@@ -133,7 +133,7 @@ def energy_reference(proj: torch.Tensor, q: torch.Tensor, w: torch.Tensor) -> to
 def _fwd(lib, proj, q, w, rational: bool = False) -> torch.Tensor:
     B, L, A = proj.shape
     e = torch.empty(B, L, dtype=torch.float32)
-    lib.attn_energy_fwd(_ptr(proj), _ptr(q), _ptr(w), _ptr(e), B, L, A, torch.get_num_threads(), int(rational))
+    lib.attn_energy_fwd(_ptr(proj), _ptr(q), A, _ptr(w), _ptr(e), B, L, A, torch.get_num_threads(), int(rational))
     return e
 
 
@@ -154,7 +154,7 @@ def energy_backward(ge: torch.Tensor, proj: torch.Tensor, q: torch.Tensor, w: to
     (B, L, A) and gw (A,), writes gq (B, A). All float32 and contiguous. ``rational`` as in
     the forward."""
     B, L, A = proj.shape
-    if _load().attn_energy_bwd(_ptr(ge), _ptr(proj), _ptr(q), _ptr(w), _ptr(gproj), _ptr(gq), _ptr(gw),
+    if _load().attn_energy_bwd(_ptr(ge), _ptr(proj), _ptr(q), A, _ptr(w), _ptr(gproj), _ptr(gq), _ptr(gw),
                                B, L, A, torch.get_num_threads(), int(rational)) != 0:
         raise MemoryError("attention kernel could not allocate its buffer")
 
@@ -166,13 +166,10 @@ def energy_backward(ge: torch.Tensor, proj: torch.Tensor, q: torch.Tensor, w: to
 def _need(*contiguous: torch.Tensor, strided: tuple[torch.Tensor, ...] = ()) -> None:
     """Internal contract of these kernels: float32 CPU tensors, ``contiguous`` ones contiguous,
     ``strided`` ones matrices with contiguous rows or vectors of any stride (passed with ``ld``)."""
-    for t in (*contiguous, *strided):
-        ok = t.dtype == torch.float32 and t.device.type == KERNEL_DEVICE
-        if ok and any(t is x for x in contiguous):
-            ok = t.is_contiguous()
-        elif ok:
-            ok = t.dim() == 1 or (t.dim() == 2 and t.stride(1) == 1)
-        if not ok:
+    layouts = [t.is_contiguous() for t in contiguous] + [t.dim() == 1 or (t.dim() == 2 and t.stride(1) == 1)
+                                                         for t in strided]
+    for t, ok in zip((*contiguous, *strided), layouts):
+        if not (ok and t.dtype == torch.float32 and t.device.type == KERNEL_DEVICE):
             raise RuntimeError(f"recurrence kernel given a {t.dtype} {t.device} tensor of strides {t.stride()}")
 
 
@@ -292,7 +289,7 @@ class _Energy(torch.autograd.Function):
         B, L, A = proj.shape
         gq = torch.empty(B, A)
         gw = torch.zeros(A)
-        rc = _load().attn_energy_bwd(_ptr(ge.contiguous().float()), _ptr(proj), _ptr(q), _ptr(w),
+        rc = _load().attn_energy_bwd(_ptr(ge.contiguous().float()), _ptr(proj), _ptr(q), A, _ptr(w),
                                      _ptr(ctx.buf), _ptr(gq), _ptr(gw), B, L, A, torch.get_num_threads(), 0)
         if rc != 0:
             raise MemoryError("attention kernel could not allocate its buffer")

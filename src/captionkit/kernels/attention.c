@@ -38,8 +38,8 @@ static inline float tanh_rational(float x) {
     return x * p / q;
 }
 
-/* One location's energy: sum_a w[a] tanh(p[a] + qb[a]). (Also called by recurrence.c.) */
-float energy_row(const float *p, const float *qb, const float *w, long A, int fast) {
+/* One location's energy: sum_a w[a] tanh(p[a] + qb[a]). */
+static inline float energy_row(const float *p, const float *qb, const float *w, long A, int fast) {
     float s = 0.f;
     if (fast) {
 #pragma omp simd reduction(+ : s)
@@ -51,12 +51,13 @@ float energy_row(const float *p, const float *qb, const float *w, long A, int fa
     return s;
 }
 
-void attn_energy_fwd(const float *proj, const float *q, const float *w, float *e,
+/* e (B, L) <- the energies; q's rows ldq floats apart (a column slice of a wider matrix). */
+void attn_energy_fwd(const float *proj, const float *q, long ldq, const float *w, float *e,
                      long B, long L, long A, int nthreads, int fast) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (long b = 0; b < B; b++)
         for (long l = 0; l < L; l++)
-            e[b * L + l] = energy_row(proj + (b * L + l) * A, q + b * A, w, A, fast);
+            e[b * L + l] = energy_row(proj + (b * L + l) * A, q + b * ldq, w, A, fast);
 }
 
 /* What one attention unit of one location adds to the gradients, given its tanh t. */
@@ -68,7 +69,7 @@ static inline void accumulate(float g, float t, float wa, float *gp, float *gq, 
 }
 
 /* One location's backward for the energy's grad g: adds into gp, gqb and gwp. */
-void energy_row_backward(float g, const float *p, const float *qb, const float *w,
+static inline void energy_row_backward(float g, const float *p, const float *qb, const float *w,
                          float *gp, float *gqb, float *gwp, long A, int fast) {
     if (fast) {
 #pragma omp simd
@@ -79,8 +80,9 @@ void energy_row_backward(float g, const float *p, const float *qb, const float *
     }
 }
 
-/* ge: (B, L) grad of e. Adds into gproj (B, L, A) and gw (A); writes gq (B, A). */
-int attn_energy_bwd(const float *ge, const float *proj, const float *q, const float *w,
+/* ge: (B, L) grad of e. Adds into gproj (B, L, A) and gw (A); writes gq (B, A). q's and gq's
+ * rows ldq floats apart. */
+int attn_energy_bwd(const float *ge, const float *proj, const float *q, long ldq, const float *w,
                     float *gproj, float *gq, float *gw, long B, long L, long A, int nthreads, int fast) {
     float *part = calloc((size_t)nthreads * A, sizeof(float));
     if (!part) return -1;
@@ -89,10 +91,10 @@ int attn_energy_bwd(const float *ge, const float *proj, const float *q, const fl
         float *gwp = part + (long)omp_get_thread_num() * A;
 #pragma omp for schedule(static)
         for (long b = 0; b < B; b++) {
-            float *gqb = gq + b * A;
+            float *gqb = gq + b * ldq;
             memset(gqb, 0, A * sizeof(float));
             for (long l = 0; l < L; l++)
-                energy_row_backward(ge[b * L + l], proj + (b * L + l) * A, q + b * A, w,
+                energy_row_backward(ge[b * L + l], proj + (b * L + l) * A, q + b * ldq, w,
                                     gproj + (b * L + l) * A, gqb, gwp, A, fast);
         }
     }

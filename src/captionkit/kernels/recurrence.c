@@ -1,6 +1,6 @@
 /* Per-word pieces of the SAT decoder's teacher-forced recurrence (models/sat_recurrence.py)
  * that PyTorch ran as a dozen small element-wise operators a word, forward and backward:
- * the attention's softmax (fused with the energy of attention.c), the context gate and the
+ * the attention's softmax (on the energy of attention.c), the context gate and the
  * LSTM cell. Each is one pass over a few (B, x) rows; at the benchmark's sizes the operators'
  * dispatch cost more than their arithmetic. Rows may be strided (`ld*`: a row's length in
  * floats) so that slices of h_proj's output (B, A + 1 + 4H) are read and written in place.
@@ -11,24 +11,23 @@
 #include <omp.h>
 #include <stdint.h>
 
-float energy_row(const float *p, const float *qb, const float *w, long A, int fast);
-void energy_row_backward(float g, const float *p, const float *qb, const float *w,
-                         float *gp, float *gqb, float *gwp, long A, int fast);
+void attn_energy_fwd(const float *proj, const float *q, long ldq, const float *w, float *e,
+                     long B, long L, long A, int nthreads, int fast);
+int attn_energy_bwd(const float *ge, const float *proj, const float *q, long ldq, const float *w,
+                    float *gproj, float *gq, float *gw, long B, long L, long A, int nthreads, int fast);
 
 static inline float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
 
-/* alpha[b] = softmax_l(w . tanh(proj[b, l] + q[b])): the energies of attention.c's
- * rational tanh, then the softmax over the L locations, per caption. q rows ldq apart. */
+/* alpha[b] = softmax_l(w . tanh(proj[b, l] + q[b])): attention.c's energies with its rational
+ * tanh, then the softmax over the L locations, per caption. q rows ldq apart. */
 void attn_softmax_fwd(const float *proj, const float *q, long ldq, const float *w, float *alpha,
                       long B, long L, long A, int nthreads) {
+    attn_energy_fwd(proj, q, ldq, w, alpha, B, L, A, nthreads, 1);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (long b = 0; b < B; b++) {
         float *ab = alpha + b * L;
         float m = -INFINITY, s = 0.f;
-        for (long l = 0; l < L; l++) {
-            ab[l] = energy_row(proj + (b * L + l) * A, q + b * ldq, w, A, 1);
-            m = fmaxf(m, ab[l]);
-        }
+        for (long l = 0; l < L; l++) m = fmaxf(m, ab[l]);
         for (long l = 0; l < L; l++) {
             ab[l] = expf(ab[l] - m);
             s += ab[l];
@@ -40,36 +39,26 @@ void attn_softmax_fwd(const float *proj, const float *q, long ldq, const float *
 
 /* Backward of attn_softmax_fwd for d_alpha (B, L) (plus g_alpha, the loss's own gradient of
  * alpha, where not NULL): the softmax's backward d_e = alpha (d_alpha - alpha . d_alpha), then
- * the energy's. Adds into gproj (B, L, A) and gw (A); writes gq (B, A), rows ldq apart. */
+ * attention.c's energy backward. Adds into gproj (B, L, A) and gw (A); writes gq (B, A), rows
+ * ldq apart. */
 int attn_softmax_bwd(const float *d_alpha, const float *g_alpha, const float *alpha,
                      const float *proj, const float *q, long ldq, const float *w,
                      float *gproj, float *gq, float *gw, long B, long L, long A, int nthreads) {
-    float *part = calloc((size_t)nthreads * A + (size_t)B * L, sizeof(float));
-    if (!part) return -1;
-    float *de = part + (size_t)nthreads * A;  /* (B, L) */
-#pragma omp parallel num_threads(nthreads)
-    {
-        float *gwp = part + (long)omp_get_thread_num() * A;
-#pragma omp for schedule(static)
-        for (long b = 0; b < B; b++) {
-            const float *ab = alpha + b * L, *dab = d_alpha + b * L;
-            const float *gab = g_alpha ? g_alpha + b * L : NULL;
-            float *deb = de + b * L, dot = 0.f;
-            for (long l = 0; l < L; l++) {
-                deb[l] = gab ? dab[l] + gab[l] : dab[l];
-                dot += ab[l] * deb[l];
-            }
-            float *gqb = gq + b * ldq;
-            memset(gqb, 0, A * sizeof(float));
-            for (long l = 0; l < L; l++)
-                energy_row_backward(ab[l] * (deb[l] - dot), proj + (b * L + l) * A, q + b * ldq, w,
-                                    gproj + (b * L + l) * A, gqb, gwp, A, 1);
+    float *de = malloc((size_t)B * L * sizeof(float));  /* (B, L) */
+    if (!de) return -1;
+    for (long b = 0; b < B; b++) {
+        const float *ab = alpha + b * L, *dab = d_alpha + b * L;
+        const float *gab = g_alpha ? g_alpha + b * L : NULL;
+        float *deb = de + b * L, dot = 0.f;
+        for (long l = 0; l < L; l++) {
+            deb[l] = gab ? dab[l] + gab[l] : dab[l];
+            dot += ab[l] * deb[l];
         }
+        for (long l = 0; l < L; l++) deb[l] = ab[l] * (deb[l] - dot);
     }
-    for (int k = 0; k < nthreads; k++)
-        for (long a = 0; a < A; a++) gw[a] += part[(long)k * A + a];
-    free(part);
-    return 0;
+    const int rc = attn_energy_bwd(de, proj, q, ldq, w, gproj, gq, gw, B, L, A, nthreads, 1);
+    free(de);
+    return rc;
 }
 
 /* The gate: beta[b] = sigmoid(beta_logit[b * ld]), z[b] = beta[b] zc[b] (D wide). */
