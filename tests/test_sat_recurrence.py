@@ -50,13 +50,16 @@ def tiny(gate: bool = True, attention: str = "soft") -> SoftAttentionDecoder:
     return SoftAttentionDecoder(cfg).train()  # dropout on: both paths must draw the same masks
 
 
-def loss_and_grads(m, feats, ids, run, image_index=None):
+def loss_and_grads(m, feats, ids, run, image_index=None, alpha_c=1.0):
     for p in m.parameters():
         p.grad = None
     feats.grad = None
     torch.manual_seed(1)
     logits, alphas = run(m, feats, ids[:, :-1], image_index)
-    loss, ce = caption_loss(logits, ids[:, 1:], alphas, 1.0)
+    if alpha_c is None:  # no loss on the attention weights: they get no gradient of their own
+        loss = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:])
+    else:
+        loss, ce = caption_loss(logits, ids[:, 1:], alphas, alpha_c)
     loss.backward()
     return loss.detach(), logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}, feats.grad
 
@@ -78,9 +81,28 @@ def graph_nodes(t: torch.Tensor) -> tuple[set, set[str]]:
     return seen, names
 
 
+def packed_products(monkeypatch, packed: bool) -> list:
+    """Make the recurrence's per-word products run gemm.c's packed kernel (or PyTorch's
+    matmul), whatever this CPU prefers; returns the list of RowProducts made, to check which ran."""
+    from captionkit import kernels
+    if packed and not kernels._load().gemm_supported():
+        pytest.skip("gemm.c's kernel needs AVX2 and FMA")
+    made = []
+
+    class Spy(kernels.RowProducts):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+    monkeypatch.setattr(kernels, "gemm_preferred", lambda: packed)
+    monkeypatch.setattr(kernels, "RowProducts", Spy)
+    return made
+
+
+@pytest.mark.parametrize("packed", [True, False])  # the per-word products: gemm.c, or PyTorch
 @pytest.mark.parametrize("gate", [True, False])
 @pytest.mark.parametrize("feats_grad", [False, True])  # True: the encoder is being tuned
-def test_fused_step_gives_todays_loss_and_gradients(gate, feats_grad):
+def test_fused_step_gives_todays_loss_and_gradients(monkeypatch, packed, gate, feats_grad):
+    made = packed_products(monkeypatch, packed)
     m = tiny(gate)
     g = torch.Generator().manual_seed(2)
     feats = torch.randn(5, 7, 24, generator=g).abs().requires_grad_(feats_grad)  # (B, L, D)
@@ -98,6 +120,80 @@ def test_fused_step_gives_todays_loss_and_gradients(gate, feats_grad):
     if feats_grad:
         torch.testing.assert_close(new[3], old[3])
     assert new[2]["h_proj.weight"].abs().sum() > 0 and new[2]["gates_ctx.weight"].abs().sum() > 0
+    assert len(made) == 4 and all((r.packed is not None) == packed for r in made)  # h_proj, gates_ctx, both ways
+
+
+def test_row_products_sizes_past_the_tiles_and_blocks(monkeypatch):
+    """The benchmark's shapes in miniature but past every edge of gemm.c's tiling: rows not a
+    multiple of its 4 (and more than its 64 a pass), inputs past one block of 128, outputs not a
+    multiple of its 24 panels; the fused step's loss and gradients still equal the reference."""
+    made = packed_products(monkeypatch, True)
+    torch.manual_seed(0)
+    m = SoftAttentionDecoder(SATConfig(vocab_size=41, feat_dim=150, embed_dim=16, hidden_dim=35, attn_dim=30,
+                                       dropout=0.3, embed_dropout=0.2)).train()  # h_proj: 171 outputs, 35 inputs
+    g = torch.Generator().manual_seed(6)
+    feats = torch.randn(67, 5, 150, generator=g).abs()  # 67 captions
+    ids = torch.randint(4, 41, (67, 5), generator=g)
+    new = loss_and_grads(m, feats, ids, fused)
+    old = loss_and_grads(m, feats, ids, reference_unroll)
+    torch.testing.assert_close(new[0], old[0])
+    for name in old[2]:
+        torch.testing.assert_close(new[2][name], old[2][name], msg=name)
+    assert [r.packed is not None for r in made] == [True] * 4
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("start", ["none", "bias", "addend"])
+@pytest.mark.parametrize(("M", "K", "N"), [(1, 1, 1), (5, 20, 93), (32, 300, 48), (70, 129, 25)])
+def test_row_products_packed_and_pytorch_agree(transposed, start, M, K, N):
+    """RowProducts' two ways, gemm.c's packed kernel and PyTorch's W x^T, against float64, on
+    row slices of wider matrices (as the recurrence passes them); the kernel's result does not
+    depend on the thread count or on the other rows in the call (bit for bit)."""
+    from captionkit import kernels
+    if not kernels._load().gemm_supported():
+        pytest.skip("gemm.c's kernel needs AVX2 and FMA")
+    g = torch.Generator().manual_seed(M * K * N)
+    w = torch.randn(K, N, generator=g) if transposed else torch.randn(N, K, generator=g)
+    W = w.t() if transposed else w  # (N, K)
+    x = torch.randn(M, K + 7, generator=g)[:, 3:3 + K]  # rows K + 7 floats apart
+    bias = torch.randn(N, generator=g) if start == "bias" else None
+    addend = torch.randn(M, N + 2, generator=g)[:, 1:1 + N] if start == "addend" else None
+    want = x.double() @ W.double().t()
+    want += 0 if start == "none" else bias.double() if start == "bias" else addend.double()
+    outs = []
+    for packed in (True, False):
+        rp = kernels.RowProducts(w, transposed=transposed, packed=packed)
+        assert (rp.packed is not None) == packed
+        out = torch.full((M, N + 5), float("nan"))
+        rp(x, out[:, :N], bias=bias, addend=addend)
+        assert out[:, N:].isnan().all()  # nothing written past the slice
+        torch.testing.assert_close(out[:, :N].double(), want, rtol=1e-5, atol=1e-5 * K ** 0.5)
+        outs.append(out[:, :N])
+    rp = kernels.RowProducts(w, transposed=transposed, packed=True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = rp(x, torch.empty(M, N), bias=bias, addend=addend)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, outs[0])
+    last = rp(x[-1:], torch.empty(1, N), bias=bias, addend=None if addend is None else addend[-1:])
+    assert torch.equal(last, outs[0][-1:])
+
+
+def test_row_products_refuse_what_they_cannot_take():
+    from captionkit import kernels
+    w = torch.randn(6, 4)
+    rp = kernels.RowProducts(w, packed=False)
+    with pytest.raises(RuntimeError, match=r"x \(3, 5\)"):
+        rp(torch.randn(3, 5), torch.empty(3, 6))
+    with pytest.raises(RuntimeError, match="strides"):
+        rp(torch.randn(4, 3).t(), torch.empty(3, 6))  # columns of x not contiguous
+    with pytest.raises(RuntimeError, match="float64"):
+        kernels.RowProducts(w.double())
+    if not kernels._load().gemm_supported():
+        with pytest.raises(RuntimeError, match="AVX2"):
+            kernels.RowProducts(w, packed=True)
 
 
 def test_fused_step_without_a_loss_on_the_attention_weights():
@@ -118,31 +214,33 @@ def test_fused_step_without_a_loss_on_the_attention_weights():
 
 
 @pytest.mark.parametrize("width", [24, 13])  # 13: a row of float16 not a whole number of vectors
-def test_fused_step_on_store_features_reads_them_as_float16(monkeypatch, width):
-    """Features from the feature store are float16 values: the recurrence's context reads a
-    float16 copy (half the bytes) and gives the float32 results; any value that float16 cannot
-    hold exactly keeps the float32 path."""
+@pytest.mark.parametrize(("gate", "alpha_c"), [(True, 1.0), (False, 1.0), (True, None)])
+def test_fused_step_on_store_features_reads_them_as_float16(monkeypatch, width, gate, alpha_c):
+    """Features from the feature store are float16 values: the recurrence's attention reads a
+    float16 copy (half the bytes), a caption at a time (attend kernels), and gives the float32
+    results; any value that float16 cannot hold exactly keeps the float32 path."""
     from captionkit import kernels
     calls = []
-    for name in ("context_forward", "context_backward"):
+    for name in ("attend_forward", "attend_backward"):
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a)))
     torch.manual_seed(0)
     m = SoftAttentionDecoder(SATConfig(vocab_size=37, feat_dim=width, embed_dim=16, hidden_dim=20, attn_dim=12,
-                                       dropout=0.3, embed_dropout=0.2)).train()
+                                       dropout=0.3, embed_dropout=0.2, gate=gate)).train()
     g = torch.Generator().manual_seed(5)
     feats = (torch.randn(5, 7, width, generator=g) * 3).half().float()  # (B, L, D) as the store gives them
     ids = torch.randint(4, 37, (5, 9), generator=g)
-    new = loss_and_grads(m, feats, ids, fused)
-    old = loss_and_grads(m, feats, ids, reference_unroll)
+    new = loss_and_grads(m, feats, ids, fused, alpha_c=alpha_c)
+    old = loss_and_grads(m, feats, ids, reference_unroll, alpha_c=alpha_c)
     half = kernels._load().half_supported() == 1  # x86 with F16C; elsewhere the float32 path
-    assert calls.count("context_forward") == (8 if half else 0) and calls.count("context_backward") == (8 if half else 0)
+    assert calls.count("attend_forward") == (8 if half else 0) and calls.count("attend_backward") == (8 if half else 0)
     torch.testing.assert_close(new[0], old[0])
     for name in old[2]:
         torch.testing.assert_close(new[2][name], old[2][name], msg=name)
+    assert (new[2]["h_proj.weight"][12].abs().sum() > 0) == gate  # row A: beta's logit, trained with the gate only
     calls.clear()
     feats[2, 3, 1] += 1e-3  # no longer a float16 value
-    loss_and_grads(m, feats, ids, fused)
+    loss_and_grads(m, feats, ids, fused, alpha_c=alpha_c)
     assert calls == []
 
 

@@ -12,6 +12,9 @@ a few fused GPU kernels anyway; this is the one place that choice is made.
 
 For training, :class:`EnergyContext` wraps a batch's ``proj`` once, so that the gradient of
 ``proj`` is accumulated in place across all time steps instead of being summed by autograd.
+The SAT decoder's fused training recurrence (models/sat_recurrence.py) runs the per-word kernels
+of ``recurrence.c`` and the few-row matmuls of ``gemm.c`` (:class:`RowProducts`), all in the same
+library.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 
 from ..core.cache import cache_dir
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("attention.c", "recurrence.c")]  # one library
+_SOURCES = [Path(__file__).with_name(n) for n in ("attention.c", "recurrence.c", "gemm.c")]  # one library
 _lib = None
 _tried = False
 _plain = 0  # > 0 inside ``plain_pytorch()``
@@ -91,8 +94,13 @@ def _load():
     lib.half_supported.restype = I
     lib.to_half_exact.argtypes = [P, P, L_, I]
     lib.to_half_exact.restype = L_
-    lib.context_fwd_half.argtypes = [P, P, P, L_, L_, L_, I]
-    lib.context_bwd_half.argtypes = [P, P, P, L_, L_, L_, I]
+    lib.attend_fwd_half.argtypes = [P, P, P, L_, P, P, P, P, P, P, L_, L_, L_, L_, I]
+    lib.attend_bwd_half.argtypes = [P, P, P, P, P, P, P, P, P, L_, P, P, P, P, L_, L_, L_, L_, I]
+    lib.attend_bwd_half.restype = I
+    lib.gemm_supported.restype = I
+    lib.gemm_preferred.restype = I
+    lib.pack_panels.argtypes = [P, L_, I, L_, L_, P, I]
+    lib.gemm_packed.argtypes = [P, L_, L_, L_, P, L_, P, P, L_, P, L_, I]
     _lib = lib
     return lib
 
@@ -232,7 +240,7 @@ def _need_half(t: torch.Tensor) -> None:
 
 def half_copy(feats: torch.Tensor) -> torch.Tensor | None:
     """feats (B, L, D) float32 as float16, or None where a value does not convert exactly (or
-    the compiler has no float16): the context kernels below read half the bytes and compute
+    the compiler has no float16): the attend kernels below read half the bytes and compute
     the float32 products. Features from the feature store are float16 values (one pass here
     finds out)."""
     _need(feats)
@@ -244,20 +252,96 @@ def half_copy(feats: torch.Tensor) -> torch.Tensor | None:
     return out if bad == 0 else None
 
 
-def context_forward(alpha: torch.Tensor, feats_half: torch.Tensor, z: torch.Tensor) -> None:
-    """z (B, D) <- sum over l of alpha (B, L) x feats_half (B, L, D) (from :func:`half_copy`)."""
-    _need(alpha, z)
+def attend_forward(proj: torch.Tensor, hp: torch.Tensor, w: torch.Tensor, feats_half: torch.Tensor, gate: bool,
+                   alpha: torch.Tensor, zc: torch.Tensor, beta: torch.Tensor, z: torch.Tensor) -> None:
+    """A word's attention in one pass a caption, for float16 features (:func:`half_copy`):
+    alpha (B, L) <- the softmax of the energies of proj (B, L, A) and q = hp[:, :A];
+    zc (B, D) <- alpha . feats_half (B, L, D); with ``gate``, beta (B,) <- sigmoid(hp[:, A])
+    and z (B, D) <- beta zc (z and beta untouched otherwise). hp: h_proj's output (B, >A)."""
+    B, L, A = proj.shape
+    _need(proj, w, alpha, zc, beta, z, strided=(hp,))
     _need_half(feats_half)
-    B, L, D = feats_half.shape
-    _load().context_fwd_half(_ptr(alpha), _ptr(feats_half), _ptr(z), B, L, D, torch.get_num_threads())
+    D = feats_half.shape[2]
+    _load().attend_fwd_half(_ptr(proj), _ptr(hp), _ptr(hp) + 4 * A if gate else None, hp.stride(0), _ptr(w),
+                            _ptr(feats_half), _ptr(alpha), _ptr(zc), _ptr(beta), _ptr(z), B, L, A, D,
+                            torch.get_num_threads())
 
 
-def context_backward(dz: torch.Tensor, feats_half: torch.Tensor, d_alpha: torch.Tensor) -> None:
-    """d_alpha (B, L) <- feats_half (B, L, D) . dz (B, D): the context's gradient of alpha."""
-    _need(dz, d_alpha)
+def attend_backward(dz: torch.Tensor, zc: torch.Tensor, beta: torch.Tensor, gate: bool, alpha: torch.Tensor,
+                    g_alpha: torch.Tensor | None, feats_half: torch.Tensor, proj: torch.Tensor,
+                    hp: torch.Tensor, w: torch.Tensor, gproj: torch.Tensor, g_hp: torch.Tensor,
+                    gw: torch.Tensor) -> None:
+    """Backward of :func:`attend_forward` for dz (B, D), the context's gradient (gated, with
+    ``gate``: then dz becomes the ungated one's and g_hp[:, A] beta's logit's), and g_alpha
+    (B, L), the loss's own gradient of alpha (or None). Adds into gproj (B, L, A) and gw (A);
+    writes g_hp[:, :A], the query's gradient. hp and g_hp: (B, >A), rows equally far apart."""
+    B, L, A = proj.shape
+    _need(dz, zc, beta, alpha, proj, w, gproj, gw, *([] if g_alpha is None else [g_alpha]), strided=(hp, g_hp))
     _need_half(feats_half)
-    B, L, D = feats_half.shape
-    _load().context_bwd_half(_ptr(dz), _ptr(feats_half), _ptr(d_alpha), B, L, D, torch.get_num_threads())
+    if hp.stride(0) != g_hp.stride(0):
+        raise RuntimeError(f"attend_backward: hp and g_hp rows {hp.stride(0)} and {g_hp.stride(0)} floats apart")
+    if _load().attend_bwd_half(_ptr(dz), _ptr(zc), _ptr(beta), _ptr(g_hp) + 4 * A if gate else None, _ptr(alpha),
+                               None if g_alpha is None else _ptr(g_alpha), _ptr(feats_half), _ptr(proj), _ptr(hp),
+                               hp.stride(0), _ptr(w), _ptr(gproj), _ptr(g_hp), _ptr(gw), B, L, A,
+                               feats_half.shape[2], torch.get_num_threads()) != 0:
+        raise MemoryError("attention kernel could not allocate its buffer")
+
+
+# ---- products of a few rows by one weight many times (gemm.c): the recurrence's per-word matmuls ----
+
+_PANEL = 24  # gemm.c's NR: outputs a packed panel
+
+
+def gemm_preferred() -> bool:
+    """Do :class:`RowProducts` run gemm.c's packed kernel here? Where the kernels load and the
+    CPU has AVX2 + FMA but not AVX-512 (there MKL's 512-bit kernels are left to it, unmeasured)."""
+    return kernel_available() and bool(_load().gemm_preferred())
+
+
+class RowProducts:
+    """out (M, N) = x (M, K) W^T (+ a bias or an addend) for many x of few rows (a batch, one
+    word at a time) and one weight: W = ``w`` (N, K), or ``w.t()`` for ``transposed=True``
+    (w (K, N)). With ``packed`` (default: :func:`gemm_preferred`), W is packed once here and
+    gemm.c's kernel writes out directly; otherwise PyTorch computes W x^T (weight on the left:
+    with 32 rows MKL ran that form 1.2-1.7x faster than x W^T on AVX2) and copies its
+    transpose into out. x, out and addend may be row slices of wider matrices (rows
+    contiguous). Both ways give the same values up to float32 rounding (tested)."""
+
+    def __init__(self, w: torch.Tensor, *, transposed: bool = False, packed: bool | None = None):
+        _need(w)
+        self.w = w.t() if transposed else w  # (N, K), a view
+        self.n, self.k = self.w.shape
+        self.packed = None
+        if gemm_preferred() if packed is None else packed:
+            if not (kernel_available() and _load().gemm_supported()):
+                raise RuntimeError("RowProducts(packed=True): gemm.c's kernel is not built here (needs AVX2 and FMA)")
+            self.packed = torch.empty(-(-self.n // _PANEL), self.k, _PANEL)
+            _load().pack_panels(_ptr(w), w.stride(0), int(transposed), self.n, self.k, _ptr(self.packed),
+                                torch.get_num_threads())
+        self._tmp = None  # (N, M): PyTorch's W x^T before its transpose is copied out
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, *, bias: torch.Tensor | None = None,
+                 addend: torch.Tensor | None = None) -> torch.Tensor:
+        """out <- x W^T + (bias (N,) or addend (M, N) or 0); returns out."""
+        m = x.shape[0]
+        if x.shape != (m, self.k) or out.shape != (m, self.n) or (addend is not None and addend.shape != out.shape):
+            raise RuntimeError(f"RowProducts of W {tuple(self.w.shape)}: x {tuple(x.shape)}, out {tuple(out.shape)}")
+        _need(*([] if bias is None else [bias]), strided=(x, out, *([] if addend is None else [addend])))
+        if self.packed is not None:
+            _load().gemm_packed(_ptr(x), x.stride(0), m, self.k, _ptr(self.packed), self.n,
+                                None if bias is None else _ptr(bias), None if addend is None else _ptr(addend),
+                                0 if addend is None else addend.stride(0), _ptr(out), out.stride(0),
+                                torch.get_num_threads())
+            return out
+        if self._tmp is None or self._tmp.shape[1] != m:
+            self._tmp = torch.empty(self.n, m)
+        if bias is None:
+            torch.mm(self.w, x.t(), out=self._tmp)
+        else:
+            torch.addmm(bias.unsqueeze(1), self.w, x.t(), out=self._tmp)
+        if addend is None:
+            return out.copy_(self._tmp.t())
+        return torch.add(addend, self._tmp.t(), out=out)
 
 
 class _PassGrad(torch.autograd.Function):

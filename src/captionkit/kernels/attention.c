@@ -51,13 +51,16 @@ static inline float energy_row(const float *p, const float *qb, const float *w, 
     return s;
 }
 
+/* One caption's energies: e (L) for its proj (L, A) and q (A). */
+void attn_energy_caption(const float *proj, const float *q, const float *w, float *e, long L, long A, int fast) {
+    for (long l = 0; l < L; l++) e[l] = energy_row(proj + l * A, q, w, A, fast);
+}
+
 /* e (B, L) <- the energies; q's rows ldq floats apart (a column slice of a wider matrix). */
 void attn_energy_fwd(const float *proj, const float *q, long ldq, const float *w, float *e,
                      long B, long L, long A, int nthreads, int fast) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (long b = 0; b < B; b++)
-        for (long l = 0; l < L; l++)
-            e[b * L + l] = energy_row(proj + (b * L + l) * A, q + b * ldq, w, A, fast);
+    for (long b = 0; b < B; b++) attn_energy_caption(proj + b * L * A, q + b * ldq, w, e + b * L, L, A, fast);
 }
 
 /* What one attention unit of one location adds to the gradients, given its tanh t. */
@@ -80,6 +83,14 @@ static inline void energy_row_backward(float g, const float *p, const float *qb,
     }
 }
 
+/* One caption's backward for its energies' grad ge (L): writes gq (A), adds into its gproj
+ * (L, A) and into gw (A). */
+void attn_energy_caption_bwd(const float *ge, const float *proj, const float *q, const float *w,
+                             float *gproj, float *gq, float *gw, long L, long A, int fast) {
+    memset(gq, 0, A * sizeof(float));
+    for (long l = 0; l < L; l++) energy_row_backward(ge[l], proj + l * A, q, w, gproj + l * A, gq, gw, A, fast);
+}
+
 /* ge: (B, L) grad of e. Adds into gproj (B, L, A) and gw (A); writes gq (B, A). q's and gq's
  * rows ldq floats apart. */
 int attn_energy_bwd(const float *ge, const float *proj, const float *q, long ldq, const float *w,
@@ -90,13 +101,9 @@ int attn_energy_bwd(const float *ge, const float *proj, const float *q, long ldq
     {
         float *gwp = part + (long)omp_get_thread_num() * A;
 #pragma omp for schedule(static)
-        for (long b = 0; b < B; b++) {
-            float *gqb = gq + b * ldq;
-            memset(gqb, 0, A * sizeof(float));
-            for (long l = 0; l < L; l++)
-                energy_row_backward(ge[b * L + l], proj + (b * L + l) * A, q + b * ldq, w,
-                                    gproj + (b * L + l) * A, gqb, gwp, A, fast);
-        }
+        for (long b = 0; b < B; b++)
+            attn_energy_caption_bwd(ge + b * L, proj + b * L * A, q + b * ldq, w, gproj + b * L * A, gq + b * ldq,
+                                    gwp, L, A, fast);
     }
     for (int k = 0; k < nthreads; k++)
         for (long a = 0; a < A; a++) gw[a] += part[(long)k * A + a];

@@ -11,9 +11,12 @@ recurrence in reverse with the LSTM cell, the gate, the softmax and the attentio
 differentiated by hand, keeps every word's gradient of the gates and of h_proj's output, and
 takes the weight gradients once for all words: one matmul of inner size T * B per weight.
 Per word, what is not a matmul (the energy and softmax, the gate, the LSTM cell, forward and
-backward) is one C kernel each (kernels/recurrence.c), not a dozen small operators; the
+backward) is one C kernel each (kernels/recurrence.c), not a dozen small operators; with the
+feature store's float16 features, the energy, softmax, context and gate are one pass a caption
+(``attend_forward``/``attend_backward``, the same arithmetic, 0.4 ms a word less). The
 energy's tanh there is a rational approximation, accurate to 3e-7 and 2-3x cheaper than
-glibc's tanhf (kernels/attention.c); decoding keeps tanhf.
+glibc's tanhf (kernels/attention.c); decoding keeps tanhf. The per-word matmuls of 32 rows are
+gemm.c's kernel on weights packed once a call, on AVX2 CPUs (``kernels.RowProducts``).
 
 The math is the step-by-step code's (``SoftAttentionDecoder._unroll`` without a sampled
 location): per word t, with hp = h_proj(h_{t-1}) = [q | beta_logit | gates_h],
@@ -39,11 +42,10 @@ class SoftRecurrence(torch.autograd.Function):
     feats_half: feats as float16 (``kernels.half_copy``) for the context's products, or None.
     Returns h_1..h_T (B, T, H), the gated contexts z_1..z_T (B, T, D), alphas (B, T, L).
 
-    Per word, the matmuls run in PyTorch and the rest in the C kernels of recurrence.c: the
-    energy and softmax (with attention.c's rational tanh), the gate, the LSTM cell. Each
-    per-word matmul takes the weight as its left operand, W x^T -> (out, B), and its result is
-    transposed back: with 32 rows of x, MKL ran that form 1.2-1.7x faster than x W^T (measured
-    at the benchmark's sizes on 2 AVX2 cores), more than the copy of a (B, out) block costs."""
+    Per word, the matmuls run as :class:`kernels.RowProducts` (gemm.c's kernel on the weights
+    packed once a call, where it is preferred; else PyTorch's W x^T) and the rest in the C
+    kernels of recurrence.c: the energy and softmax (with attention.c's rational tanh), the
+    gate, the LSTM cell."""
 
     @staticmethod
     def forward(ctx, proj, feats, gates_x, h0, c0, w_h, b_h, att_w, w_ctx, gate: bool, feats_half=None):
@@ -59,21 +61,19 @@ class SoftRecurrence(torch.autograd.Function):
         zcs = torch.empty(T, B, D)  # ungated contexts
         betas = torch.empty(T, B)
         zs = torch.empty(T, B, D) if gate else zcs  # gated contexts
-        gz, gz_t = torch.empty(B, 4 * H), torch.empty(4 * H, B)  # W_ctx z
-        hp_t = torch.empty(A + 1 + 4 * H, B)
+        gz = torch.empty(B, 4 * H)  # W_ctx z
         hs[0], cs[0] = h0, c0
-        bias = b_h.unsqueeze(1)  # (A + 1 + 4H, 1)
+        h_proj, gates_ctx = K.RowProducts(w_h), K.RowProducts(w_ctx)
         for t in range(T):
-            hp = hps[t]
-            hp.copy_(torch.addmm(bias, w_h, hs[t].t(), out=hp_t).t())  # (B, A + 1 + 4H)
-            K.attention_softmax(proj, hp[:, :A], att_w, alphas[t])  # (B, L)
-            if feats_half is None:
+            hp = h_proj(hs[t], hps[t], bias=b_h)  # (B, A + 1 + 4H)
+            if feats_half is not None:  # the same, a caption at a time, reading half the bytes
+                K.attend_forward(proj, hp, att_w, feats_half, gate, alphas[t], zcs[t], betas[t], zs[t])
+            else:
+                K.attention_softmax(proj, hp[:, :A], att_w, alphas[t])  # (B, L)
                 torch.bmm(alphas[t].unsqueeze(1), feats, out=zcs[t].unsqueeze(1))  # (B, 1, D)
-            else:  # the same products, reading half the bytes
-                K.context_forward(alphas[t], feats_half, zcs[t])
-            if gate:
-                K.gate_forward(hp[:, A], zcs[t], betas[t], zs[t])
-            gz.copy_(torch.mm(w_ctx, zs[t].t(), out=gz_t).t())  # (B, 4H)
+                if gate:
+                    K.gate_forward(hp[:, A], zcs[t], betas[t], zs[t])
+            gates_ctx(zs[t], gz)  # (B, 4H)
             K.lstm_forward(gz, hp[:, A + 1:], gx[t], cs[t], acts[t], cs[t + 1], tanh_c[t], hs[t + 1])
         ctx.gate, ctx.feats_half = gate, feats_half
         ctx.save_for_backward(proj, feats, w_h, att_w, w_ctx, hs, cs, tanh_c, acts, hps, alphas, zcs, betas, zs)
@@ -97,29 +97,28 @@ class SoftRecurrence(torch.autograd.Function):
         g_hp = torch.empty(T, B, A + 1 + 4 * H)  # every word's gradient of h_proj's output
         g_gates = g_hp[:, :, A + 1:]  # (T, B, 4H): gates_h, gates_x and W_ctx z share it
         dh, dc = torch.zeros(B, H), torch.zeros(B, H)
-        dz, dz_t, dh_t = torch.empty(B, D), torch.empty(D, B), torch.empty(H, B)
-        d_alpha = torch.empty(B, proj.shape[1])
-        # (transposed views: a contiguous copy ran the products a little faster, but copying
-        # the weights cost more than that)
-        w_ctx_t, w_h_t = w_ctx.t(), w_h.t()  # (D, 4H), (H, A + 1 + 4H)
+        dz = torch.empty(B, D)
+        gates_ctx_t, h_proj_t = K.RowProducts(w_ctx, transposed=True), K.RowProducts(w_h, transposed=True)
         for t in reversed(range(T)):
             # h_t's gradient (from h_{t+1}'s words and the loss), c_t's -> the gates', c_{t-1}'s
             K.lstm_backward(dh, g_hs[t], dc, acts[t], tanh_c[t], cs[t], g_gates[t])
-            torch.add(g_zs[t], torch.mm(w_ctx_t, g_gates[t].t(), out=dz_t).t(), out=dz)  # (B, D)
-            if ctx.gate:  # -> beta's logit's gradient; dz becomes the ungated context's
-                K.gate_backward(dz, zcs[t], betas[t], g_hp[t, :, A])
-            else:
+            gates_ctx_t(g_gates[t], dz, addend=g_zs[t])  # (B, D)
+            if not ctx.gate:
                 g_hp[t, :, A] = 0
-            if g_feats is not None:
-                g_feats.baddbmm_(alphas[t].unsqueeze(2), dz.unsqueeze(1))  # (B, L, 1) x (B, 1, D)
-            # (as a row times feats^T: the (B, L, D) x (B, D, 1) form runs a far slower kernel)
-            if ctx.feats_half is None:
-                d_alpha = torch.bmm(dz.unsqueeze(1), feats.transpose(1, 2)).squeeze(1)  # (B, L)
+            g_alpha = None if g_alphas is None else g_alphas[t]
+            if ctx.feats_half is not None:  # the gate's, the context's, the softmax's and the energy's
+                K.attend_backward(dz, zcs[t], betas[t], ctx.gate, alphas[t], g_alpha, ctx.feats_half, proj,
+                                  hps[t], att_w, g_proj, g_hp[t], g_att_w)
             else:
-                K.context_backward(dz, ctx.feats_half, d_alpha)
-            K.attention_softmax_backward(d_alpha, None if g_alphas is None else g_alphas[t], alphas[t], proj,
-                                         hps[t, :, :A], att_w, g_proj, g_hp[t, :, :A], g_att_w)
-            dh.copy_(torch.mm(w_h_t, g_hp[t].t(), out=dh_t).t())  # -> h_{t-1}'s gradient, (B, H)
+                if ctx.gate:  # -> beta's logit's gradient; dz becomes the ungated context's
+                    K.gate_backward(dz, zcs[t], betas[t], g_hp[t, :, A])
+                if g_feats is not None:
+                    g_feats.baddbmm_(alphas[t].unsqueeze(2), dz.unsqueeze(1))  # (B, L, 1) x (B, 1, D)
+                # (as a row times feats^T: the (B, L, D) x (B, D, 1) form runs a far slower kernel)
+                d_alpha = torch.bmm(dz.unsqueeze(1), feats.transpose(1, 2)).squeeze(1)  # (B, L)
+                K.attention_softmax_backward(d_alpha, g_alpha, alphas[t], proj, hps[t, :, :A], att_w, g_proj,
+                                             g_hp[t, :, :A], g_att_w)
+            h_proj_t(g_hp[t], dh)  # -> h_{t-1}'s gradient, (B, H)
         # the weight gradients once for all words: inner size T * B
         flat = g_hp.view(T * B, -1)  # (T B, A + 1 + 4H)
         g_w_h = flat.t() @ hs[:T].reshape(T * B, H)
