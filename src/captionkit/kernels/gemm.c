@@ -40,10 +40,12 @@ void pack_panels(const float *w, long ldw, int transposed, long N, long K, float
                 memset(dst + k * NR + nn, 0, (NR - nn) * sizeof(float));
             }
         } else {  /* output n's weights are row n of w: spread over the panel's column */
-            for (long i = 0; i < NR; i++) {
+            for (long i = 0; i < nn; i++) {
                 const float *src = w + (n0 + i) * ldw;
-                for (long k = 0; k < K; k++) dst[k * NR + i] = i < nn ? src[k] : 0.f;
+                for (long k = 0; k < K; k++) dst[k * NR + i] = src[k];
             }
+            for (long i = nn; i < NR; i++)
+                for (long k = 0; k < K; k++) dst[k * NR + i] = 0.f;
         }
     }
 }
