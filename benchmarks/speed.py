@@ -291,10 +291,10 @@ def report_training_shares(got: dict[str, dict[str, list]]) -> None:
         for p in reversed(TRAIN_PRECISIONS):
             rates = got[label][f"decoder training captionkit {p} captions/s"]
             rate = statistics.median(rates) / B * flops
-            multiple = statistics.median(r / t for r, t in zip(rates, got[label][tut]))
+            multiples = [r / t for r, t in zip(rates, got[label][tut])]  # each child's
             print(f"  {label} {p}: {rate / 1e9:.1f} GFLOP/s = {rate / peaks[p]:.1%} of the {p} peak, "
-                  f"{multiple:.1f}x tutorial-style (in its own children: "
-                  f"{', '.join(f'{r / t:.1f}x' for r, t in zip(rates, got[label][tut]))})", flush=True)
+                  f"{statistics.median(multiples):.1f}x tutorial-style (in its own children: "
+                  f"{', '.join(f'{m:.1f}x' for m in multiples)})", flush=True)
 
 
 def compare(args: argparse.Namespace, reps: int, n_img: int) -> None:

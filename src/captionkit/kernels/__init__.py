@@ -262,7 +262,7 @@ def attend_forward(proj: torch.Tensor, hp: torch.Tensor, w: torch.Tensor, feats_
     _need(proj, w, alpha, zc, beta, z, strided=(hp,))
     _need_half(feats_half)
     D = feats_half.shape[2]
-    _load().attend_fwd_half(_ptr(proj), _ptr(hp), _ptr(hp) + 4 * A if gate else None, hp.stride(0), _ptr(w),
+    _load().attend_fwd_half(_ptr(proj), _ptr(hp), _ptr(hp[:, A]) if gate else None, hp.stride(0), _ptr(w),
                             _ptr(feats_half), _ptr(alpha), _ptr(zc), _ptr(beta), _ptr(z), B, L, A, D,
                             torch.get_num_threads())
 
@@ -280,7 +280,7 @@ def attend_backward(dz: torch.Tensor, zc: torch.Tensor, beta: torch.Tensor, gate
     _need_half(feats_half)
     if hp.stride(0) != g_hp.stride(0):
         raise RuntimeError(f"attend_backward: hp and g_hp rows {hp.stride(0)} and {g_hp.stride(0)} floats apart")
-    if _load().attend_bwd_half(_ptr(dz), _ptr(zc), _ptr(beta), _ptr(g_hp) + 4 * A if gate else None, _ptr(alpha),
+    if _load().attend_bwd_half(_ptr(dz), _ptr(zc), _ptr(beta), _ptr(g_hp[:, A]) if gate else None, _ptr(alpha),
                                None if g_alpha is None else _ptr(g_alpha), _ptr(feats_half), _ptr(proj), _ptr(hp),
                                hp.stride(0), _ptr(w), _ptr(gproj), _ptr(g_hp), _ptr(gw), B, L, A,
                                feats_half.shape[2], torch.get_num_threads()) != 0:

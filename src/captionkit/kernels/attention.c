@@ -91,6 +91,12 @@ void attn_energy_caption_bwd(const float *ge, const float *proj, const float *q,
     for (long l = 0; l < L; l++) energy_row_backward(ge[l], proj + l * A, q, w, gproj + l * A, gq, gw, A, fast);
 }
 
+/* gw (A) += the per-thread shares part[k stride .. k stride + A) of nthreads threads. */
+void add_thread_shares(float *gw, const float *part, long stride, long A, int nthreads) {
+    for (int k = 0; k < nthreads; k++)
+        for (long a = 0; a < A; a++) gw[a] += part[(long)k * stride + a];
+}
+
 /* ge: (B, L) grad of e. Adds into gproj (B, L, A) and gw (A); writes gq (B, A). q's and gq's
  * rows ldq floats apart. */
 int attn_energy_bwd(const float *ge, const float *proj, const float *q, long ldq, const float *w,
@@ -105,8 +111,7 @@ int attn_energy_bwd(const float *ge, const float *proj, const float *q, long ldq
             attn_energy_caption_bwd(ge + b * L, proj + b * L * A, q + b * ldq, w, gproj + b * L * A, gq + b * ldq,
                                     gwp, L, A, fast);
     }
-    for (int k = 0; k < nthreads; k++)
-        for (long a = 0; a < A; a++) gw[a] += part[(long)k * A + a];
+    add_thread_shares(gw, part, A, A, nthreads);
     free(part);
     return 0;
 }

@@ -18,6 +18,7 @@ int attn_energy_bwd(const float *ge, const float *proj, const float *q, long ldq
 void attn_energy_caption(const float *proj, const float *q, const float *w, float *e, long L, long A, int fast);
 void attn_energy_caption_bwd(const float *ge, const float *proj, const float *q, const float *w,
                              float *gproj, float *gq, float *gw, long L, long A, int fast);
+void add_thread_shares(float *gw, const float *part, long stride, long A, int nthreads);
 
 static inline float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
 
@@ -259,8 +260,7 @@ int attend_bwd_half(float *dz, const float *zc, const float *beta, float *g_logi
             attn_energy_caption_bwd(de, proj + b * L * A, q + b * ld, w, gproj + b * L * A, gq + b * ld, gwp, L, A, 1);
         }
     }
-    for (int k = 0; k < nthreads; k++)
-        for (long a = 0; a < A; a++) gw[a] += part[(long)k * (A + L) + a];
+    add_thread_shares(gw, part, A + L, A, nthreads);
     free(part);
     return 0;
 }

@@ -98,13 +98,13 @@ class SoftRecurrence(torch.autograd.Function):
         g_gates = g_hp[:, :, A + 1:]  # (T, B, 4H): gates_h, gates_x and W_ctx z share it
         dh, dc = torch.zeros(B, H), torch.zeros(B, H)
         dz = torch.empty(B, D)
+        if not ctx.gate:
+            g_hp[:, :, A] = 0  # beta's logit: no gate, no gradient
         gates_ctx_t, h_proj_t = K.RowProducts(w_ctx, transposed=True), K.RowProducts(w_h, transposed=True)
         for t in reversed(range(T)):
             # h_t's gradient (from h_{t+1}'s words and the loss), c_t's -> the gates', c_{t-1}'s
             K.lstm_backward(dh, g_hs[t], dc, acts[t], tanh_c[t], cs[t], g_gates[t])
             gates_ctx_t(g_gates[t], dz, addend=g_zs[t])  # (B, D)
-            if not ctx.gate:
-                g_hp[t, :, A] = 0
             g_alpha = None if g_alphas is None else g_alphas[t]
             if ctx.feats_half is not None:  # the gate's, the context's, the softmax's and the energy's
                 K.attend_backward(dz, zcs[t], betas[t], ctx.gate, alphas[t], g_alpha, ctx.feats_half, proj,
