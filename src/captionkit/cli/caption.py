@@ -20,6 +20,8 @@ from .common import _diversity_doc, _print_diversity
 
 
 DEFAULT_NBEST = 5  # beams --rerank mbr chooses among when --nbest is not given
+MATCH_NBEST = 3  # beams --rerank match chooses among when --nbest is not given (chosen on Flickr8k dev)
+MATCH_WEIGHT = 0.03  # --match-weight's default (chosen on Flickr8k dev, docs/decoding-controls.md)
 
 
 def _caption_writer(command: str, paths: list[str], settings: dict, **outputs):
@@ -58,8 +60,16 @@ def _models_setting(models: list[str] | None, weights: list[float] | None):
 
 
 def _check_models(models: list[str] | None, weights: list[float] | None, rerank: str | None = None,
-                  nbest: int | None = None, candidates: str | None = None) -> None:
-    """--model/--weights/--rerank/--nbest that do not fit together, refused before anything loads."""
+                  nbest: int | None = None, candidates: str | None = None, matcher: str | None = None,
+                  match_weight: float | None = None) -> None:
+    """--model/--weights/--rerank/--nbest/--matcher that do not fit together, refused before
+    anything loads."""
+    if rerank == "match" and not matcher:
+        raise UsageError("--rerank match needs --matcher DIR (captionkit matcher trains one)")
+    if (matcher or match_weight is not None) and rerank != "match":
+        raise UsageError(f"{'--matcher' if matcher else '--match-weight'} is for --rerank match: give it too")
+    if matcher and not (Path(matcher) / "config.json").is_file():
+        raise UsageError(f"--matcher {matcher}: not a checkpoint folder (no config.json)")
     if weights and len(weights) != len(models or []):
         raise UsageError(f"--weights gives {len(weights)} weights for {len(models or [])} --model: "
                          f"give one per model (ensembles: several --model)")
@@ -82,31 +92,38 @@ def _check_model_folders(models: list[str] | None) -> None:
 
 
 def _load_captioner(models: list[str] | None, weights: list[float] | None, tta: str | None = None,
-                    device=None, precision: str = "auto"):
+                    device=None, precision: str = "auto", matcher: str | None = None,
+                    match_weight: float | None = None):
     """One --model (or the default), or an ensemble of several (captionkit.inference.ensemble), on
-    ``device`` (None: the CPU); ``tta``: --tta (None: none, or what an ensemble folder says)."""
+    ``device`` (None: the CPU); ``tta``: --tta (None: none, or what an ensemble folder says);
+    ``matcher``: --rerank match's, at ``match_weight`` (None: MATCH_WEIGHT)."""
     from ..inference.captioner import Captioner
 
     place = {"tta": tta, "device": device or "cpu", "precision": precision}
     if models and len(models) > 1:
-        return Captioner.load_ensemble(models, weights, **place)
-    return Captioner.load(models[0] if models else None, **place)
+        cap = Captioner.load_ensemble(models, weights, **place)
+    else:
+        cap = Captioner.load(models[0] if models else None, **place)
+    if matcher:
+        cap.use_matcher(matcher, MATCH_WEIGHT if match_weight is None else match_weight)
+    return cap
 
 
 def _nbest(rerank: str | None, nbest: int | None) -> int | None:
     """The n-best size to decode: --nbest, or the default one for --rerank."""
-    return nbest or (DEFAULT_NBEST if rerank else None)
+    return nbest or (MATCH_NBEST if rerank == "match" else DEFAULT_NBEST if rerank else None)
 
 
 def _check_caption_sources(model: list[str] | None, onnx: str | None, weights: list[float] | None,
                            rerank: str | None, nbest: int | None, candidates: str | None,
-                           tta: str | None = None) -> None:
+                           tta: str | None = None, matcher: str | None = None,
+                           match_weight: float | None = None) -> None:
     """caption's model options that do not fit together, refused before anything loads."""
     if onnx and model:
         raise UsageError("give either --model or --onnx")
     if onnx and tta:
         raise UsageError("--tta needs a PyTorch model (--model), not --onnx")
-    _check_models(model, weights, rerank, nbest, candidates)
+    _check_models(model, weights, rerank, nbest, candidates, matcher, match_weight)
     if onnx and (rerank or nbest):
         raise UsageError("--rerank, --nbest and --candidates need a PyTorch model (--model), not --onnx")
 
@@ -126,13 +143,16 @@ def _check_controls_fit(given: dict, rerank: str | None, nbest: int | None, cand
 
 def _caption_settings(model: list[str] | None, weights: list[float] | None, onnx: str | None, beam: int,
                       length_penalty: float | None, rerank: str | None, nbest: int | None,
-                      tta: str | None = None) -> dict:
+                      tta: str | None = None, matcher: str | None = None, match_weight: float | None = None) -> dict:
     """What decides caption's captions, recorded beside resumable outputs (captionkit.inference.writer)."""
     settings = {"model": None if onnx else _models_setting(model, weights),
                 "onnx": str(Path(onnx).resolve()) if onnx else None,
                 "beam": beam, "length_penalty": length_penalty}
     if rerank or nbest:  # recorded only when used: other runs' settings stay as they were
         settings.update(rerank=rerank, nbest=_nbest(rerank, nbest))
+    if matcher:  # likewise
+        settings.update(matcher=str(Path(matcher).resolve()),
+                        match_weight=MATCH_WEIGHT if match_weight is None else match_weight)
     if tta:  # likewise
         settings.update(tta=tta)
     return settings
@@ -290,10 +310,16 @@ def _add_ensemble_opts(p: argparse.ArgumentParser) -> None:
     """Ensembles and consensus reranking (docs/ensembles.md), for caption and evaluate."""
     p.add_argument("--weights", type=positive_floats, metavar="W1,W2,..",
                    help="the ensemble members' weights, one per --model (default: equal)")
-    p.add_argument("--rerank", choices=("mbr",),
-                   help="mbr: choose each caption among the best beams by consensus (expected CIDEr-D)")
+    p.add_argument("--rerank", choices=("mbr", "match"),
+                   help="mbr: choose each caption among the best beams by consensus (expected CIDEr-D); match: "
+                        "by probability plus how much better it fits the photo than other photos (--matcher)")
     p.add_argument("--nbest", type=int_at_least(2), metavar="N",
-                   help=f"beams --rerank mbr chooses among (default {DEFAULT_NBEST}; the beam widens to N)")
+                   help=f"beams --rerank chooses among (default {DEFAULT_NBEST} for mbr, {MATCH_NBEST} for match; "
+                        f"the beam widens to N)")
+    p.add_argument("--matcher", metavar="DIR", help="--rerank match's matcher checkpoint (captionkit matcher)")
+    p.add_argument("--match-weight", type=float_at_least(0), metavar="W",
+                   help=f"--rerank match: the weight of the matcher's score against the caption's length-normalised "
+                        f"log-probability (default {MATCH_WEIGHT}; 0: the probability alone)")
     _add_tta_opt(p)
 
 
@@ -351,7 +377,7 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
                 address: str | None = None, replicas: int = 1, shard_size: int | None = None,
                 gpus_per_replica: float = 0, paths_from: str | None = None, tta: str | None = None,
                 device: str = "auto", precision: str = "auto", fast: bool = False, processes: int | None = None,
-                **controls) -> int:
+                matcher: str | None = None, match_weight: float | None = None, **controls) -> int:
     """``controls``: the caption controls' options (cli/common.py: _add_control_opts), None where not given."""
     from ..core.outputs import check_file_target
 
@@ -370,7 +396,7 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
                            candidates=candidates, tta=tta, processes=processes)
     if onnx and processes not in (None, 1):
         raise UsageError("--processes runs PyTorch models (--model); --onnx runs in onnxruntime's own threads")
-    _check_caption_sources(model, onnx, weights, rerank, nbest, candidates, tta)
+    _check_caption_sources(model, onnx, weights, rerank, nbest, candidates, tta, matcher, match_weight)
     given, beam_used = _controls(controls, beam)
     _check_controls_fit(given, rerank, nbest, candidates, engine)
     if onnx and (device not in ("auto", "cpu") or precision != "auto"):
@@ -379,7 +405,8 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
         from ..export.checks import check_onnx_extra, read_manifest
         read_manifest(onnx)
         check_onnx_extra("--onnx", ("onnxruntime",))
-    settings = _caption_settings(model, weights, onnx, beam_used, length_penalty, rerank, nbest, tta)
+    settings = _caption_settings(model, weights, onnx, beam_used, length_penalty, rerank, nbest, tta, matcher,
+                                 match_weight)
     settings.update(given)  # recorded only when given: other runs' settings stay as they were
     candidates_path = check_file_target(candidates, overwrite=overwrite) if candidates else None
     writer = _caption_writer("caption", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
@@ -409,9 +436,9 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
             cap = load_onnx_captioner(onnx)
             yield from cap.caption_files(files, controls=cap.controls_for(None, beam, **given), **options)
         return writer.run(onnx_results)
-    return _caption_with_candidates(writer, partial(_load_captioner, model, weights, tta, where, precision),
-                                    candidates_path, given, processes, where, nbest=_nbest(rerank, nbest),
-                                    rerank=rerank, **options)
+    load = partial(_load_captioner, model, weights, tta, where, precision, matcher, match_weight)
+    return _caption_with_candidates(writer, load, candidates_path, given, processes, where,
+                                    nbest=_nbest(rerank, nbest), rerank=rerank, **options)
 
 
 def _caption_files(load, files: list[Path], processes: int | None, device, controls: dict | None = None,
@@ -492,12 +519,13 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
                  image_column: str, title_column: str, image_suffix: str, overwrite: bool = False,
                  weights: list[float] | None = None, rerank: str | None = None, nbest: int | None = None,
                  tta: str | None = None, device: str = "auto", precision: str = "auto", workers: int = 2,
-                 max_images: int | None = None, processes: int | None = None, **controls) -> int:
+                 max_images: int | None = None, processes: int | None = None, matcher: str | None = None,
+                 match_weight: float | None = None, **controls) -> int:
     _check_targets(out, overwrite=overwrite)  # before torch, the dataset and the model load
     from ..scoring.diversity import diversity_rows
     from ..scoring.evaluation import score_captions
 
-    _check_models(model, weights, rerank, nbest)
+    _check_models(model, weights, rerank, nbest, matcher=matcher, match_weight=match_weight)
     given, beam = _controls(controls, beam)  # the caption controls given, and the beam width used
     _check_controls_fit(given, rerank, nbest, None)
     _check_model_folders(model)
@@ -506,7 +534,7 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     items = data.split(split)
     split_size = len(items)
     items = items[:max_images] if max_images else items  # the split's order: the same N every time
-    load = partial(_load_captioner, model, weights, tta, where, precision)
+    load = partial(_load_captioner, model, weights, tta, where, precision, matcher, match_weight)
     lists: dict[str, list[str]] = {}
     cap, results = _caption_files(load, [it.path for it in items], processes, where, given, beam=beam,
                                   batch_size=batch_size, length_penalty=length_penalty,
@@ -518,12 +546,15 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     train = [c for it in data.splits["train"] for c in it.raw] if "train" in data.splits else None
     diversity = diversity_rows(captions, {it.name: it.raw for it in items}, train, tokenizer)
     lp = cap.length_penalty_or(length_penalty)
-    mbr = _nbest(rerank, nbest)
+    n_best = _nbest(rerank, nbest)
+    mbr = n_best if rerank != "match" else None
     scored = f"{len(items)} of its {split_size} images (--max-images)" if len(items) < split_size else \
         f"{len(items)} images"
     rules, own = _caption_rules(cap, beam, given)
     print(f"{split} split, {scored}, beam {beam}, length penalty {lp:g}"
-          + (f", MBR over the {mbr} best beams" if mbr else "") + (f", test-time {cap.tta}" if cap.tta else "")
+          + (f", MBR over the {mbr} best beams" if mbr else "")
+          + (f", matcher over the {n_best} best beams (weight {cap.match_weight:g})" if rerank == "match" else "")
+          + (f", test-time {cap.tta}" if cap.tta else "")
           + "".join(f", {k.replace('_', ' ')} {v}" for k, v in given.items())
           + "".join(f", {k.replace('_', ' ')} {v} (the model's)" for k, v in own.items()))
     _print_report(rep)
@@ -531,6 +562,8 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     if out:
         _write_json(out, {"model": _models_setting(model, weights), "dataset": dataset, "split": split,
                           "beam": beam, "length_penalty": lp, "mbr_nbest": mbr, "tta": cap.tta, "scale": "x100",
+                          **({"rerank": "match", "nbest": n_best, "matcher": str(Path(matcher).resolve()),
+                              "match_weight": cap.match_weight} if rerank == "match" else {}),
                           "scores": {k: round(100 * v, 4) for k, v in rep.scores.items()},
                           "implementation": rep.implementation, "tokenizer": rep.tokenizer,
                           "empty_captions": len(rep.empty), "notes": rep.notes, "captions": captions,

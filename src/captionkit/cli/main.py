@@ -21,9 +21,9 @@ from . import caption, experiments, export, hub, score, serve, training
 
 # the order of captionkit --help's commands: each function adds one command's parser and options
 COMMANDS = (caption.add_caption, caption.add_evaluate, score.add_score, training.add_train, training.add_features,
-            training.add_pack, export.add_merge_lora, caption.add_zero_shot, export.add_export, caption.add_models,
-            caption.add_ensemble, caption.add_rerank, hub.add_push, serve.add_serve, experiments.add_sweep, experiments.add_plot,
-            experiments.add_report)
+            training.add_matcher, training.add_pack, export.add_merge_lora, caption.add_zero_shot, export.add_export,
+            caption.add_models, caption.add_ensemble, caption.add_rerank, hub.add_push, serve.add_serve,
+            experiments.add_sweep, experiments.add_plot, experiments.add_report)
 
 
 def build_parser() -> argparse.ArgumentParser:

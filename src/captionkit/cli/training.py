@@ -1,13 +1,13 @@
 """The training commands: train (one process, or DDP under torchrun), features (the encoder
-feature cache, local or --engine ray) and pack (a checkpoint for shipping); each one's options
-beside its code."""
+feature cache, local or --engine ray), matcher (the image-caption matcher of --rerank match)
+and pack (a checkpoint for shipping); each one's options beside its code."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from .argtypes import device_name, positive_int
+from .argtypes import device_name, float_at_least, int_at_least, positive_int
 from .common import (UsageError, _add_csv_opts, _add_device_opts, _add_engine_opts, _add_overwrite, _device,
                      _load_dataset, _ray_options)
 
@@ -115,6 +115,47 @@ def cmd_features(dataset: str, images: str | None, encoder: str,
     else:
         store = build_features(create_encoder(encoder).to(where), paths, workers=workers, flip=flip, verify=verify)
     print(f"{len(store.index)} images, grid {store.grid}: {store.folder}")
+    return 0
+
+
+def add_matcher(sub: argparse._SubParsersAction) -> None:
+    m = sub.add_parser("matcher", help="train the image-caption matcher that --rerank match scores captions with")
+    m.set_defaults(func=cmd_matcher)
+    m.add_argument("--dataset", required=True, help="a captioned dataset with a training and a dev split "
+                                                    "(any layout captionkit reads, docs/datasets.md)")
+    m.add_argument("--images", help="image folder of a JSON or CSV dataset")
+    m.add_argument("--out", required=True, help="the checkpoint folder to write (new or empty)")
+    m.add_argument("--encoder", default="efficientnet_lite2",
+                   help="the image encoder whose cached rows it reads: the captioner's (default efficientnet_lite2)")
+    m.add_argument("--epochs", type=positive_int, default=15, help="epochs (default 15; the dev-best one is kept)")
+    m.add_argument("--embed-dim", type=int_at_least(2), default=512, help="the joint space's size (even; default 512)")
+    m.add_argument("--word-dim", type=positive_int, default=300, help="word embedding size (default 300)")
+    m.add_argument("--dropout", type=float_at_least(0), default=0.2, help="dropout while training (default 0.2)")
+    m.add_argument("--min-count", type=positive_int, default=2,
+                   help="words seen fewer times in the training captions are unknown to it (default 2)")
+    m.add_argument("--bank-size", type=positive_int, default=1000,
+                   help="training photos kept as the bank a caption is contrasted against (default 1000)")
+    m.add_argument("--batch-size", type=int_at_least(2), default=128, help="photos per step (default 128)")
+    m.add_argument("--lr", type=float_at_least(0), default=1e-3, help="peak learning rate (default 1e-3)")
+    m.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    _add_overwrite(m, "replace OUT if it is a checkpoint captionkit wrote")
+
+
+def cmd_matcher(dataset: str, images: str | None, out: str, encoder: str, epochs: int, embed_dim: int, word_dim: int,
+                dropout: float, min_count: int, bank_size: int, batch_size: int, lr: float, seed: int,
+                overwrite: bool) -> int:
+    from ..encoders import list_encoders
+    from ..training.matcher import train_matcher
+
+    if encoder not in list_encoders():
+        raise UsageError(f"--encoder: unknown encoder {encoder!r}; known: {', '.join(list_encoders())}")
+    if embed_dim % 2:
+        raise UsageError(f"--embed-dim must be even (half the GRU's units each way), got {embed_dim}")
+    if dropout >= 1:
+        raise UsageError(f"--dropout must be below 1, got {dropout}")
+    train_matcher(dataset, out, images=images, encoder=encoder, epochs=epochs, embed_dim=embed_dim, word_dim=word_dim,
+                  dropout=dropout, min_count=min_count, bank_size=bank_size, batch_size=batch_size, lr=lr, seed=seed,
+                  overwrite=overwrite, log=lambda line: print(line, flush=True))
     return 0
 
 

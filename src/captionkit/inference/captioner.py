@@ -40,7 +40,7 @@ from .ensemble import (
     with_flip_views,
 )
 from .hf_models import hf_parts, hf_source
-from .rerank import RERANKERS, mbr_choice
+from .rerank import RERANKERS, match_choice, mbr_choice
 from .shaping import image_keys
 from .shipped import SHIPPED, existing_model_folder
 
@@ -153,6 +153,7 @@ class Captioner:
         self.device = torch.device("cpu")
         self.asked_precision = "auto"  # as asked, re-resolved for each device placed on
         self.precision = resolve_precision(self.asked_precision, self.device)
+        self.matcher, self.match_weight, self._matcher_folder = None, 0.0, None  # --rerank match's (use_matcher)
 
     def place(self, device: str | torch.device = "cpu", precision: str | None = None) -> "Captioner":
         """Move the decoder and encoder to ``device`` (a name as ``--device`` takes it, or a
@@ -321,6 +322,49 @@ class Captioner:
         choice = mbr_choice({i: [self.text(c) for c in caps] for i, caps in enumerate(lists)})
         return [caps[choice[i]] for i, caps in enumerate(lists)]
 
+    def use_matcher(self, folder: str | Path, weight: float) -> "Captioner":
+        """Rerank n-best lists with the matcher checkpoint ``folder`` (``rerank="match"``,
+        captionkit.inference.rerank.match_choice) at ``weight``. The matcher must read this
+        captioner's encoder rows (one line naming the folder otherwise); it stays on the CPU
+        (a few small matmuls a photo), whatever device the captioner is on."""
+        from ..models.matcher import load_matcher
+
+        if not (weight >= 0 and weight < float("inf")):
+            raise UserError(f"the matcher's weight must be a finite number >= 0, got {weight}")
+        m = load_matcher(folder)
+        if self.encoder is not None and m.cfg.encoder != self.encoder.cache_key():
+            raise UserError(f"{folder}: a matcher of {m.cfg.encoder} rows, but this captioner's encoder is "
+                            f"{self.encoder.cache_key()}")
+        self.matcher, self.match_weight, self._matcher_folder = m, float(weight), folder
+        return self
+
+    @torch.no_grad()
+    def match(self, lists: list[list[Caption]], feats: torch.Tensor,
+              length_penalty: float | None = None) -> list[Caption]:
+        """Each n-best list's choice by the matcher (:meth:`use_matcher`), its log-probabilities
+        normalised by ``length_penalty`` (None: the model's own) as the beam ranked them; feats:
+        the photos' rows as :meth:`encode` gives them, (B, L, D), or (B, 2, L, D) with flips (the
+        photo's view is scored)."""
+        if self.matcher is None:
+            raise UserError("--rerank match needs a matcher: --matcher DIR (captionkit matcher trains one)")
+        photo = feats[:, 0] if feats.dim() == 4 else feats  # (B, L, D)
+        if photo.shape[-1] != self.matcher.cfg.feat_dim:
+            raise UserError(f"{self._matcher_folder}: a matcher of {self.matcher.cfg.feat_dim}-wide rows, but this "
+                            f"captioner's are {photo.shape[-1]} wide")
+        images = self.matcher.image(photo.float().cpu())  # (B, E)
+        texts = [[self.text(c) for c in caps] for caps in lists]
+        flat = self.matcher.text([t for ts in texts for t in ts])  # (sum n, E)
+        owner = torch.tensor([b for b, ts in enumerate(texts) for _ in ts], dtype=torch.long)
+        disc = self.matcher.discriminability(images[owner], flat).tolist()
+        parts, pos = [], 0
+        for ts in texts:
+            parts.append(disc[pos:pos + len(ts)])
+            pos += len(ts)
+        choice = match_choice([[c.logprob for c in caps] for caps in lists],
+                              [[len(c.ids) for c in caps] for caps in lists],  # tokens: as the beam normalised
+                              parts, self.match_weight, self.length_penalty_or(length_penalty))
+        return [caps[i] for caps, i in zip(lists, choice)]
+
     @torch.no_grad()
     def nbest_features(self, feats: torch.Tensor, n: int, beam: int | None = None,
                        length_penalty: float | None = None, controls: Controls | None = None) -> list[list[Caption]]:
@@ -406,6 +450,8 @@ class Captioner:
             raise UserError(f"unknown reranker {rerank!r} (known: {', '.join(RERANKERS)})")
         if rerank and not nbest:
             raise UserError("reranking chooses among the n best beams: give nbest")
+        if rerank == "match" and self.matcher is None:
+            raise UserError("--rerank match needs a matcher: --matcher DIR (captionkit matcher trains one)")
         c = self.controls_for(controls, beam)
         if nbest and (c.num_captions > 1 or c.sample or c.beam_groups > 1):
             raise UserError("n-best lists and reranking take the beam's best: not with num_captions, sampling "
@@ -418,7 +464,13 @@ class Captioner:
                 feats = self.encode(batch.pixels)  # (B, L, D)
                 if nbest:
                     lists = dict(zip(batch.good, self.nbest_features(feats, nbest, c.beam(beam), length_penalty, c)))
-                    chosen = self.mbr(list(lists.values())) if rerank else [best[0] for best in lists.values()]
+                    found = list(lists.values())
+                    if rerank == "mbr":
+                        chosen = self.mbr(found)
+                    elif rerank == "match":
+                        chosen = self.match(found, feats, length_penalty)
+                    else:
+                        chosen = [best[0] for best in found]
                     caps = dict(zip(batch.good, chosen))
                 else:
                     keys = self.encode_keys(batch.pixels) if c.sample else None

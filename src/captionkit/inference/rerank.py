@@ -1,5 +1,7 @@
-"""Consensus (minimum-Bayes-risk) reranking: of each image's candidate captions, choose the one
-with the highest expected CIDEr-D against the image's other candidates.
+"""Reranking the beam's n best: by consensus (``mbr``) or by an image-caption matcher (``match``).
+
+``mbr`` (minimum Bayes risk): of each image's candidate captions, choose the one with the
+highest expected CIDEr-D against the image's other candidates.
 
 The candidates are plain text, so they can come from any models -- n-best lists of beam search,
 several families, several tokenizers, a vision-language model -- and the candidates of one image
@@ -12,6 +14,12 @@ their rarity across images (document frequencies), which here come from the cand
 all images reranked together: rerank a set of images at once (the ``rerank`` command, or
 ``evaluate``), not one photo at a time -- with a single image every n-gram is in every "document"
 and every candidate scores 0, so the first (the model's best) is kept.
+
+``match``: each candidate's length-normalised log-probability under the captioner plus
+``weight`` times its discriminability under a matcher (captionkit.models.matcher: how much
+better the caption fits this photo than the matcher's bank of other photos). It needs the
+photo, so it runs where the captioner has the encoder's rows (``caption`` and ``evaluate``),
+photo by photo: a caption's choice does not depend on the other photos of the run.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from ..core.errors import UserError
 from ..scoring import metrics as M
 from ..scoring.ptb_tokenize import tokenize_python
 
-RERANKERS = ("mbr",)
+RERANKERS = ("mbr", "match")
 
 
 def consensus_utilities(candidates: dict[Hashable, Sequence[str]],
@@ -124,3 +132,18 @@ def rerank_files(paths: Sequence[str], out: str | None, overwrite: bool) -> dict
     if target:
         atomic_write_text(target, json.dumps(chosen, indent=1, ensure_ascii=False))
     return chosen
+
+
+def match_choice(logprobs: Sequence[Sequence[float]], lengths: Sequence[Sequence[int]],
+                 disc: Sequence[Sequence[float]], weight: float, length_penalty: float) -> list[int]:
+    """Each n-best list's choice under ``--rerank match``: the argmax of
+    logprob / (length + 1) ** length_penalty + weight * disc (the beam's own ranking when
+    ``weight`` is 0 and no rule shaped the beam); ties go to the earlier candidate."""
+    out = []
+    for lp, n, d in zip(logprobs, lengths, disc, strict=True):
+        lp, n, d = (np.asarray(x, dtype=np.float64) for x in (lp, n, d))
+        if not (lp.shape == n.shape == d.shape):
+            raise ValueError(f"{len(lp)} log-probabilities, {len(n)} lengths and {len(d)} scores for one list")
+        norm = lp / (n + 1) ** length_penalty if length_penalty else lp
+        out.append(int(np.argmax(norm + weight * d)) if len(lp) else -1)
+    return out

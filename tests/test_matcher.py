@@ -1,0 +1,206 @@
+"""The image-caption matcher (captionkit.models.matcher, captionkit.training.matcher) and
+``--rerank match`` (issue 32: more distinct captions): it learns, its score prefers the caption
+that says what is in the photo, its checkpoint reloads to the same numbers, and the reranker
+changes the captions the way its weight says (0: the beam's own choice)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import cli_captions, direct_captions
+
+from captionkit.cli.main import main
+from captionkit.core.errors import CheckpointError, UserError
+from captionkit.inference.captioner import Captioner
+from captionkit.inference.rerank import match_choice
+from captionkit.models.matcher import Matcher, MatcherConfig, load_matcher
+from captionkit.training.matcher import build_words, fit
+
+CONCEPTS = ["dog", "cat", "bike", "boat", "tree", "ball", "snow", "beach", "horse", "car", "girl", "man"]
+
+
+def concept_photos(n: int, seed: int, dim: int = 24):
+    """n photos, each two distinct concepts: its pooled rows are the sum of the concepts' vectors
+    plus noise, its captions name both (and only them) among filler words."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(len(CONCEPTS), dim, generator=torch.Generator().manual_seed(99))
+    pooled, captions = [], []
+    for _ in range(n):
+        a, b = torch.randperm(len(CONCEPTS), generator=g)[:2].tolist()
+        pooled.append(centres[a] + centres[b] + 0.2 * torch.randn(dim, generator=g))
+        captions.append([f"a {CONCEPTS[a]} and a {CONCEPTS[b]}", f"the {CONCEPTS[b]} near the {CONCEPTS[a]}"])
+    return torch.stack(pooled), captions
+
+
+@pytest.fixture(scope="module")
+def trained():
+    train_x, train_caps = concept_photos(240, seed=0)
+    dev_x, dev_caps = concept_photos(40, seed=1)
+    cfg = MatcherConfig(words=build_words(train_caps, 1), feat_dim=24, embed_dim=32, word_dim=16, dropout=0.0,
+                        bank_size=100)
+    m, history = fit(cfg, train_x, train_caps, dev_x, dev_caps, epochs=12, batch_size=32, lr=3e-3, seed=0)
+    return m, history, dev_x, dev_caps
+
+
+def test_the_matcher_learns_what_the_captions_say(trained):
+    m, history, _, _ = trained
+    # 40 dev photos: chance is 1/40 at R@1; two concepts of twelve also tie some photos
+    assert history[0]["t2i_r1"] < 0.2
+    assert max(h["t2i_r1"] for h in history) > 0.4
+    assert max(h["t2i_r5"] for h in history) > 0.8
+    assert not m.training and bool(m.bank.any())
+
+
+def test_discriminability_prefers_the_photo_s_own_caption_over_generic_and_wrong_ones(trained):
+    m, _, dev_x, dev_caps = trained
+    images = m.pooled_image(dev_x)
+    own = m.discriminability(images, m.text([caps[0] for caps in dev_caps]))
+    generic = m.discriminability(images, m.text(["a photo of something"] * len(dev_caps)))
+    wrong = m.discriminability(images, m.text([dev_caps[(i + 1) % len(dev_caps)][0] for i in range(len(dev_caps))]))
+    assert (own > generic).float().mean() > 0.9
+    assert (own > wrong).float().mean() > 0.8
+    # a caption that fits this photo as well as any other scores near 0: the bank is the contrast
+    assert generic.abs().mean() < own.abs().mean()
+
+
+def test_a_matcher_refuses_what_does_not_fit():
+    with pytest.raises(UserError, match="embed_dim must be even"):
+        MatcherConfig(embed_dim=7)
+    with pytest.raises(UserError, match="words must start with"):
+        MatcherConfig(words=["a", "b"])
+    with pytest.raises(RuntimeError, match="never trained"):
+        m = Matcher(MatcherConfig(feat_dim=4, embed_dim=4, word_dim=2, bank_size=2))
+        m.discriminability(torch.ones(1, 4), torch.ones(1, 4))
+
+
+def test_match_choice_weight_zero_is_the_beam_s_ranking_and_a_weight_moves_it():
+    logprobs, lengths, disc = [[-3.0, -3.2, -6.0]], [[4, 5, 9]], [[0.0, 1.0, 9.0]]
+    # by logprob / (n + 1) ** 1: -0.6, -0.533, -0.6 -> the second
+    assert match_choice(logprobs, lengths, disc, 0.0, 1.0) == [1]
+    assert match_choice(logprobs, lengths, disc, 0.0, 0.0) == [0]  # the plain sum
+    assert match_choice(logprobs, lengths, disc, 1.0, 1.0) == [2]
+    assert match_choice([[-1.0, -1.0]], [[3, 3]], [[0.5, 0.5]], 1.0, 1.0) == [0]  # a tie: the earlier
+    with pytest.raises(ValueError, match="for one list"):
+        match_choice([[-1.0]], [[3, 4]], [[0.0]], 1.0, 1.0)
+
+
+# ---- the command, the checkpoint and --rerank match on the picky photos --------------------------------
+@pytest.fixture(scope="module")
+def picky_matcher(picky_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("matcher") / "m"
+    assert main(["matcher", "--dataset", str(picky_data), "--encoder", "patches", "--out", str(out),
+                 "--epochs", "3", "--embed-dim", "8", "--word-dim", "4", "--batch-size", "4", "--bank-size", "4",
+                 "--min-count", "1"]) == 0
+    return out
+
+
+def test_the_matcher_command_writes_a_checkpoint_that_reloads_to_the_same_numbers(picky_matcher):
+    config = json.loads((picky_matcher / "config.json").read_text())
+    assert config["kind"] == "matcher" and config["matcher"]["encoder"].startswith("patches-")
+    assert [h["epoch"] for h in config["training"]["history"]] == [1, 2, 3]
+    a, b = load_matcher(picky_matcher), load_matcher(picky_matcher)
+    rows = torch.randn(3, 256, 192)
+    caps = ["a red circle", "the square is blue", "zebra"]  # (an unknown word: <unk>)
+    assert torch.equal(a.image(rows), b.image(rows)) and torch.equal(a.text(caps), b.text(caps))
+    assert a.bank.shape == (4, 8) and bool(a.bank.any())
+
+
+def test_the_matcher_command_refuses_an_existing_folder_before_any_work(picky_matcher, picky_data, capsys,
+                                                                       monkeypatch):
+    import captionkit.training.matcher
+
+    def expensive(*a, **k):
+        raise AssertionError("the dataset was read before the output folder was checked")
+
+    monkeypatch.setattr(captionkit.training.matcher, "load_dataset", expensive)
+    before = (picky_matcher / "config.json").read_bytes()
+    assert main(["matcher", "--dataset", str(picky_data), "--encoder", "patches", "--out", str(picky_matcher)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (picky_matcher / "config.json").read_bytes() == before
+
+
+def test_load_matcher_refuses_a_captioner(picky_models):
+    with pytest.raises(CheckpointError, match="not a matcher checkpoint"):
+        load_matcher(picky_models[0])
+
+
+def test_rerank_match_weight_zero_is_the_beam_and_a_large_weight_takes_the_matcher_s_best(
+        picky_models, picky_data, picky_matcher, tmp_path):
+    a, _ = picky_models
+    photos = sorted((picky_data / "Flicker8k_Dataset").iterdir())
+    args = ["caption", *map(str, photos), "--model", str(a), "--beam", "3"]
+    plain = cli_captions(tmp_path, args)
+    zero = cli_captions(tmp_path, [*args, "--rerank", "match", "--matcher", str(picky_matcher),
+                                   "--match-weight", "0", "--nbest", "3"])
+    assert zero == plain  # no rules shape this model's beam: the beam's own choice
+    cands = tmp_path / "cands.json"
+    heavy = cli_captions(tmp_path, [*args, "--rerank", "match", "--matcher", str(picky_matcher),
+                                    "--match-weight", "1000", "--nbest", "3", "--candidates", str(cands)])
+    lists = json.loads(cands.read_text())
+    # what the heavy weight must choose, computed here from the matcher and the encoder's rows
+    cap, m = Captioner.load(a), load_matcher(picky_matcher)
+    rows = cap.encode_batch([cap_pixels(cap, p) for p in photos])
+    for p, feats in zip(photos, rows):
+        texts = lists[p.name]
+        disc = m.discriminability(m.image(feats[None]).expand(len(texts), -1), m.text(texts))
+        assert heavy[p.name] == texts[int(disc.argmax())]
+    assert heavy != plain  # what makes the test mean something: the matcher changes some captions
+    # the Python API: the same choice
+    cap.use_matcher(picky_matcher, 1000)
+    assert direct_captions(cap, photos, nbest=3, rerank="match", beam=3) == heavy
+
+
+def cap_pixels(cap, path):
+    from captionkit.data.images import load_rgb, to_tensor
+    return to_tensor(load_rgb(path), cap.encoder.preprocess)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rerank", "match"], "--rerank match needs --matcher"),
+    (["--matcher", "M"], "--matcher is for --rerank match"),
+    (["--match-weight", "0.1"], "--match-weight is for --rerank match"),
+    (["--rerank", "match", "--matcher", "nowhere"], "--matcher nowhere: not a checkpoint folder"),
+])
+def test_rerank_match_options_that_do_not_fit_are_one_line_before_loading(argv, message, picky_data, capsys,
+                                                                            no_expensive_work):
+    photo = next((picky_data / "Flicker8k_Dataset").iterdir())
+    assert main(["caption", str(photo), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_matcher_of_another_encoder_is_refused_naming_it(picky_matcher):
+    cap = Captioner.load("sat-lite2-flickr8k", with_encoder=True, encoder_weights="random")
+    with pytest.raises(UserError, match=f"{picky_matcher}: a matcher of patches-"):
+        cap.use_matcher(picky_matcher, 0.1)
+
+
+def test_a_resumed_file_keeps_its_matcher_and_weight(picky_models, picky_data, picky_matcher, tmp_path, capsys):
+    a, _ = picky_models
+    photos = sorted((picky_data / "Flicker8k_Dataset").iterdir())
+    out = tmp_path / "caps.jsonl"
+    args = ["caption", *map(str, photos[:4]), "--model", str(a), "--rerank", "match", "--matcher", str(picky_matcher),
+            "--jsonl", str(out)]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main([*args[:-2], "--match-weight", "0.5", "--jsonl", str(out)]) == 2
+    assert "with --match-weight 0.03, this run has --match-weight 0.5" in capsys.readouterr().err
+
+
+def test_evaluate_reranks_by_the_matcher_and_records_it(picky_models, picky_data, picky_matcher, tmp_path):
+    from captionkit.data.datasets import load_dataset
+
+    a, _ = picky_models
+    out = tmp_path / "eval.json"
+    assert main(["evaluate", "--model", str(a), "--dataset", str(picky_data), "--split", "dev", "--metrics", "bleu",
+                 "--tokenizer", "python", "--meteor", "none", "--rerank", "match", "--matcher", str(picky_matcher),
+                 "--match-weight", "1000", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert (doc["rerank"], doc["nbest"], doc["match_weight"]) == ("match", 3, 1000.0)
+    assert doc["matcher"] == str(picky_matcher.resolve()) and doc["mbr_nbest"] is None
+    dev = [it.path for it in load_dataset(str(picky_data)).split("dev")]
+    cap = Captioner.load(a).use_matcher(picky_matcher, 1000)
+    assert doc["captions"] == direct_captions(cap, dev, nbest=3, rerank="match")
+    assert doc["captions"] != direct_captions(Captioner.load(a), dev)  # (on these photos the matcher moves some)
