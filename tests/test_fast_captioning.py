@@ -341,7 +341,7 @@ def test_caption_fast_is_the_fast_single_model(tmp_path, monkeypatch, capsys):
     class Loaded(Exception):
         pass
 
-    def load(models, weights, tta=None, device=None, precision="auto"):
+    def load(models, weights, *placement):  # (_load_captioner's: tta, device, precision, matcher, ...)
         raise Loaded(models)
 
     monkeypatch.setattr(caption_cli, "_load_captioner", load)

@@ -251,3 +251,31 @@ def _controls(options: dict, beam: int | None) -> tuple[dict, int]:
         if name in given and given[name] == getattr(DEFAULT, name):
             del given[name]
     return given, controls.beam(beam)
+
+
+def _check_models(models: list[str] | None, weights: list[float] | None, rerank: str | None = None,
+                  nbest: int | None = None, candidates: str | None = None, matcher: str | None = None,
+                  match_weight: float | None = None) -> None:
+    """--model/--weights/--rerank/--nbest/--matcher that do not fit together, refused before
+    anything loads."""
+    if rerank == "match" and not matcher:
+        raise UsageError("--rerank match needs --matcher DIR (captionkit matcher trains one)")
+    if (matcher or match_weight is not None) and rerank != "match":
+        raise UsageError(f"{'--matcher' if matcher else '--match-weight'} is for --rerank match: give it too")
+    if matcher and not (Path(matcher) / "config.json").is_file():
+        raise UsageError(f"--matcher {matcher}: not a checkpoint folder (no config.json)")
+    if weights and len(weights) != len(models or []):
+        raise UsageError(f"--weights gives {len(weights)} weights for {len(models or [])} --model: "
+                         f"give one per model (ensembles: several --model)")
+    if nbest and not (rerank or candidates):
+        raise UsageError("--nbest is the number of beams --rerank mbr chooses among, or --candidates "
+                         "writes: give one of them")
+    if candidates and not (rerank or nbest):
+        raise UsageError("--candidates writes the n best beams: give --nbest N (or --rerank mbr)")
+
+
+def _add_tta_opt(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tta", choices=("flip", "none"),  # captionkit.inference.ensemble.TTA and TTA_OFF, without torch
+                   help="test-time augmentation: flip decodes each photo and its mirror image as one ensemble "
+                        "(a second encoder pass); none: no augmentation, even where an ensemble folder asks "
+                        "for one (default: none, or what an ensemble folder says)")

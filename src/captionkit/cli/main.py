@@ -17,12 +17,12 @@ from ..core.allocator import tune_allocator
 from ..core.errors import UserError, WeightsUnavailable
 from ..core.signals import EXIT_PREEMPTED, Preempted
 from ..inference.writer import EXIT_STDOUT_CLOSED, silence_stdout
-from . import caption, experiments, export, hub, score, serve, training
+from . import caption, experiments, export, hub, models, score, serve, training
 
 # the order of captionkit --help's commands: each function adds one command's parser and options
 COMMANDS = (caption.add_caption, caption.add_evaluate, score.add_score, training.add_train, training.add_features,
             training.add_matcher, training.add_pack, export.add_merge_lora, caption.add_zero_shot, export.add_export,
-            caption.add_models, caption.add_ensemble, caption.add_rerank, hub.add_push, serve.add_serve,
+            models.add_models, models.add_ensemble, models.add_rerank, hub.add_push, serve.add_serve,
             experiments.add_sweep, experiments.add_plot, experiments.add_report)
 
 

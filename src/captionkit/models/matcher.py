@@ -51,7 +51,7 @@ class MatcherConfig:
         one encoder's rows only: ``--rerank match`` refuses a captioner with another encoder).
     embed_dim: E, the joint space (even: the GRU has E/2 units each way).
     word_dim: the word embeddings' size. dropout: on the pooled rows and on the word embeddings
-        (training only). max_words: longer captions are cut (Flickr8k's longest: 38 words).
+        (training only). max_words: longer captions are cut to their first max_words words.
     bank_size: how many training photos' embeddings the checkpoint keeps as the bank."""
 
     words: list[str] = field(default_factory=lambda: list(SPECIAL))
