@@ -121,6 +121,21 @@ def test_the_matcher_command_refuses_an_existing_folder_before_any_work(picky_ma
     assert (picky_matcher / "config.json").read_bytes() == before
 
 
+@pytest.mark.parametrize("argv, message", [(["--embed-dim", "7"], "MatcherConfig.embed_dim must be even"),
+                                           (["--dropout", "1"], "MatcherConfig.dropout must be")])
+def test_the_matcher_command_refuses_sizes_that_do_not_fit_before_any_work(argv, message, picky_data, tmp_path,
+                                                                           capsys, monkeypatch):
+    import captionkit.training.matcher
+
+    def expensive(*a, **k):
+        raise AssertionError("the dataset was read before the sizes were checked")
+
+    monkeypatch.setattr(captionkit.training.matcher, "load_dataset", expensive)
+    assert main(["matcher", "--dataset", str(picky_data), "--out", str(tmp_path / "m"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
 def test_load_matcher_refuses_a_captioner(picky_models):
     with pytest.raises(CheckpointError, match="not a matcher checkpoint"):
         load_matcher(picky_models[0])

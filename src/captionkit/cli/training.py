@@ -92,11 +92,10 @@ def cmd_features(dataset: str, images: str | None, encoder: str,
                  gpus_per_replica: float = 0, batch_size: int = 16, flip: bool = False, device: str = "auto",
                  workers: int = 2, verify: bool = False) -> int:
     from ..core.outputs import check_writable_folder
-    from ..encoders import create_encoder, list_encoders
+    from ..encoders import create_encoder
     from ..encoders.features import build_features, default_cache_root, verify_sharded
 
-    if encoder not in list_encoders():
-        raise UsageError(f"--encoder: unknown encoder {encoder!r}; known: {', '.join(list_encoders())}")
+    _check_encoder(encoder)
     where, _ = _device(device)
     check_writable_folder(default_cache_root())
     if engine == "ray":
@@ -144,19 +143,21 @@ def add_matcher(sub: argparse._SubParsersAction) -> None:
 def cmd_matcher(dataset: str, images: str | None, out: str, encoder: str, epochs: int, embed_dim: int, word_dim: int,
                 dropout: float, min_count: int, bank_size: int, batch_size: int, lr: float, seed: int,
                 overwrite: bool) -> int:
-    from ..encoders import list_encoders
     from ..training.matcher import train_matcher
 
-    if encoder not in list_encoders():
-        raise UsageError(f"--encoder: unknown encoder {encoder!r}; known: {', '.join(list_encoders())}")
-    if embed_dim % 2:
-        raise UsageError(f"--embed-dim must be even (half the GRU's units each way), got {embed_dim}")
-    if dropout >= 1:
-        raise UsageError(f"--dropout must be below 1, got {dropout}")
+    _check_encoder(encoder)  # (the sizes are the matcher config's to check, before any work too)
     train_matcher(dataset, out, images=images, encoder=encoder, epochs=epochs, embed_dim=embed_dim, word_dim=word_dim,
                   dropout=dropout, min_count=min_count, bank_size=bank_size, batch_size=batch_size, lr=lr, seed=seed,
                   overwrite=overwrite, log=lambda line: print(line, flush=True))
     return 0
+
+
+def _check_encoder(name: str) -> None:
+    """--encoder names a registered encoder: one line listing them otherwise."""
+    from ..encoders import list_encoders
+
+    if name not in list_encoders():
+        raise UsageError(f"--encoder: unknown encoder {name!r}; known: {', '.join(list_encoders())}")
 
 
 def add_pack(sub: argparse._SubParsersAction) -> None:

@@ -338,6 +338,10 @@ class Captioner:
         self.matcher, self.match_weight, self._matcher_folder = m, float(weight), folder
         return self
 
+    def _need_matcher(self) -> None:
+        if self.matcher is None:
+            raise UserError("--rerank match needs a matcher: --matcher DIR (captionkit matcher trains one)")
+
     @torch.no_grad()
     def match(self, lists: list[list[Caption]], feats: torch.Tensor,
               length_penalty: float | None = None) -> list[Caption]:
@@ -345,8 +349,7 @@ class Captioner:
         normalised by ``length_penalty`` (None: the model's own) as the beam ranked them; feats:
         the photos' rows as :meth:`encode` gives them, (B, L, D), or (B, 2, L, D) with flips (the
         photo's view is scored)."""
-        if self.matcher is None:
-            raise UserError("--rerank match needs a matcher: --matcher DIR (captionkit matcher trains one)")
+        self._need_matcher()
         photo = feats[:, 0] if feats.dim() == 4 else feats  # (B, L, D)
         if photo.shape[-1] != self.matcher.cfg.feat_dim:
             raise UserError(f"{self._matcher_folder}: a matcher of {self.matcher.cfg.feat_dim}-wide rows, but this "
@@ -450,8 +453,8 @@ class Captioner:
             raise UserError(f"unknown reranker {rerank!r} (known: {', '.join(RERANKERS)})")
         if rerank and not nbest:
             raise UserError("reranking chooses among the n best beams: give nbest")
-        if rerank == "match" and self.matcher is None:
-            raise UserError("--rerank match needs a matcher: --matcher DIR (captionkit matcher trains one)")
+        if rerank == "match":
+            self._need_matcher()  # before any photo is decoded
         c = self.controls_for(controls, beam)
         if nbest and (c.num_captions > 1 or c.sample or c.beam_groups > 1):
             raise UserError("n-best lists and reranking take the beam's best: not with num_captions, sampling "

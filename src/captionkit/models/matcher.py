@@ -34,7 +34,7 @@ from torch import nn
 
 from ..core.checkpoint import load_into, read_config, read_weights, resolve
 from ..core.errors import CheckpointError
-from ..core.fields import FieldError, check_fields, spec
+from ..core.fields import check_fields, field_error, spec
 from ..data.items import normalize
 
 KIND = "matcher"  # config.json's "kind": what tells a matcher's checkpoint from a captioner's
@@ -66,9 +66,9 @@ class MatcherConfig:
     def __post_init__(self):
         check_fields(self)
         if self.embed_dim % 2:
-            raise FieldError("matcher", "embed_dim", f"must be even (E/2 GRU units each way), got {self.embed_dim}")
+            raise field_error(self, "embed_dim", f"must be even (E/2 GRU units each way), got {self.embed_dim}")
         if self.words[:2] != SPECIAL:
-            raise FieldError("matcher", "words", f"must start with {SPECIAL}, got {self.words[:2]}")
+            raise field_error(self, "words", f"must start with {SPECIAL}, got {self.words[:2]}")
 
 
 class Matcher(nn.Module):
@@ -98,13 +98,13 @@ class Matcher(nn.Module):
         """The encoder's rows (B, L, D) -> (B, E), unit length."""
         return self.pooled_image(feats.float().mean(1))
 
+    def word_ids(self, caption: str) -> list[int]:
+        """A caption as text -> its word ids, at most max_words (an empty caption is one <unk>)."""
+        return [self._ids.get(w, UNK) for w in normalize(caption)][:self.cfg.max_words] or [UNK]
+
     def ids(self, captions: list[str]) -> torch.Tensor:
-        """Captions as text -> (N, T) word ids, padded with 0 (an empty caption is one <unk>)."""
-        seqs = [[self._ids.get(w, UNK) for w in normalize(c)][:self.cfg.max_words] or [UNK] for c in captions]
-        out = torch.zeros(len(seqs), max(map(len, seqs), default=1), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            out[i, :len(s)] = torch.tensor(s)
-        return out
+        """Captions as text -> (N, T) word ids, padded with 0."""
+        return pad_ids([self.word_ids(c) for c in captions])
 
     def text_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """(N, T) word ids, 0-padded -> (N, E), unit length."""
@@ -133,6 +133,14 @@ class Matcher(nn.Module):
         own = self.scale * (images * texts).sum(-1)  # (N,)
         others = torch.logsumexp(self.scale * texts @ self.bank.t(), dim=1) - math.log(len(self.bank))  # (N,)
         return own - others
+
+
+def pad_ids(seqs: list[list[int]]) -> torch.Tensor:
+    """Word id lists -> (N, T) ids, padded with PAD to the longest."""
+    out = torch.full((len(seqs), max(map(len, seqs), default=1)), PAD, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, :len(s)] = torch.tensor(s)
+    return out
 
 
 def load_matcher(folder: str | Path) -> Matcher:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
@@ -30,7 +30,7 @@ from ..data.datasets import load_dataset
 from ..data.items import normalize
 from ..encoders import create_encoder
 from ..encoders.features import build_features
-from ..models.matcher import KIND, SPECIAL, Matcher, MatcherConfig
+from ..models.matcher import KIND, SPECIAL, Matcher, MatcherConfig, pad_ids
 
 
 def build_words(captions: list[list[str]], min_count: int) -> list[str]:
@@ -67,6 +67,8 @@ def fit(cfg: MatcherConfig, train_pooled: torch.Tensor, train_caps: list[list[st
     if len(train_pooled) < 2 or len(dev_pooled) < 1:
         raise DatasetError(f"a matcher needs 2 or more training photos and 1 or more dev photos, "
                            f"got {len(train_pooled)} and {len(dev_pooled)}")
+    if cfg.bank_size > len(train_pooled):
+        raise DatasetError(f"a bank of {cfg.bank_size} photos needs as many training photos, got {len(train_pooled)}")
     torch.manual_seed(seed)
     draw = random.Random(seed)
     m = Matcher(cfg)
@@ -74,7 +76,7 @@ def fit(cfg: MatcherConfig, train_pooled: torch.Tensor, train_caps: list[list[st
     per_epoch = len(train_pooled) // batch_size
     opt = torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=epochs * per_epoch, pct_start=0.1)
-    ids = [m.ids(caps) for caps in train_caps]  # each photo's captions as (n, T) ids
+    ids = [[m.word_ids(c) for c in caps] for caps in train_caps]  # each photo's captions as word ids
     history, best, best_state = [], -1.0, None
     for epoch in range(epochs):
         t0, total = time.perf_counter(), 0.0
@@ -82,11 +84,7 @@ def fit(cfg: MatcherConfig, train_pooled: torch.Tensor, train_caps: list[list[st
         m.train()
         for b in range(per_epoch):
             idx = order[b * batch_size:(b + 1) * batch_size].tolist()
-            rows = [ids[i][draw.randrange(len(ids[i]))] for i in idx]
-            text = torch.zeros(len(rows), max(int((r != 0).sum()) for r in rows), dtype=torch.long)
-            for j, r in enumerate(rows):
-                r = r[r != 0]
-                text[j, :len(r)] = r
+            text = pad_ids([ids[i][draw.randrange(len(ids[i]))] for i in idx])  # (B, T): one caption a photo
             loss = m.contrastive_loss(m.pooled_image(train_pooled[idx]), m.text_ids(text))
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -104,8 +102,6 @@ def fit(cfg: MatcherConfig, train_pooled: torch.Tensor, train_caps: list[list[st
             best, best_state = figures["t2i_r1"], {k: v.clone() for k, v in m.state_dict().items()}
     m.load_state_dict(best_state)
     m.eval()
-    if cfg.bank_size > len(train_pooled):
-        raise DatasetError(f"a bank of {cfg.bank_size} photos needs as many training photos, got {len(train_pooled)}")
     pick = torch.randperm(len(train_pooled), generator=torch.Generator().manual_seed(seed))[:cfg.bank_size]
     with torch.no_grad():
         m.bank = m.pooled_image(train_pooled[pick.sort().values])  # (K, E)
@@ -127,6 +123,8 @@ def train_matcher(dataset: str, out: str | Path, *, images: str | None = None, e
     dev split, write the checkpoint folder ``out`` (refused before any work if it holds
     something and ``overwrite`` is not given)."""
     target = check_folder_target(out, overwrite=overwrite, kinds=("checkpoint",))
+    # the sizes checked before any work; the vocabulary, the rows' width and the encoder come later
+    sizes = MatcherConfig(embed_dim=embed_dim, word_dim=word_dim, dropout=dropout, bank_size=bank_size)
     ds = load_dataset(dataset, images)
     train_items, dev_items = ds.split(train_split), ds.split(dev_split)
     for name, items in ((train_split, train_items), (dev_split, dev_items)):
@@ -137,9 +135,8 @@ def train_matcher(dataset: str, out: str | Path, *, images: str | None = None, e
     train_pooled = pooled_rows(store, [it.name for it in train_items])
     dev_pooled = pooled_rows(store, [it.name for it in dev_items])
     train_caps, dev_caps = [it.raw for it in train_items], [it.raw for it in dev_items]
-    cfg = MatcherConfig(words=build_words(train_caps, min_count), feat_dim=train_pooled.shape[1],
-                        encoder=enc.cache_key(), embed_dim=embed_dim, word_dim=word_dim, dropout=dropout,
-                        bank_size=min(bank_size, len(train_items)))
+    cfg = replace(sizes, words=build_words(train_caps, min_count), feat_dim=train_pooled.shape[1],
+                  encoder=enc.cache_key(), bank_size=min(bank_size, len(train_items)))
     m, history = fit(cfg, train_pooled, train_caps, dev_pooled, dev_caps, epochs=epochs, batch_size=batch_size,
                      lr=lr, seed=seed, log=log)
     best = max(history, key=lambda h: h["t2i_r1"])
