@@ -116,6 +116,25 @@ def test_meteor_jar_equals_pycocoevalcap():
     assert "jar" in got.implementation["METEOR"]
 
 
+@needs_java
+def test_the_meteor_jar_reads_no_jvm_log_line_as_an_answer(monkeypatch):
+    """A log line of the JVM on standard output (Java 9+'s default: a warning on a loaded
+    machine, or what JAVA_TOOL_OPTIONS turns on) would be taken for the first caption's
+    statistics: the logs go to standard error, and without that the same call fails."""
+    from captionkit.scoring import evaluation as ev
+
+    res = {"a": "a dog runs on the grass", "b": "a man rides a bike", "c": "two girls play"}
+    gts = {"a": ["a brown dog runs in the grass", "a dog running"], "b": ["a man on a bicycle"],
+           "c": ["two young girls are playing", "children play outside"]}
+    want, want_per, _ = ev.meteor_jar(res, gts)
+    monkeypatch.setenv("JAVA_TOOL_OPTIONS", "-Xlog:gc*=info")
+    got, got_per, _ = ev.meteor_jar(res, gts)
+    assert got == want and list(got_per) == list(want_per) and 0 < want < 1
+    monkeypatch.setattr(ev, "JVM_LOG_TO_STDERR", ())
+    with pytest.raises(RuntimeError, match="METEOR jar answered"):
+        ev.meteor_jar(res, gts)
+
+
 def _wordnet_available() -> bool:
     from captionkit.scoring.evaluation import _wordnet
     try:

@@ -117,3 +117,19 @@ def test_the_jar_path_refuses_a_line_count_it_did_not_expect(monkeypatch):
     monkeypatch.setattr(tk, "one_line", lambda text: text)  # let a line break through
     with pytest.raises(RuntimeError, match="returned 3 lines for 2 captions"):
         tk.tokenize_java({"a": ["a dog\ron a couch"], "b": ["a cat"]})
+
+
+@needs_java
+def test_the_jvms_log_lines_are_not_read_as_tokens(monkeypatch):
+    """Java 9+ logs to standard output unless told otherwise: a warning of the JVM on a loaded
+    machine, or a log an environment's JAVA_TOOL_OPTIONS turns on, would be one line too many.
+    They go to standard error; without that redirection the same call fails."""
+    import captionkit.scoring.ptb_tokenize as tk
+
+    caps = {"a": ["A dog, on a couch."], "b": ["a cat"], "c": ["two men"]}
+    want = {"a": ["a dog on a couch"], "b": ["a cat"], "c": ["two men"]}
+    monkeypatch.setenv("JAVA_TOOL_OPTIONS", "-Xlog:gc*=info")  # several log lines at start-up
+    assert tk.tokenize_java(caps) == want
+    monkeypatch.setattr(tk, "JVM_LOG_TO_STDERR", ())
+    with pytest.raises(RuntimeError, match=r"lines for 3 captions.*\[gc"):
+        tk.tokenize_java(caps)

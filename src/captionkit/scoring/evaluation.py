@@ -23,7 +23,7 @@ import numpy as np
 
 from ..core.errors import UserError
 from . import metrics as M
-from .ptb_tokenize import java_available, tokenize_sets
+from .ptb_tokenize import JVM_LOG_TO_STDERR, java_available, tokenize_sets
 from .score_inputs import check_captions, check_references
 
 METRICS = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr", "SPICE")
@@ -135,12 +135,34 @@ def _meteor_number(meteor) -> float:
         raise RuntimeError(f"the METEOR jar answered {line[:200]!r} instead of a score") from None
 
 
+def start_meteor():
+    """pycocoevalcap's METEOR 1.5 jar, started with its own command, except that the JVM's log
+    lines go to standard error: on standard output (Java 9+'s default) the first would be read
+    as the first caption's statistics and shift every later answer by one. A Java subprocess,
+    stopped when the object is collected."""
+    import os
+    import subprocess
+    import threading
+
+    from pycocoevalcap.meteor import meteor as m
+
+    class _Meteor(m.Meteor):
+        def __init__(self):  # pycocoevalcap's __init__, with the JVM's logs redirected
+            self.meteor_cmd = ["java", *JVM_LOG_TO_STDERR, "-jar", "-Xmx2G", m.METEOR_JAR,
+                               "-", "-", "-stdio", "-l", "en", "-norm"]
+            self.meteor_p = subprocess.Popen(self.meteor_cmd, cwd=os.path.dirname(os.path.abspath(m.__file__)),
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                             stderr=subprocess.PIPE)
+            self.lock = threading.Lock()
+
+    return _Meteor()
+
+
 def meteor_jar(res: dict[str, str], gts: dict[str, list[str]]) -> tuple[float, np.ndarray, list[str]]:
     """METEOR 1.5 as pycocoevalcap computes it, plus each image's statistics line, from which
     the jar recomputes the corpus score of any resample (its corpus score is not a mean of
     image scores, so bootstrap must go back to the jar)."""
-    from pycocoevalcap.meteor.meteor import Meteor
-    meteor = Meteor()  # a Java subprocess, stopped when the object is collected
+    meteor = start_meteor()
     with meteor.lock:
         stats = [meteor._stat(res[k], gts[k]) for k in gts]
     if any(not st for st in stats):
@@ -152,8 +174,7 @@ def meteor_jar(res: dict[str, str], gts: dict[str, list[str]]) -> tuple[float, n
 
 def meteor_jar_resampled(stats: list[str], weights: np.ndarray) -> np.ndarray:
     """Corpus METEOR of every bootstrap resample: weights (R, N) image counts -> (R,)."""
-    from pycocoevalcap.meteor.meteor import Meteor
-    meteor = Meteor()
+    meteor = start_meteor()
     out = np.array([_meteor_eval(meteor, [st for st, c in zip(stats, row) for _ in range(int(c))])[0]
                     for row in weights])
     del meteor

@@ -12,6 +12,10 @@ Two things differ from pycocoevalcap on purpose:
   line at each) become spaces first, on both paths. pycocoevalcap replaces only LF, so a CR
   inside a reference gives the jar one line too many and every later caption is paired with the
   previous one's tokens.
+- The JVM's own log lines go to standard error. Java 9 and later print their log warnings (a
+  thread the JVM could not start on a loaded machine, large pages it could not get, or what a
+  ``JAVA_TOOL_OPTIONS`` of the environment turns on) to standard output by default, where they
+  would be read as tokens: one line too many, and the captions paired with the wrong tokens.
 - The jar path checks that it got exactly one line back per caption, and fails loudly if not.
 
 A set's captions are tokenised as one text, in order, as coco-caption does: the jar's tokens of a
@@ -31,6 +35,10 @@ PUNCTUATIONS = {"''", "'", "``", "`", "-LRB-", "-RRB-", "-LCB-", "-RCB-",
                 ".", "?", "!", ",", ":", "-", "--", "...", ";"}
 LINE_BREAKS = "\r\n\x0b\x0c\x85\u2028\u2029"
 _AS_SPACES = str.maketrans({c: " " for c in LINE_BREAKS})
+
+# the JVM's unified logging (Java 9+) writes to standard output unless told otherwise; these come
+# after JAVA_TOOL_OPTIONS on the JVM's command line, so they also redirect what it turns on
+JVM_LOG_TO_STDERR = ("-Xlog:disable", "-Xlog:all=warning:stderr")
 
 Captions = dict[str, list[str]]  # {key: [caption, ...]}
 
@@ -68,11 +76,13 @@ def java_available() -> bool:
 
 
 def jar_command() -> list[str]:
-    """How coco-caption runs the PTBTokenizer jar (it reads the text on standard input)."""
+    """How coco-caption runs the PTBTokenizer jar (it reads the text on standard input), with the
+    JVM's log lines sent to standard error."""
     from pycocoevalcap.tokenizer import ptbtokenizer as ptb
 
     jar = Path(ptb.__file__).with_name(ptb.STANFORD_CORENLP_3_4_1_JAR)
-    return ["java", "-cp", str(jar), "edu.stanford.nlp.process.PTBTokenizer", "-preserveLines", "-lowerCase"]
+    return ["java", *JVM_LOG_TO_STDERR, "-cp", str(jar), "edu.stanford.nlp.process.PTBTokenizer",
+            "-preserveLines", "-lowerCase"]
 
 
 class _JarRun:
@@ -95,7 +105,9 @@ class _JarRun:
         got = out.decode().split("\n")
         if len(got) != len(self.lines):
             raise RuntimeError(f"the PTBTokenizer jar returned {len(got)} lines for {len(self.lines)} "
-                               "captions: tokens would be paired with the wrong captions")
+                               "captions: tokens would be paired with the wrong captions. First lines "
+                               f"out: {got[:3]!r}; its standard error: "
+                               f"{err.decode(errors='replace').strip()[-1000:]!r}")
         return _regroup(self.captions, [" ".join(w for w in line.rstrip().split(" ") if w not in PUNCTUATIONS)
                                         for line in got])
 
