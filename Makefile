@@ -44,13 +44,20 @@ demo: $(STAMP)
 	@$(BIN)/captionkit caption samples/*.jpg --beam 3 --json demo-out/captions.json --attention demo-out/attention --overwrite
 	@echo "attention figures: demo-out/attention/"
 
+# The suite in TEST_WORKERS processes (pytest-xdist; tests/conftest.py gives each its share of
+# the cores' threads), each taking the next test as it finishes one (worksteal). Most tests are
+# single-threaded Python and child processes: on 2 cores, 2 workers take about two thirds of
+# one process's time. TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+
 test: $(STAMP)
 	-@command -v npm >/dev/null && $(MAKE) --no-print-directory web || echo "note: npm missing; in-browser demo tests will be skipped"
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 # the loop while editing: every test not marked @pytest.mark.slow (make test, as CI, runs them all)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # ruff's rules and line length are in pyproject.toml ([tool.ruff]); the import-linter contracts
 # (the wings' layers, scoring without torch) in [tool.importlinter]

@@ -5,10 +5,19 @@ pretrained models for the LM families. Plain helpers live in helpers.py."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-import pytest
-from helpers import (
+# Under pytest-xdist (`make test` runs two workers), each worker takes its share of the cores
+# for its thread pools and its child processes, set before torch is imported: two workers
+# with a thread per core each would oversubscribe the cores, and OpenMP threads that wait on
+# a descheduled peer run many times slower. An OMP_NUM_THREADS the user set is kept.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and "OMP_NUM_THREADS" not in os.environ:
+    _share = (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _share))
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+from helpers import (  # noqa: E402
     TINY_CONFIG,
     CudaView,
     hide_gpus,
