@@ -117,6 +117,7 @@ def test_meteor_jar_equals_pycocoevalcap():
 
 
 @needs_java
+@pytest.mark.slow  # three starts of the METEOR jar
 def test_the_meteor_jar_reads_no_jvm_log_line_as_an_answer(monkeypatch):
     """A log line of the JVM on standard output (Java 9+'s default: a warning on a loaded
     machine, or what JAVA_TOOL_OPTIONS turns on) would be taken for the first caption's

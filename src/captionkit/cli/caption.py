@@ -84,8 +84,13 @@ def _load_captioner(models: list[str] | None, weights: list[float] | None, tta: 
     else:
         cap = Captioner.load(models[0] if models else None, **place)
     if matcher:
-        cap.use_matcher(matcher, MATCH_WEIGHT if match_weight is None else match_weight)
+        cap.use_matcher(matcher, _match_weight(match_weight))
     return cap
+
+
+def _match_weight(given: float | None) -> float:
+    """--match-weight, or its default."""
+    return MATCH_WEIGHT if given is None else given
 
 
 def _nbest(rerank: str | None, nbest: int | None) -> int | None:
@@ -131,7 +136,7 @@ def _caption_settings(model: list[str] | None, weights: list[float] | None, onnx
         settings.update(rerank=rerank, nbest=_nbest(rerank, nbest))
     if matcher:  # likewise
         settings.update(matcher=str(Path(matcher).resolve()),
-                        match_weight=MATCH_WEIGHT if match_weight is None else match_weight)
+                        match_weight=_match_weight(match_weight))
     if tta:  # likewise
         settings.update(tta=tta)
     return settings
