@@ -131,7 +131,7 @@ def test_the_meteor_jar_reads_no_jvm_log_line_as_an_answer(monkeypatch):
     monkeypatch.setenv("JAVA_TOOL_OPTIONS", "-Xlog:gc*=info")
     got, got_per, _ = ev.meteor_jar(res, gts)
     assert got == want and list(got_per) == list(want_per) and 0 < want < 1
-    monkeypatch.setattr(ev, "JVM_LOG_TO_STDERR", ())
+    monkeypatch.setattr(ev, "jvm_log_flags", lambda: ())
     with pytest.raises(RuntimeError, match="METEOR jar answered"):
         ev.meteor_jar(res, gts)
 

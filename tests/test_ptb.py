@@ -4,6 +4,7 @@ Java is absent too), random lines, code points, every Flickr8k caption, and the 
 on both paths."""
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -130,6 +131,26 @@ def test_the_jvms_log_lines_are_not_read_as_tokens(monkeypatch):
     want = {"a": ["a dog on a couch"], "b": ["a cat"], "c": ["two men"]}
     monkeypatch.setenv("JAVA_TOOL_OPTIONS", "-Xlog:gc*=info")  # several log lines at start-up
     assert tk.tokenize_java(caps) == want
-    monkeypatch.setattr(tk, "JVM_LOG_TO_STDERR", ())
+    monkeypatch.setattr(tk, "jvm_log_flags", lambda: ())
     with pytest.raises(RuntimeError, match=r"lines for 3 captions.*\[gc"):
         tk.tokenize_java(caps)
+
+
+def test_a_java_without_xlog_gets_only_the_flags_it_knows(monkeypatch, tmp_path):
+    """Java 8 has no -Xlog and would refuse to start with it: the flags are asked of the java on
+    PATH once, and there only -XX:+DisplayVMOutputToStderr (its VM warnings) is given."""
+    import captionkit.scoring.ptb_tokenize as tk
+
+    java8 = tmp_path / "java"  # a stand-in that refuses -Xlog as Java 8 does
+    java8.write_text('#!/bin/sh\ncase "$*" in *-Xlog*) echo "Unrecognized option: -Xlog:disable" >&2; exit 1;; esac\n')
+    java8.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    tk.jvm_log_flags.cache_clear()
+    try:
+        assert tk.jvm_log_flags() == ("-XX:+DisplayVMOutputToStderr",)
+        assert not any(a.startswith("-Xlog") for a in tk.jar_command())
+    finally:
+        tk.jvm_log_flags.cache_clear()
+    if java_available():  # the real one (Java 9+ here) takes both
+        monkeypatch.undo()
+        assert tk.jvm_log_flags()[:2] == ("-Xlog:disable", "-Xlog:all=warning:stderr")

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..core.errors import UserError
 from . import metrics as M
-from .ptb_tokenize import JVM_LOG_TO_STDERR, java_available, tokenize_sets
+from .ptb_tokenize import java_available, jvm_log_flags, tokenize_sets
 from .score_inputs import check_captions, check_references
 
 METRICS = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr", "SPICE")
@@ -148,7 +148,7 @@ def start_meteor():
 
     class _Meteor(m.Meteor):
         def __init__(self):  # pycocoevalcap's __init__, with the JVM's logs redirected
-            self.meteor_cmd = ["java", *JVM_LOG_TO_STDERR, "-jar", "-Xmx2G", m.METEOR_JAR,
+            self.meteor_cmd = ["java", *jvm_log_flags(), "-jar", "-Xmx2G", m.METEOR_JAR,
                                "-", "-", "-stdio", "-l", "en", "-norm"]
             self.meteor_p = subprocess.Popen(self.meteor_cmd, cwd=os.path.dirname(os.path.abspath(m.__file__)),
                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -24,6 +24,7 @@ line can depend on how the next line starts (see :mod:`captionkit.scoring.ptb`).
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 from pathlib import Path
@@ -38,7 +39,7 @@ _AS_SPACES = str.maketrans({c: " " for c in LINE_BREAKS})
 
 # the JVM's unified logging (Java 9+) writes to standard output unless told otherwise; these come
 # after JAVA_TOOL_OPTIONS on the JVM's command line, so they also redirect what it turns on
-JVM_LOG_TO_STDERR = ("-Xlog:disable", "-Xlog:all=warning:stderr")
+_XLOG_TO_STDERR = ("-Xlog:disable", "-Xlog:all=warning:stderr")
 
 Captions = dict[str, list[str]]  # {key: [caption, ...]}
 
@@ -75,13 +76,26 @@ def java_available() -> bool:
     return shutil.which("java") is not None
 
 
+@functools.lru_cache(maxsize=None)
+def jvm_log_flags() -> tuple[str, ...]:
+    """The java options that send the JVM's own messages to standard error: its unified logging
+    (Java 9+; Java 8 has no -Xlog and would refuse to start, so it is asked once whether this
+    java takes it) and its "VM warning" lines (-XX:+DisplayVMOutputToStderr, Java 8 and later)."""
+    try:
+        xlog = subprocess.run(["java", *_XLOG_TO_STDERR, "-version"], capture_output=True,
+                              timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):  # no java: the jar's own call says so
+        xlog = False
+    return (*(_XLOG_TO_STDERR if xlog else ()), "-XX:+DisplayVMOutputToStderr")
+
+
 def jar_command() -> list[str]:
     """How coco-caption runs the PTBTokenizer jar (it reads the text on standard input), with the
     JVM's log lines sent to standard error."""
     from pycocoevalcap.tokenizer import ptbtokenizer as ptb
 
     jar = Path(ptb.__file__).with_name(ptb.STANFORD_CORENLP_3_4_1_JAR)
-    return ["java", *JVM_LOG_TO_STDERR, "-cp", str(jar), "edu.stanford.nlp.process.PTBTokenizer",
+    return ["java", *jvm_log_flags(), "-cp", str(jar), "edu.stanford.nlp.process.PTBTokenizer",
             "-preserveLines", "-lowerCase"]
 
 
