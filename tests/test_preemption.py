@@ -142,6 +142,7 @@ def test_stop_signals_are_checked_and_restored():
     assert signal.getsignal(signal.SIGUSR2) is old
 
 
+@pytest.mark.slow  # child processes: several seconds
 def test_sigterm_from_outside_exits_75_within_the_bound_and_resumes(config, tmp_path):
     """The command line end to end: SIGTERM from another process mid-epoch, exit 75 with one
     line, the time from the signal to the exit measured; then --resume auto to the end. (The
@@ -168,6 +169,7 @@ def test_sigterm_from_outside_exits_75_within_the_bound_and_resumes(config, tmp_
     assert compare_runs(out, whole) == []
 
 
+@pytest.mark.slow  # child processes: several seconds
 def test_caption_jsonl_stopped_by_sigterm_then_rerun_has_every_image_once(tiny_run, flickr_dir, tmp_path):
     out = tmp_path / "caps.jsonl"
     photos = sorted((flickr_dir / "Flicker8k_Dataset").glob("*.jpg"))

@@ -193,6 +193,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # child processes: several seconds
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_helpers_end_when_the_caller_is_killed(photos, tiny_run, tmp_path):
     caller = tmp_path / "caller.py"

@@ -84,6 +84,7 @@ def test_export_onnx_without_the_onnx_extra_is_the_pip_hint(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow  # child processes: several seconds
 def test_serve_without_the_serve_extra_is_the_pip_hint_and_a_broken_import_of_ours_is_not():
     """serve without fastapi: the one-line hint. But an import of captionkit's own that breaks
     inside the server's modules is a bug and stays a traceback (it was shown as the hint)."""

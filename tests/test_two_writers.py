@@ -56,6 +56,7 @@ def _refused(r: subprocess.CompletedProcess, target: Path, holder: subprocess.Po
     assert f"{target}: in use by pid {holder.pid} on {socket.gethostname()} ({what})" in errors[0]
 
 
+@pytest.mark.slow  # child processes: several seconds
 def test_two_trainings_into_one_run_folder(tiny_config, tmp_path):
     cfg = tmp_path / "long.toml"
     cfg.write_text(tiny_config.read_text().replace("epochs = 3", "epochs = 1000")
@@ -88,6 +89,7 @@ def many_photos(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.mark.slow  # child processes: several seconds
 @pytest.mark.parametrize("option", ["--jsonl", "--csv"])
 def test_two_captionings_into_one_file(many_photos, tiny_run, tmp_path, option):
     out = tmp_path / f"caps.{option[2:]}"
