@@ -6,7 +6,7 @@ coco-caption writes the captions of a set one per line, runs the jar over them w
 -RCB- . ? ! , : - -- ... ; (the bracket names in upper case only, so after lower-casing "-lrb-"
 and its kin survive, as in the reference).
 
-Two things differ from pycocoevalcap on purpose:
+Three things differ from pycocoevalcap on purpose:
 
 - Line breaks inside a caption (CR, LF, CR LF, VT, FF, U+0085, U+2028, U+2029: the jar ends a
   line at each) become spaces first, on both paths. pycocoevalcap replaces only LF, so a CR
