@@ -15,7 +15,6 @@ parameters one process had before that step and records what the step computed.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import torch
@@ -40,12 +39,6 @@ def tiny_trainer(config: Path, out: Path, device: torch.device = CPU, world: Wor
     trainer = build_trainer(cfg, out, data=prepare_data(cfg), device=device, world=world)
     trainer.state.epoch_progress = EpochProgress()
     return trainer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def record_steps(trainer: Trainer, pinned: list[dict] | None = None) -> list[dict]:

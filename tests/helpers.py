@@ -133,15 +133,35 @@ def shapes_bpe(specials: list[str], extra_texts: tuple[str, ...] = ()):
     return bpe
 
 
-def import_graph_module():
-    """benchmarks/import_graph.py as a module (it is a script, not part of the package)."""
-    import importlib.util
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS's choice): for a rendezvous
+    or a server a test starts. Another process may take it before the test binds it; the OS
+    hands out ports at random, so two tests running side by side rarely draw the same one."""
+    import socket
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "import_graph.py"
-    spec = importlib.util.spec_from_file_location("import_graph", path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def benchmark_module(name: str):
+    """benchmarks/NAME.py as a module (the benchmarks are scripts, not part of the package; they
+    import each other from their folder)."""
+    import importlib.util
+    import sys
+
+    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def import_graph_module():
+    """benchmarks/import_graph.py as a module."""
+    return benchmark_module("import_graph")
 
 
 def assert_beam_one_is_greedy(model, feats, max_len: int) -> list:

@@ -21,7 +21,8 @@ import captionkit
 from captionkit.core.checkpoint import read_config
 from captionkit.training.distributed import SINGLE, World, shard
 from captionkit.training.run import train
-from ddpsteps import assert_same_steps, free_port, record_steps, tiny_trainer
+from ddpsteps import assert_same_steps, record_steps, tiny_trainer
+from helpers import free_port
 
 pytestmark = pytest.mark.slow  # each torchrun start costs several seconds of imports per process
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,17 +19,12 @@ import pytest
 
 import captionkit
 from ddp_faults import FAULT_ENV, fault_message
+from helpers import free_port
 
 pytestmark = pytest.mark.slow  # two (or three) Python processes importing torch: 10-20 s each
 
 HERE = Path(__file__).parent
 LIMIT = 60.0  # seconds from the start of the processes to the exit of the last
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env(**extra: str) -> dict[str, str]:

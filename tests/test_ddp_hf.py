@@ -24,8 +24,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from ddpsteps import assert_same_steps, free_port, record_steps, tiny_trainer  # noqa: E402
-from helpers import write_lm_config  # noqa: E402
+from ddpsteps import assert_same_steps, record_steps, tiny_trainer  # noqa: E402
+from helpers import free_port, write_lm_config  # noqa: E402
 from meta_models import HF_FAMILIES, HF_PROMPT  # noqa: E402
 
 import captionkit  # noqa: E402

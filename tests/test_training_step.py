@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import os
 import random
-import socket
 import threading
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 import torch
 from ddpsteps import assert_same_steps, record_steps
 from devicecheck import MetaAnswers, count_syncs, factory_sentinel, strict_devices
+from helpers import free_port
 from safetensors.torch import load_file, save_file
 
 import captionkit.inference.captioner as captioner_module
@@ -282,12 +282,6 @@ def _ddp_rank(rank: int, config: str, out: str, port: int, steps: int) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow  # two processes start and build their trainers

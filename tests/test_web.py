@@ -4,7 +4,6 @@ in-browser ONNX page and gets the captions `captionkit caption` gives."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 from PIL import Image
 
 from captionkit.inference.shipped import FAST_MODEL
+from helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 WEB = ROOT / "src" / "captionkit" / "web"
@@ -54,12 +54,6 @@ def test_js_bicubic_resize_equals_pillow(tmp_path, w, h, ow, oh):
     assert np.array_equal(js, py)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     pytest.importorskip("fastapi")
@@ -74,7 +68,7 @@ def server(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "captionkit", "export", "onnx", "--out", str(export)],
                    check=True, env=env, capture_output=True, timeout=300)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "captionkit", "serve", "--port", str(port), "--onnx", str(export)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
