@@ -102,6 +102,20 @@ def train_step_flops() -> float:
     return 2 * B * (3 * T * per_word + 2 * L * D * DIM + 3 * (once - L * D * DIM))
 
 
+def tutorial_step_flops() -> float:
+    """The tutorial-style decoder's FLOPs a training step at these sizes: its encoder projection
+    (L x D x A) recomputed at every word, forward and weight gradient (the features take no
+    gradient, so the projection, the context and init_h/init_c have no input gradient: x2, the
+    rest x3). Equals torch.utils.flop_counter's count of its matmuls plus the context's
+    element-wise weighted sum, which that leaves out (tests/test_speed_flops.py). This over
+    train_step_flops() is the multiple of the tutorial-style decoder that equal GFLOP/s would
+    give: 6.5x at the benchmark's sizes."""
+    twice = L * D * DIM + L * D  # encoder_att (recomputed every word), the context
+    thrice = (DIM * DIM + L * DIM + DIM * D  # decoder_att, full_att, f_beta
+              + (DIM + D) * 4 * DIM + DIM * 4 * DIM + DIM * V)  # the LSTM cell's input and hidden, fc
+    return 2 * B * (T * (2 * twice + 3 * thrice) + 2 * 2 * D * DIM)  # (+ init_h, init_c)
+
+
 def bench_training(repeats: int, tutorial: bool = True) -> dict:
     """name -> median seconds of a training step: captionkit in bf16 mixed precision (where the
     CPU has native bf16) and fp32, and the tutorial-style decoder (``tutorial``). Their steps are
@@ -241,11 +255,13 @@ def main() -> None:
         print(f"feature extraction (EfficientNet-Lite2, 260 px, {n_img} JPEGs): {bench_extraction(n_img):.1f} images/s")
 
     times = bench_training(reps)
-    flops = train_step_flops()
     base = times["tutorial-style fp32"]
-    print(f"decoder training at {L} locations x {D} features, width {DIM}, batch {B}, {T} words, vocab {V}:")
+    print(f"decoder training at {L} locations x {D} features, width {DIM}, batch {B}, {T} words, vocab {V} "
+          f"({train_step_flops() / 1e9:.1f} GFLOP a step; the tutorial-style decoder's {tutorial_step_flops() / 1e9:.1f}, "
+          f"{tutorial_step_flops() / train_step_flops():.2f}x: its multiple at equal GFLOP/s):")
     for name, t in times.items():
         peak = peaks[name[-4:]]
+        flops = tutorial_step_flops() if name.startswith("tutorial") else train_step_flops()
         print(f"  {name:22s} {B / t:7.1f} captions/s  {flops / t / 1e9:6.1f} GFLOP/s "
               f"= {flops / t / peak:5.1%} of the {name[-4:]} peak  ({base / t:4.1f}x tutorial-style)")
     if not args.training_only:
@@ -285,8 +301,10 @@ def report_training_shares(got: dict[str, dict[str, list]]) -> None:
     # one peak per precision for both trees: the median of every child's (the same machine)
     peaks = {p: statistics.median(got["old"]["peak " + p] + got["new"]["peak " + p]) for p in TRAIN_PRECISIONS}
     tutorial = statistics.median(got["old"][tut] + got["new"][tut])
+    t_rate = tutorial / B * tutorial_step_flops()
     print(f"  {peaks_text(peaks)}; tutorial-style decoder, fp32: {tutorial:.1f} captions/s "
-          f"(median of every child's)", flush=True)
+          f"(median of every child's) = {t_rate / 1e9:.1f} GFLOP/s, {t_rate / peaks['fp32']:.1%} of the fp32 peak; "
+          f"at its GFLOP/s a step would be {tutorial_step_flops() / flops:.2f}x tutorial-style", flush=True)
     for label in ("old", "new"):
         for p in reversed(TRAIN_PRECISIONS):
             rates = got[label][f"decoder training captionkit {p} captions/s"]
