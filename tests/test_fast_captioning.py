@@ -259,6 +259,9 @@ def test_bf16_without_onednn_bf16_convolutions_is_layer_by_layer(monkeypatch):
     assert any("_convolution_pointwise" in op for op in fp32.names)
 
 
+# tracing warns that it is deprecated and that SAME padding reads the input's shape: the trace
+# is of one shape, and the ONNX exporter's own tracing is what this stands for
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore:`torch.jit.trace:FutureWarning")
 def test_a_traced_encoder_is_layer_by_layer():
     """Traced (the ONNX exporter traces), even in channels_last without autograd, the encoder is
     the layer-by-layer path: a graph has no oneDNN fused convolution."""
