@@ -304,7 +304,7 @@ def report_training_shares(got: dict[str, dict[str, list]]) -> None:
     t_rate = tutorial / B * tutorial_step_flops()
     print(f"  {peaks_text(peaks)}; tutorial-style decoder, fp32: {tutorial:.1f} captions/s "
           f"(median of every child's) = {t_rate / 1e9:.1f} GFLOP/s, {t_rate / peaks['fp32']:.1%} of the fp32 peak; "
-          f"at its GFLOP/s a step would be {tutorial_step_flops() / flops:.2f}x tutorial-style", flush=True)
+          f"its step does {tutorial_step_flops() / flops:.2f}x our FLOPs (the multiple at equal GFLOP/s)", flush=True)
     for label in ("old", "new"):
         for p in reversed(TRAIN_PRECISIONS):
             rates = got[label][f"decoder training captionkit {p} captions/s"]
