@@ -256,12 +256,13 @@ def main() -> None:
 
     times = bench_training(reps)
     base = times["tutorial-style fp32"]
+    ours, theirs = train_step_flops(), tutorial_step_flops()
     print(f"decoder training at {L} locations x {D} features, width {DIM}, batch {B}, {T} words, vocab {V} "
-          f"({train_step_flops() / 1e9:.1f} GFLOP a step; the tutorial-style decoder's {tutorial_step_flops() / 1e9:.1f}, "
-          f"{tutorial_step_flops() / train_step_flops():.2f}x: its multiple at equal GFLOP/s):")
+          f"({ours / 1e9:.1f} GFLOP a step; the tutorial-style decoder's {theirs / 1e9:.1f}, "
+          f"{theirs / ours:.2f}x: its multiple at equal GFLOP/s):")
     for name, t in times.items():
         peak = peaks[name[-4:]]
-        flops = tutorial_step_flops() if name.startswith("tutorial") else train_step_flops()
+        flops = theirs if name.startswith("tutorial") else ours
         print(f"  {name:22s} {B / t:7.1f} captions/s  {flops / t / 1e9:6.1f} GFLOP/s "
               f"= {flops / t / peak:5.1%} of the {name[-4:]} peak  ({base / t:4.1f}x tutorial-style)")
     if not args.training_only:
@@ -301,10 +302,11 @@ def report_training_shares(got: dict[str, dict[str, list]]) -> None:
     # one peak per precision for both trees: the median of every child's (the same machine)
     peaks = {p: statistics.median(got["old"]["peak " + p] + got["new"]["peak " + p]) for p in TRAIN_PRECISIONS}
     tutorial = statistics.median(got["old"][tut] + got["new"][tut])
-    t_rate = tutorial / B * tutorial_step_flops()
+    theirs = tutorial_step_flops()
+    t_rate = tutorial / B * theirs
     print(f"  {peaks_text(peaks)}; tutorial-style decoder, fp32: {tutorial:.1f} captions/s "
           f"(median of every child's) = {t_rate / 1e9:.1f} GFLOP/s, {t_rate / peaks['fp32']:.1%} of the fp32 peak; "
-          f"its step does {tutorial_step_flops() / flops:.2f}x our FLOPs (the multiple at equal GFLOP/s)", flush=True)
+          f"its step does {theirs / flops:.2f}x our FLOPs (the multiple at equal GFLOP/s)", flush=True)
     for label in ("old", "new"):
         for p in reversed(TRAIN_PRECISIONS):
             rates = got[label][f"decoder training captionkit {p} captions/s"]

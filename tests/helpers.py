@@ -145,15 +145,12 @@ def free_port() -> int:
 
 
 def benchmark_module(name: str):
-    """benchmarks/NAME.py as a module (the benchmarks are scripts, not part of the package; they
-    import each other from their folder)."""
+    """benchmarks/NAME.py as a module (the benchmarks are scripts, not part of the package; one
+    that imports its neighbours puts its folder on sys.path itself)."""
     import importlib.util
-    import sys
 
-    folder = Path(__file__).resolve().parent.parent / "benchmarks"
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -14,7 +14,7 @@ def test_the_tutorial_decoders_flop_count_is_torchs(sizes, monkeypatch):
     B, L, D, DIM, V, T = sizes
     for name, value in zip(("B", "L", "D", "DIM", "V", "T"), sizes):
         monkeypatch.setattr(speed, name, value)
-    tutorial = benchmark_module("tutorial_decoder").TutorialDecoder(V, feat_dim=D, dim=DIM)
+    tutorial = speed.TutorialDecoder(V, feat_dim=D, dim=DIM)  # the decoder speed.py times
     feats, ids = torch.randn(B, L, D), torch.randint(0, V, (B, T + 1))
     with FlopCounterMode(display=False) as counter:
         scores, alphas = tutorial(feats, ids, torch.full((B,), T))
