@@ -2,6 +2,7 @@
 ../shared is there) and on randomly generated captions, with Java and Python tokenisation."""
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -211,3 +212,68 @@ def test_cider_d_reward_scorer_equals_pycocoevalcap_given_the_same_references():
     scorer = M.CiderD({k: [r.split() for r in rs] for k, rs in refs.items()})
     ours = [scorer.score(k, cands[k].split()) for k in refs]
     np.testing.assert_allclose(ours, per_image, rtol=1e-9, atol=1e-12)
+
+
+FAKE_SPICE = '''#!{python}
+"""A stand-in for java -jar spice-1.0.jar: each image's F-score is its caption's word count / 10
+(NaN for "nan"); it records its working folder and arguments."""
+import json, os, sys
+args = sys.argv[1:]
+jar = next(a for a in args if a.endswith("spice-1.0.jar"))
+src, out, cache = args[args.index(jar) + 1], args[args.index("-out") + 1], args[args.index("-cache") + 1]
+items = json.load(open(src))
+json.dump([{{"image_id": it["image_id"],
+             "scores": {{"All": {{"f": "NaN" if it["test"] == "nan" else len(it["test"].split()) / 10}}}}}}
+           for it in items], open(out, "w"))
+json.dump({{"cwd": os.getcwd(), "cache": cache, "args": args}}, open(os.environ["FAKE_SPICE_LOG"], "w"))
+'''
+
+
+def test_spice_writes_nothing_into_its_install_folder(monkeypatch, tmp_path):
+    """pycocoevalcap's Spice writes its input, output and cache next to its jar: a read-only
+    install fails. captionkit's run keeps them in a temporary folder and its own cache; the jar's
+    folder is left as it was, and the scores come back per image in the images' order."""
+    import sys
+
+    import captionkit.scoring.evaluation as ev
+
+    install = tmp_path / "site-packages" / "spice"
+    (install / "lib").mkdir(parents=True)
+    for name in ("spice-1.0.jar", *(f"lib/{n}" for n in ev.SPICE_CORENLP_JARS)):
+        (install / name).write_bytes(b"")
+    before = sorted(p.relative_to(install) for p in install.rglob("*"))
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "java").write_text(FAKE_SPICE.format(python=sys.executable))
+    (bindir / "java").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SPICE_LOG", str(tmp_path / "log.json"))
+    monkeypatch.setenv("CAPTIONKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(ev, "spice_dir", lambda: install)
+    monkeypatch.setattr(ev, "java_available", lambda: True)
+    monkeypatch.setattr(ev, "jvm_log_flags", lambda: ())
+
+    res = {"b": "two dogs run", "a": "a dog runs on the grass"}
+    gts = {"a": ["a dog on grass"], "b": ["dogs running", "two dogs"]}
+    score, per = ev.run_spice(install, res, gts)
+    assert per.tolist() == [0.6, 0.3] and score == pytest.approx(0.45)  # sorted ids: a, b
+    log = json.loads((tmp_path / "log.json").read_text())
+    assert Path(log["cwd"]) == install and Path(log["cache"]) == tmp_path / "cache" / "spice"
+    assert sorted(p.relative_to(install) for p in install.rglob("*")) == before
+
+    score, per = ev.run_spice(install, {**res, "b": "nan"}, gts)  # the jar's NaN stays NaN
+    assert per[0] == 0.6 and np.isnan(per[1]) and np.isnan(score)
+
+    rep = score_captions(res, gts, metrics=["spice"], tokenizer="python", quiet=True)
+    assert rep.scores["SPICE"] == pytest.approx(0.45)
+
+
+def test_spice_without_corenlp_says_which_jar_is_missing(monkeypatch, tmp_path, capsys):
+    import captionkit.scoring.evaluation as ev
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / ev.SPICE_CORENLP_JARS[0]).write_bytes(b"")
+    monkeypatch.setattr(ev, "spice_dir", lambda: tmp_path)
+    monkeypatch.setattr(ev, "java_available", lambda: True)
+    rep = score_captions({"a": "a dog"}, {"a": ["a dog"]}, metrics=["bleu", "spice"], tokenizer="python")
+    assert "SPICE" not in rep.scores and "Bleu_4" in rep.scores
+    assert f"SPICE skipped: {ev.SPICE_CORENLP_JARS[1]} not in {tmp_path / 'lib'}" in capsys.readouterr().err

@@ -181,18 +181,61 @@ def meteor_jar_resampled(stats: list[str], weights: np.ndarray) -> np.ndarray:
     return out
 
 
-def _spice(res, gts, quiet: bool) -> tuple[float, np.ndarray] | None:
+SPICE_CORENLP_JARS = ("stanford-corenlp-3.6.0.jar", "stanford-corenlp-3.6.0-models.jar")
+
+
+def spice_dir() -> Path:
+    """The folder of pycocoevalcap's SPICE jar (its ``lib/`` holds the jars it needs)."""
     from pycocoevalcap.spice import spice as spice_mod
-    lib = Path(spice_mod.__file__).parent / "lib"
-    needed = ["stanford-corenlp-3.6.0.jar", "stanford-corenlp-3.6.0-models.jar"]
-    missing = [n for n in needed if not (lib / n).is_file()]
+    return Path(spice_mod.__file__).parent
+
+
+def run_spice(jar_dir: Path, res: dict[str, str], gts: dict[str, list[str]]) -> tuple[float, np.ndarray]:
+    """The SPICE 1.0 jar of ``jar_dir`` on one caption an image -> (corpus F-score, per image).
+
+    pycocoevalcap's ``Spice.compute_score`` runs the same jar with the same options, but writes
+    its input, output and parse cache into the jar's own folder, which a read-only install (a
+    system site-packages, a container layer) refuses with a traceback, and its constructor
+    downloads CoreNLP. Here the input and output are temporary files and the parse cache is
+    captionkit's (``$CAPTIONKIT_CACHE/spice``); nothing is written next to the jar."""
+    import json
+    import subprocess
+    import tempfile
+
+    from ..core.cache import cache_dir
+
+    ids = sorted(gts)
+    items = [{"image_id": i, "test": res[i], "refs": gts[i]} for i in ids]
+    cache = cache_dir("spice")
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="captionkit-spice-") as tmp:
+        src, out = Path(tmp) / "input.json", Path(tmp) / "output.json"
+        src.write_text(json.dumps(items))
+        # cwd: the jar finds lib/ from its manifest's relative class path
+        subprocess.run(["java", *jvm_log_flags(), "-jar", "-Xmx8G", str(jar_dir / "spice-1.0.jar"), str(src),
+                        "-cache", str(cache), "-out", str(out), "-subset", "-silent"],
+                       cwd=jar_dir, check=True)
+        results = {r["image_id"]: r["scores"] for r in json.loads(out.read_text())}
+
+    def f(scores) -> float:  # the jar writes NaN as null, or as the string "NaN"
+        try:
+            return float(scores["All"]["f"])
+        except (TypeError, ValueError):
+            return float("nan")
+
+    per = np.array([f(results[i]) for i in ids], dtype=np.float64)
+    return float(np.mean(per)), per
+
+
+def _spice(res, gts, quiet: bool) -> tuple[float, np.ndarray] | None:
+    jar_dir = spice_dir()
+    missing = [n for n in SPICE_CORENLP_JARS if not (jar_dir / "lib" / n).is_file()]
     if not java_available() or missing:
         if not quiet:
-            why = "Java is not installed" if not java_available() else f"{', '.join(missing)} not in {lib}"
+            why = "Java is not installed" if not java_available() else f"{', '.join(missing)} not in {jar_dir / 'lib'}"
             print(f"SPICE skipped: {why} (its set-up downloads Stanford CoreNLP)", file=sys.stderr)
         return None
-    score, per = spice_mod.Spice().compute_score(gts, {k: [v] for k, v in res.items()})
-    return float(score), np.array([p["All"]["f"] for p in per], dtype=np.float64)
+    return run_spice(jar_dir, res, gts)
 
 
 def score_captions(captions: dict[str, str], refs: dict[str, list[str]],
