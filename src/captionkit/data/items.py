@@ -37,6 +37,16 @@ def cased_words(caption: str) -> list[str]:
     return _CASED_WORD.findall(caption)
 
 
+# what a photo's mirror image changes in its captions (training's train.flip): the two sides
+_MIRRORED = {"left": "right", "right": "left", "Left": "Right", "Right": "Left", "LEFT": "RIGHT", "RIGHT": "LEFT"}
+
+
+def mirror_words(words: list[str]) -> list[str]:
+    """A caption's words as they describe the photo mirrored left to right: "left" and "right"
+    swapped (in the case they are written in), every other word as it is."""
+    return [_MIRRORED.get(w, w) for w in words]
+
+
 @dataclass
 class ImageItem:
     name: str  # file name, the image's id everywhere (feature cache, caption JSON)

@@ -106,6 +106,10 @@ class TrainConfig:
     label_smoothing: spread this much of each target's probability over the vocabulary.
     caption_sampling: "all" (every caption of every image, each epoch) or "random_one" (one
         caption per image per epoch, drawn anew each epoch: augmentation, 1/5 of the steps).
+    flip: the share of the training images seen mirrored each epoch (drawn anew each epoch
+        from the seed): their features come from the encoder's mirror-image cache (built on
+        the first run, as ``--tta flip`` builds it for evaluation) and their captions and
+        self-critical rewards have "left" and "right" swapped. 0: never (augmentation, issue 32).
     batching: "length" (each batch holds captions of one length, in a seeded order: no padding,
         which the LSTM's attention penalty needs) or "image" (each batch holds whole images with
         all their captions of the epoch, padded; the image side runs once per image instead of
@@ -181,6 +185,7 @@ class TrainConfig:
     warmup_steps: int = spec(0, ge=0)
     label_smoothing: float = spec(0.0, ge=0, lt=1)
     caption_sampling: str = spec("all", choices=("all", "random_one"))
+    flip: float = spec(0.0, ge=0, le=1)
     batching: str = spec("length", choices=("length", "image"))
     glove: str = ""
     freeze_embeddings: bool = False

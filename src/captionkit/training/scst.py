@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from ..core.collectives import process_sum
 from ..core.errors import UserError
+from ..data.items import mirror_words
 from ..data.vocab import Vocab
 from ..inference.decoding import allowed_words, greedy, select_rows
 from ..scoring.diversity import repeated_phrase
@@ -119,20 +120,26 @@ class SelfCritical:
         self.vocab, self.samples, self.max_len, self.baseline = vocab, samples, max_len, baseline
         self.repeat_penalty = float(repeat_penalty)
 
-    def rewards(self, keys: list, seqs: list[list[int]]) -> list[float]:
+    def rewards(self, keys: list, seqs: list[list[int]], mirrored: list[bool] | None = None) -> list[float]:
         """CIDEr-D of each word-id sequence (without <start>/<end>) for its image key, less
-        ``repeat_penalty`` where it repeats a content phrase; scored on the CPU."""
+        ``repeat_penalty`` where it repeats a content phrase; scored on the CPU. ``mirrored``:
+        per sequence, whether it describes its image mirrored (train.flip): its "left" and
+        "right" are swapped back before it meets the references."""
         out = []
-        for k, s in zip(keys, seqs):
+        for j, (k, s) in enumerate(zip(keys, seqs)):
             words = self.vocab.decode(s)
+            if mirrored is not None and mirrored[j]:
+                words = mirror_words(words)
             r = self.cider.score(k, words)
             if self.repeat_penalty and repeated_phrase(words) is not None:
                 r -= self.repeat_penalty
             out.append(r)
         return out
 
-    def loss(self, model, feats: torch.Tensor, keys: list) -> tuple[torch.Tensor, SelfCriticalStats]:
-        """feats (B, L, D) of the images ``keys`` -> (REINFORCE loss, mean rewards).
+    def loss(self, model, feats: torch.Tensor, keys: list, mirrored: list[bool] | None = None
+             ) -> tuple[torch.Tensor, SelfCriticalStats]:
+        """feats (B, L, D) of the images ``keys`` -> (REINFORCE loss, mean rewards). ``mirrored``
+        (B,): which feats are of the image's mirror image (their rewards: see :meth:`rewards`).
 
         The loss is a sum over the sampled words divided by the number of sampled words of the
         *global* batch (:func:`~captionkit.core.collectives.process_sum`: this process's count
@@ -144,11 +151,12 @@ class SelfCritical:
         # greedy captions) come to the host; sampling and greedy decoding also read once per
         # word, to stop when every caption has ended
         ids = [[w for w in row if w not in (Vocab.end, Vocab.pad)] for row in seqs.tolist()]
-        rewards = torch.tensor(self.rewards([k for k in keys for _ in range(n)], ids), device=feats.device)  # (B*n,)
+        each = None if mirrored is None else [m for m in mirrored for _ in range(n)]
+        rewards = torch.tensor(self.rewards([k for k in keys for _ in range(n)], ids, each), device=feats.device)  # (B*n,)
         greedy_rewards = None
         if self.baseline == "greedy":
             base = greedy(model, feats, self.max_len)
-            greedy_rewards = torch.tensor(self.rewards(keys, [c.ids for c in base]), device=feats.device)  # (B,)
+            greedy_rewards = torch.tensor(self.rewards(keys, [c.ids for c in base], mirrored), device=feats.device)  # (B,)
             advantage = rewards - greedy_rewards.repeat_interleave(n)  # (B*n,)
         else:
             advantage = rewards - leave_one_out_mean(rewards, n)  # (B*n,)

@@ -19,6 +19,7 @@ import torch
 from ..core.checkpoint import ENCODER_PREFIX, load_into, read_config, read_weights
 from ..core.errors import DatasetError
 from ..data.datasets import ImageItem, load_dataset
+from ..data.items import mirror_words
 from ..data.tokenizers import Tokenizer, load_tokenizer
 from ..data.tokenizers import build_tokenizer as new_tokenizer
 from ..encoders import Encoder, create_encoder, load_finetuned
@@ -91,6 +92,7 @@ class TrainData:
     tail: torch.nn.Module | None = None
     tail_params: list[torch.nn.Parameter] = field(default_factory=list)
     init: InitCheckpoint | None = None
+    train_feats_mirrored: FeatureRows | None = None  # train.flip: the train images' mirror images
 
 
 def decoder_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -148,9 +150,15 @@ def prepare_data(cfg: RunConfig, device: torch.device = CPU) -> TrainData:
                            only=[it.path for it in train_items + val_items])
     data = TrainData(train_items, val_items, encoder, _load_feats(store, train_items), _load_feats(store, val_items),
                      grid=tuple(encoder.grid()), source_grid=store.grid, tuned_blocks=tuned_blocks, tail=tail, init=init)
+    if tc.flip:  # the mirror images of the train split, cached apart (as --tta flip's are)
+        mirrored = build_features(source, [it.path for it in ds.all_items()], flip=True,
+                                  only=[it.path for it in train_items])
+        data.train_feats_mirrored = _load_feats(mirrored, train_items)
     if tail is not None and not tc.finetune_blocks:  # tuned before, frozen now
         data.train_feats = _run_tail(tail, data.train_feats, store.grid, device)
         data.val_feats = _run_tail(tail, data.val_feats, store.grid, device)
+        if data.train_feats_mirrored is not None:
+            data.train_feats_mirrored = _run_tail(tail, data.train_feats_mirrored, store.grid, device)
         data.source_grid = data.grid
     # what does not train leaves the device's memory to the model (the trainer never runs it)
     encoder.to(CPU)
@@ -281,9 +289,11 @@ def build_optimizer(cfg: RunConfig, data: TrainData, model: CaptionModel) -> Bui
     return BuiltOptimizer(opt, [g["lr"] / tc.lr for g in opt.param_groups], counts, params)
 
 
-def encode_captions(items: list[ImageItem], vocab: Tokenizer, cfg: DataConfig
+def encode_captions(items: list[ImageItem], vocab: Tokenizer, cfg: DataConfig, mirrored: bool = False
                     ) -> tuple[list[tuple[int, list[int]]], list[list[int]]]:
-    """(image row, token ids) for every caption of ``items``, and each image's captions' indices."""
+    """(image row, token ids) for every caption of ``items``, and each image's captions' indices.
+    ``mirrored``: each caption as it describes the mirror image (:func:`mirror_words`), in the
+    same order."""
     examples: list[tuple[int, list[int]]] = []
     image_examples: list[list[int]] = []
     for row, it in enumerate(items):
@@ -291,5 +301,5 @@ def encode_captions(items: list[ImageItem], vocab: Tokenizer, cfg: DataConfig
         for toks in it.words(cfg.words):
             if toks:
                 image_examples[-1].append(len(examples))
-                examples.append((row, vocab.encode(toks[:cfg.max_words])))
+                examples.append((row, vocab.encode((mirror_words(toks) if mirrored else toks)[:cfg.max_words])))
     return examples, image_examples

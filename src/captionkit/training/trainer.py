@@ -149,7 +149,13 @@ class Trainer:
                                                        device_ids=[device] if device.type == "cuda" else None)
             torch.manual_seed(tc.seed + 1000003 * world.rank)  # each rank its own draws (rank 0 keeps the seed's)
         self.examples, self.image_examples = encode_captions(data.train_items, vocab, cfg.data)
-        longest = max((len(ids) - 1 for _, ids in self.examples), default=0)
+        # train.flip: the token ids of each caption that names a side, as it reads mirrored
+        self.mirrored_ids: dict[int, list[int]] = {}
+        if tc.flip:
+            mirrored, _ = encode_captions(data.train_items, vocab, cfg.data, mirrored=True)
+            self.mirrored_ids = {i: m for i, ((_, ids), (_, m)) in enumerate(zip(self.examples, mirrored)) if m != ids}
+        self.epoch_mirrored = torch.zeros(len(data.train_items), dtype=torch.bool)  # epoch_batches' draw
+        longest = max((len(ids) - 1 for _, ids in [*self.examples, *self.mirrored_ids.items()]), default=0)
         limit = self.model.max_positions
         if limit is not None and max(longest, tc.max_len + 1) > limit:  # (a new model's max_len: at load too)
             raise ConfigError(f"model.max_positions is {limit}, but training captions need {longest} positions "
@@ -176,9 +182,14 @@ class Trainer:
         return t.to(self.device)
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """xe: caption indices, one length per batch; scst: image rows."""
+        """xe: caption indices, one length per batch; scst: image rows. Also draws, with
+        train.flip, which images the epoch sees mirrored (``epoch_mirrored``, (N,) bool), from
+        the seed and the epoch alone: every DDP rank and a resumed run draw the same."""
         tc = self.cfg.train
         seed = tc.seed * 1000 + epoch
+        if tc.flip:
+            draw = torch.rand(len(self.data.train_items), generator=torch.Generator().manual_seed(seed + 7919))
+            self.epoch_mirrored = draw < tc.flip  # (N,)
         if tc.objective == "scst":
             rows = list(range(len(self.data.train_items)))
             random.Random(seed).shuffle(rows)
@@ -204,18 +215,34 @@ class Trainer:
         (B or U, L, C) cached rows, "ids" (B, T+1) and with image batching "image_index" (B,);
         scst: "feats" (B, L, C) of the images."""
         if self.scst is not None:
-            out = {"feats": self.data.train_feats.select(torch.tensor(idx))}
+            out = {"feats": self.select_feats(torch.tensor(idx))}
         else:
             rows = torch.tensor([self.examples[i][0] for i in idx])
-            longest = max(len(self.examples[i][1]) for i in idx)  # "length" batches: all this long
-            out = {"ids": torch.tensor([self.examples[i][1] + [Vocab.pad] * (longest - len(self.examples[i][1]))
-                                        for i in idx])}  # (B, T+1), <pad> after <end> (ignored by the loss)
+            captions = [self.mirrored_ids.get(i, self.examples[i][1]) if self.epoch_mirrored[self.examples[i][0]]
+                        else self.examples[i][1] for i in idx]
+            longest = max(len(c) for c in captions)  # "length" batches: all this long (mirrored: about)
+            out = {"ids": torch.tensor([c + [Vocab.pad] * (longest - len(c))
+                                        for c in captions])}  # (B, T+1), <pad> after <end> (ignored by the loss)
             if self.cfg.train.batching == "image":  # each image once, indexed per caption
                 rows, out["image_index"] = torch.unique(rows, return_inverse=True)  # (U,), (B,)
-            out["feats"] = self.data.train_feats.select(rows)  # (B or U, L, C)
+            out["feats"] = self.select_feats(rows)  # (B or U, L, C)
         if self.device.type == "cuda":
             out = {k: v.pin_memory() for k, v in out.items()}
         return out
+
+    def select_feats(self, rows: torch.Tensor) -> torch.Tensor:
+        """The cached rows of the train images ``rows`` (R,) -> (R, L, C): the mirror image's for
+        those the epoch sees mirrored (``epoch_mirrored``)."""
+        flip = self.epoch_mirrored[rows]  # (R,)
+        if not flip.any():
+            return self.data.train_feats.select(rows)
+        out = self.data.train_feats_mirrored.select(rows[flip])  # (F, L, C)
+        if flip.all():
+            return out
+        feats = torch.empty((len(rows), *out.shape[1:]), dtype=out.dtype)
+        feats[flip] = out
+        feats[~flip] = self.data.train_feats.select(rows[~flip])
+        return feats
 
     def batch_loss(self, batch: HostBatch | list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """-> (loss to minimise, figures to report: the cross-entropy, or scst's mean rewards).
@@ -227,7 +254,7 @@ class Trainer:
         with autocast(self.device, self.precision):
             feats = self.features(t["feats"])  # (B or U, L, D)
             if self.scst is not None:
-                loss, stats = self.scst.loss(self.model, feats, idx)
+                loss, stats = self.scst.loss(self.model, feats, idx, mirrored=self.epoch_mirrored[idx].tolist())
                 figures = {"reward": stats.sample_reward}
                 if stats.greedy_reward is not None:
                     figures["greedy_reward"] = stats.greedy_reward
