@@ -220,7 +220,9 @@ class Trainer:
             rows = torch.tensor([self.examples[i][0] for i in idx])
             captions = [self.mirrored_ids.get(i, self.examples[i][1]) if self.epoch_mirrored[self.examples[i][0]]
                         else self.examples[i][1] for i in idx]
-            longest = max(len(c) for c in captions)  # "length" batches: all this long (mirrored: about)
+            # "length" batches: all this long, except a mirrored caption whose tokenizer spells
+            # "left" and "right" in different numbers of tokens (characters, subwords): padded
+            longest = max(len(c) for c in captions)
             out = {"ids": torch.tensor([c + [Vocab.pad] * (longest - len(c))
                                         for c in captions])}  # (B, T+1), <pad> after <end> (ignored by the loss)
             if self.cfg.train.batching == "image":  # each image once, indexed per caption
