@@ -218,7 +218,8 @@ class Trainer:
             out = {"feats": self.select_feats(torch.tensor(idx))}
         else:
             rows = torch.tensor([self.examples[i][0] for i in idx])
-            captions = [self.mirrored_ids.get(i, self.examples[i][1]) if self.epoch_mirrored[self.examples[i][0]]
+            captions = [self.mirrored_ids.get(i, self.examples[i][1])
+                        if self.mirrored_ids and self.epoch_mirrored[self.examples[i][0]]
                         else self.examples[i][1] for i in idx]
             # "length" batches: all this long, except a mirrored caption whose tokenizer spells
             # "left" and "right" in different numbers of tokens (characters, subwords): padded
@@ -235,6 +236,8 @@ class Trainer:
     def select_feats(self, rows: torch.Tensor) -> torch.Tensor:
         """The cached rows of the train images ``rows`` (R,) -> (R, L, C): the mirror image's for
         those the epoch sees mirrored (``epoch_mirrored``)."""
+        if self.data.train_feats_mirrored is None:  # no train.flip: nothing to choose per row
+            return self.data.train_feats.select(rows)
         flip = self.epoch_mirrored[rows]  # (R,)
         if not flip.any():
             return self.data.train_feats.select(rows)
@@ -256,7 +259,8 @@ class Trainer:
         with autocast(self.device, self.precision):
             feats = self.features(t["feats"])  # (B or U, L, D)
             if self.scst is not None:
-                loss, stats = self.scst.loss(self.model, feats, idx, mirrored=self.epoch_mirrored[idx].tolist())
+                mirrored = self.epoch_mirrored[idx].tolist() if tc.flip else None
+                loss, stats = self.scst.loss(self.model, feats, idx, mirrored=mirrored)
                 figures = {"reward": stats.sample_reward}
                 if stats.greedy_reward is not None:
                     figures["greedy_reward"] = stats.greedy_reward
