@@ -10,7 +10,7 @@ from captionkit.core.checkpoint import CheckpointError, atomic_folder, read_conf
 from captionkit.inference.captioner import Captioner
 from captionkit.training.config import RunConfig
 from captionkit.training.run import train
-from captionkit.training.trainer import length_batches
+from captionkit.training.schedule import length_batches
 
 
 def test_length_batches_hold_one_length_each_and_cover_everything():
@@ -78,7 +78,7 @@ def test_training_run_writes_best_and_last_with_history(tiny_run):
 @pytest.mark.parametrize("schedule", ["", 'schedule = "cosine"\nwarmup_steps = 4\n'])
 def test_resume_continues_the_step_count_and_matches_an_unbroken_run(tiny_config, tmp_path, schedule):
     """Also with a warm-up and a cosine schedule: the resumed run's learning rate goes on along
-    the same curve (trainer.lr_factor reads the saved step), not from the warm-up's start."""
+    the same curve (schedule.lr_factor reads the saved step), not from the warm-up's start."""
     if schedule:  # (the [train] table is the config's last)
         scheduled = tmp_path / "scheduled.toml"
         scheduled.write_text(tiny_config.read_text() + schedule)

@@ -17,7 +17,7 @@ from captionkit.core.checkpoint import read_config, read_weights
 from captionkit.inference.captioner import Captioner
 from captionkit.training.config import RunConfig, TrainConfig
 from captionkit.training.run import train
-from captionkit.training.trainer import lr_factor
+from captionkit.training.schedule import lr_factor
 
 GLOVE = Path(__file__).parent / "data" / "glove_tiny.6d.txt"
 

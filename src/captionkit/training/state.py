@@ -26,8 +26,9 @@ class TrainState:
     """Where a run stands; saved as JSON under "state" in every checkpoint's config.json.
 
     lr: the base learning rate after the plateau schedule's decays (the warm-up and cosine
-    factors are functions of ``step`` and ``epoch``, see :func:`lr_factor`); every group's rate
-    is this times its own scale. best_score is on the scorers' scale (CIDEr 0..10)."""
+    factors are functions of ``step`` and ``epoch``, see
+    :func:`captionkit.training.schedule.lr_factor`); every group's rate is this times its own
+    scale. best_score is on the scorers' scale (CIDEr 0..10)."""
 
     lr: float
     epoch: int = 0
