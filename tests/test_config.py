@@ -112,6 +112,50 @@ def test_a_model_typo_is_reported_before_any_dataset_or_feature_loads(tiny_confi
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("sets,why", [
+    (["train.sed=1"], "{cfg} with --set train.sed=1: unknown field(s) in [train]: sed (did you mean seed?)"),
+    (["train.seed=-1"], "{cfg} with --set train.seed=-1: train.seed must be in [0, 4.29497e+09], got -1"),
+    (["train.optimizer=sgd"], "{cfg} with --set train.optimizer='sgd': train.optimizer must be one of adam, "
+                              "adamw, rmsprop, not 'sgd'"),
+    (["model.hiden_dim=24"], "{cfg} with --set model.hiden_dim=24: unknown field(s) in [model]: hiden_dim "
+                             "(did you mean hidden_dim?)"),
+    (["train.epochs.x=1"], "{cfg} with --set train.epochs.x=1: --set train.epochs.x: epochs is a value, "
+                           "not a table"),
+    (["train.seed=1", "train.seed=2"], "--set train.seed is given twice"),
+])
+def test_a_set_mistake_is_one_line_naming_it_before_any_work(tiny_config, tmp_path, sets, why, no_expensive_work,
+                                                             capsys):
+    """train --set: a field that does not exist, a value out of its range, a key through a value,
+    the same key twice: one line, exit 2, nothing loaded and no run folder."""
+    args = [x for s in sets for x in ("--set", s)]
+    assert main(["train", "--config", str(tiny_config), "--out", str(tmp_path / "run"), *args]) == 2
+    assert capsys.readouterr().err == f"captionkit train: error: {why.format(cfg=tiny_config)}\n"
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("text", ["trainseed=1", "train.seed=", "=2", "train..seed=1", "train.seed"])
+def test_a_set_that_is_not_a_dotted_key_and_a_value_is_refused_by_the_parser(tiny_config, text, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", str(tiny_config), "--set", text])
+    assert e.value.code == 2
+    assert f"argument --set: expected TABLE.FIELD=VALUE, e.g. train.seed=2, got {text!r}" in capsys.readouterr().err
+
+
+def test_set_values_are_toml_and_replace_the_files_fields(tiny_config):
+    """What --set's values parse to (TOML; a bare word is a string), as RunConfig.load applies them."""
+    from captionkit.cli.argtypes import config_setting
+    sets = [config_setting(t) for t in ("train.seed=7", "train.lr=5e-4", "train.optimizer=adamw",
+                                        'train.schedule="cosine"', "train.length_penalties=[0.5, 1.5]",
+                                        "train.flip=0.25", "model.hidden_dim=32")]
+    cfg = RunConfig.load(tiny_config, settings={s.key: s.value for s in sets})
+    t = cfg.train
+    assert (t.seed, t.lr, t.optimizer, t.schedule, t.length_penalties, t.flip) == \
+        (7, 5e-4, "adamw", "cosine", [0.5, 1.5], 0.25)
+    assert cfg.model["hidden_dim"] == 32
+    base = RunConfig.load(tiny_config)  # the file itself is untouched
+    assert (base.train.seed, base.train.lr, base.model["hidden_dim"]) == (0, 1e-2, 24)
+
+
 @pytest.mark.parametrize("value,why", [("-1", "must be at least 1, got -1"), ("0", "must be at least 1, got 0"),
                                        ("1.5", "expected a whole number, got '1.5'"),
                                        ("many", "expected a whole number, got 'many'")])

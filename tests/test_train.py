@@ -42,6 +42,40 @@ def test_init_on_the_command_line_replaces_the_configs(tmp_path):
         RunConfig.load(cfg, init="elsewhere/best")
 
 
+@pytest.mark.slow  # three short trainings
+def test_set_on_the_command_line_trains_what_the_edited_file_trains(tiny_config, tmp_path):
+    """`train --set train.seed=3 --set train.lr=5e-3` trains what a copy of the config with those
+    two fields trains, weight for weight, and not what the file alone trains; the run records
+    the fields as set."""
+    from captionkit.cli.main import main
+    edited = tmp_path / "edited.toml"
+    edited.write_text(tiny_config.read_text().replace("lr = 1e-2\n", "lr = 5e-3\nseed = 3\n"))
+    runs = {"edited": ["--config", str(edited)],
+            "set": ["--config", str(tiny_config), "--set", "train.seed=3", "--set", "train.lr=5e-3"],
+            "file": ["--config", str(tiny_config)]}
+    for name, args in runs.items():
+        assert main(["train", *args, "--out", str(tmp_path / name), "--max-steps", "4"]) == 0
+    w = {name: read_weights(tmp_path / name / "last") for name in runs}
+    assert w["set"].keys() == w["edited"].keys() == w["file"].keys()
+    assert all(torch.equal(w["set"][k], w["edited"][k]) for k in w["set"])
+    assert not all(torch.equal(w["set"][k], w["file"][k]) for k in w["set"])
+    saved = read_config(tmp_path / "set" / "last")["train"]["train"]  # (the run config as trained)
+    assert (saved["seed"], saved["lr"]) == (3, 5e-3)
+
+
+def test_set_goes_to_every_process_of_nproc(tiny_config, tmp_path, monkeypatch):
+    """--nproc N starts N copies of the command: each gets the same --set fields, as given."""
+    from captionkit.cli.main import main
+    from captionkit.training import distributed
+    got = {}
+    monkeypatch.setattr(distributed, "launch", lambda nproc, args: got.update(nproc=nproc, args=args) or 0)
+    assert main(["train", "--config", str(tiny_config), "--out", str(tmp_path / "run"), "--nproc", "2",
+                 "--set", "train.seed=3", "--set", "train.optimizer=adamw"]) == 0
+    assert got["nproc"] == 2
+    i = got["args"].index("--set")
+    assert got["args"][i:i + 4] == ["--set", "train.seed=3", "--set", "train.optimizer=adamw"]
+
+
 def test_auto_precision_uses_bf16_only_where_the_cpu_has_it(monkeypatch):
     from captionkit.core import precision
     for native, want in ((True, "bf16"), (False, "fp32")):

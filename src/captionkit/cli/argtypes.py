@@ -1,11 +1,14 @@
-"""argparse ``type=`` functions for numeric options: a value out of range is refused by the
-parser, with the option's name, before anything loads. Light on imports (no torch)."""
+"""argparse ``type=`` functions for numeric options (and a few others): a value out of range is
+refused by the parser, with the option's name, before anything loads. Light on imports (no
+torch)."""
 
 from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable
+import re
+import tomllib
+from typing import Any, Callable, NamedTuple
 
 from ..core.devices import check_device_name
 
@@ -65,3 +68,26 @@ def device_name(text: str) -> str:
         return check_device_name(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+class Setting(NamedTuple):
+    """One ``train --set TABLE.FIELD=VALUE``: the dotted key, the value, the text as given."""
+
+    key: str
+    value: Any
+    text: str
+
+
+def config_setting(text: str) -> Setting:
+    """``TABLE.FIELD=VALUE``, the value in TOML's syntax (2, 1e-4, true, [0.0, 0.5], "adamw"; a
+    bare word is a string: train.optimizer=adamw). Whether the field exists and the value fits
+    is the config's check (RunConfig.load), which names the field."""
+    key, eq, value = text.partition("=")
+    key = key.strip()
+    if not eq or not value.strip() or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", key):
+        raise argparse.ArgumentTypeError(f"expected TABLE.FIELD=VALUE, e.g. train.seed=2, got {text!r}")
+    try:
+        parsed = tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value.strip()
+    return Setting(key, parsed, text)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .argtypes import device_name, float_at_least, int_at_least, positive_int
+from .argtypes import Setting, config_setting, device_name, float_at_least, int_at_least, positive_int
 from .common import (UsageError, _add_csv_opts, _add_device_opts, _add_engine_opts, _add_overwrite, _device,
                      _load_dataset, _ray_options)
 
@@ -33,6 +33,9 @@ def add_train(sub: argparse._SubParsersAction) -> None:
                    help="write TensorBoard event files here (replaces the config's train.tensorboard)")
     t.add_argument("--device", type=device_name,
                    help="auto (a GPU when there is one), cpu, cuda, cuda:N or mps (replaces the config's train.device)")
+    t.add_argument("--set", dest="sets", action="append", type=config_setting, metavar="TABLE.FIELD=VALUE",
+                   help="replace a field of the config, e.g. --set train.seed=2 --set train.flip=0.5 (TOML "
+                        "values; repeatable; give the same ones again to --resume the run)")
     t.add_argument("--nproc", type=positive_int, default=1,
                    help="train with DDP in this many processes on this machine (torchrun's launcher; "
                         "see docs/distributed-training.md)")
@@ -49,22 +52,31 @@ def resume_mode(value: str) -> str:
 
 def cmd_train(config: str, out: str | None, max_steps: int | None, resume: bool | str, init: str | None,
               overwrite: bool, tensorboard: str | None = None, device: str | None = None, nproc: int = 1,
-              threads: int | None = None, stop_signals: str = "SIGTERM,SIGUSR1") -> int:
+              threads: int | None = None, stop_signals: str = "SIGTERM,SIGUSR1",
+              sets: list[Setting] | None = None) -> int:
+    settings = {}
+    for s in sets or []:
+        if s.key in settings:
+            raise UsageError(f"--set {s.key} is given twice")
+        settings[s.key] = s.value
     if nproc > 1:  # the same command in nproc processes under torchrun (DDP); see docs/distributed-training.md
         from ..training.distributed import launch
         from ..training.run import auto_resume, check_run
         # (each rank decides "auto" again, before any rank writes)
         how = auto_resume(Path(out or Path("runs") / Path(config).stem), overwrite) if resume == "auto" \
             else (resume, overwrite)
-        check_run(config, out, max_steps, how[0], init, how[1], device, nproc)  # one line here, not one per rank
+        check_run(config, out, max_steps, how[0], init, how[1], device, nproc,  # one line here, not one per rank
+                  settings=settings)
         flags = {"--out": out, "--max-steps": max_steps, "--init": init, "--tensorboard": tensorboard,
                  "--device": device, "--threads": threads, "--stop-signals": stop_signals}
-        args = ["train", "--config", config, *[x for k, v in flags.items() if v is not None for x in (k, str(v))]]
+        args = ["train", "--config", config, *[x for k, v in flags.items() if v is not None for x in (k, str(v))],
+                *[x for s in sets or [] for x in ("--set", s.text)]]
         resumed = ["--resume", "auto"] if resume == "auto" else ["--resume"] * bool(resume)
         return launch(nproc, args + resumed + ["--overwrite"] * overwrite)
     from ..training.run import train
     train(config, out=out, max_steps=max_steps, resume=resume, init=init, overwrite=overwrite,
-          tensorboard=tensorboard, device=device, threads=threads, busy_warning=True, stop_signals=stop_signals)
+          tensorboard=tensorboard, device=device, threads=threads, busy_warning=True, stop_signals=stop_signals,
+          settings=settings)
     return 0
 
 

@@ -17,7 +17,6 @@ Tune: trials in parallel, ASHA stopping the weaker ones early on the dev metric;
 
 from __future__ import annotations
 
-import copy
 import csv
 import io
 import itertools
@@ -175,17 +174,9 @@ def apply_overrides(base: dict, overrides: dict[str, Any], where: str) -> dict:
     """The config dict ``base`` with ``overrides`` ({"train.lr": 1e-4}) applied and validated as a
     config file is: the one place sweeps turn overrides into a config."""
     from ..models import family_fields
-    from ..training.config import RunConfig
+    from ..training.config import RunConfig, set_fields
 
-    d = copy.deepcopy(base)
-    for key, value in override_columns(overrides).items():
-        *tables, name = key.split(".")
-        node = d
-        for t in tables:
-            node = node.setdefault(t, {})
-            if not isinstance(node, dict):
-                raise UserError(f"{where}: --set {key}: {t} is a value, not a table")
-        node[name] = value
+    d = set_fields(base, override_columns(overrides), where)
     try:
         cfg = RunConfig.from_dict(d, where)
     except ValueError as e:  # the field checks of the config's tables do not know the file

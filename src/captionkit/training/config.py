@@ -12,6 +12,7 @@ built in code or read back from a checkpoint is checked the same way.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import tomllib
 from dataclasses import asdict, dataclass, field
@@ -249,9 +250,11 @@ class RunConfig:
         return cls(data, encoder, model, train)
 
     @classmethod
-    def load(cls, path: str | Path, init: str | None = None, dataset: str | None = None) -> "RunConfig":
+    def load(cls, path: str | Path, init: str | None = None, dataset: str | None = None,
+             settings: dict[str, Any] | None = None) -> "RunConfig":
         """Read and check a TOML config; ``init`` (a checkpoint folder) replaces its train.init,
-        ``dataset`` its data.dataset (which the file may then leave out)."""
+        ``dataset`` its data.dataset (which the file may then leave out), and ``settings``
+        ({"train.seed": 2}: ``train --set``) the fields they name (see :func:`set_fields`)."""
         path = Path(path)
         try:
             d = tomllib.loads(path.read_bytes().decode("utf-8"))  # as written: no newline translation
@@ -269,11 +272,32 @@ class RunConfig:
                 train["init"] = init
         if dataset is not None and isinstance(data := d.setdefault("data", {}), dict):
             data["dataset"] = dataset
-        return cls.from_dict(d, str(path))
+        where = str(path)
+        if settings:
+            where = f"{path} with --set {','.join(f'{k}={v!r}' for k, v in settings.items())}"
+            d = set_fields(d, settings, where)
+        return cls.from_dict(d, where)
 
     def to_dict(self) -> dict:
         return {"data": asdict(self.data), "encoder": asdict(self.encoder), "model": dict(self.model),
                 "train": asdict(self.train)}
+
+
+def set_fields(d: dict, settings: dict[str, Any], where: str) -> dict:
+    """A copy of the parsed config ``d`` with every dotted key of ``settings`` set to its value
+    ({"train.seed": 2, "model.width": 512}): how ``train --set`` and a sweep's trials change a
+    config without a copy of the file. The result is checked as a file is (RunConfig.from_dict);
+    a key through a value, not a table, is refused here, naming ``where``."""
+    d = copy.deepcopy(d)
+    for key, value in settings.items():
+        *tables, name = key.split(".")
+        node = d
+        for t in tables:
+            node = node.setdefault(t, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{where}: --set {key}: {t} is a value, not a table")
+        node[name] = value
+    return d
 
 
 def _key(name: Any) -> str:

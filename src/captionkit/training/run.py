@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -157,7 +158,8 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
           resume: bool = False, progress: bool = True, init: str | None = None, overwrite: bool = False,
           on_epoch: Callable[[dict], None] | None = None, tensorboard: str | None = None,
           device: str | None = None, threads: int | None = None, busy_warning: bool = False,
-          stop_signals: str | tuple[str, ...] = DEFAULT_STOP_SIGNALS, dataset=None) -> TrainState:
+          stop_signals: str | tuple[str, ...] = DEFAULT_STOP_SIGNALS, dataset=None,
+          settings: dict[str, Any] | None = None) -> TrainState:
     """Train from a TOML config into the run folder ``out`` (default runs/<config name>).
     Everything the user gave is checked first (the config, the folder, the files it names);
     ``resume`` continues the run in ``out``, ``overwrite`` replaces a run there. ``on_epoch``:
@@ -172,7 +174,9 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
     one, the run saves ``last`` and raises Preempted. ``dataset`` replaces the config's
     data.dataset (which the file may then leave out): a path, or a ``datasets.Dataset`` or
     ``DatasetDict``, written once as an imagefolder in the cache whose folder the run records
-    (captionkit.data.hf_datasets)."""
+    (captionkit.data.hf_datasets). ``settings`` ({"train.seed": 2}, the command line's ``--set``)
+    replace the config's fields they name (:meth:`RunConfig.load`); a resumed run needs them again,
+    as it needs the same config file."""
     world = world_from_env()
     stop = StopSignals(stop_signals, immediate=True)  # (a bad name: one line, before any work)
     auto = resume == "auto"
@@ -180,7 +184,8 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
         resume, overwrite = auto_resume(Path(out) if out else Path("runs") / Path(config).stem, overwrite)
     in_memory = dataset is not None and not isinstance(dataset, (str, Path))
     cfg, out, run_device = check_run(config, out, max_steps, resume, init, overwrite, device,
-                                     dataset=f"<{type(dataset).__name__}>" if in_memory else dataset)
+                                     dataset=f"<{type(dataset).__name__}>" if in_memory else dataset,
+                                     settings=settings)
     if in_memory:  # after the config's checks: the rows' own before any image is written
         from ..data.hf_datasets import as_imagefolder
         cfg.data.dataset = str(as_imagefolder(dataset))
@@ -310,14 +315,14 @@ def finished(cfg: RunConfig, out: Path) -> str | None:
 
 def check_run(config: str | Path, out: str | Path | None = None, max_steps: int | None = None,
               resume: bool = False, init: str | None = None, overwrite: bool = False,
-              device: str | None = None, nproc: int = 1, dataset: str | Path | None = None
-              ) -> tuple[RunConfig, Path, torch.device]:
+              device: str | None = None, nproc: int = 1, dataset: str | Path | None = None,
+              settings: dict[str, Any] | None = None) -> tuple[RunConfig, Path, torch.device]:
     """Everything the user gave, checked before any expensive work (also by ``--nproc`` before
     it starts the ``nproc`` processes): -> (the config, the run folder, the training device).
-    ``dataset`` replaces the config's data.dataset."""
+    ``dataset`` replaces the config's data.dataset, ``settings`` the fields they name."""
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
         raise UserError(f"max_steps must be a positive integer, got {max_steps!r}")
-    cfg = RunConfig.load(config, init, None if dataset is None else str(dataset))
+    cfg = RunConfig.load(config, init, None if dataset is None else str(dataset), settings)
     run_device = _training_device(cfg, config, device)
     check_gpus(nproc, run_device)
     out = Path(out) if out else Path("runs") / Path(config).stem
