@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import tomllib
 from typing import Any, Callable, NamedTuple
 
 from ..core.devices import check_device_name
+from ..core.fields import parse_value
 
 
 def _at_least(low: float, convert: Callable[[str], float], what: str) -> Callable[[str], float]:
@@ -86,8 +86,4 @@ def config_setting(text: str) -> Setting:
     key = key.strip()
     if not eq or not value.strip() or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", key):
         raise argparse.ArgumentTypeError(f"expected TABLE.FIELD=VALUE, e.g. train.seed=2, got {text!r}")
-    try:
-        parsed = tomllib.loads(f"v = {value}")["v"]
-    except tomllib.TOMLDecodeError:
-        parsed = value.strip()
-    return Setting(key, parsed, text)
+    return Setting(key, parse_value(value), text)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import tomllib
 import types
 import typing
 from dataclasses import MISSING, dataclass
@@ -92,6 +93,15 @@ def show(value: Any, limit: int = 60) -> str:
     """A value as a message shows it: repr (so newlines stay escaped), shortened."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def parse_value(text: str) -> Any:
+    """A value given on the command line for a config field (``--set``): TOML's spelling (1e-4,
+    true, [0.0, 1.0], "x"), or the text itself as a string (``adamw``)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text.strip()
 
 
 def _kind(tp: Any) -> str:

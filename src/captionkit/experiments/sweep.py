@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import OutputError, UserError
+from ..core.fields import parse_value
 from ..core.outputs import atomic_write_text, check_folder_target, owner_kind, write_marker
 from ..core.progress import lines_above_bars
 from ..core.progress import progress as progress_bar
@@ -89,14 +90,6 @@ def _split_top(text: str, sep: str = ",") -> list[str]:
         cur.append(ch)
     parts.append("".join(cur))
     return [p.strip() for p in parts]
-
-
-def parse_value(text: str) -> Any:
-    """A TOML value (1e-4, true, [0.0, 1.0], "x"), or the text itself as a string (sat)."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
 
 
 def parse_set(text: str) -> Axis:
