@@ -63,6 +63,23 @@ def test_set_on_the_command_line_trains_what_the_edited_file_trains(tiny_config,
     assert (saved["seed"], saved["lr"]) == (3, 5e-3)
 
 
+@pytest.mark.slow  # a short training, resumed twice
+def test_a_resume_says_which_fields_differ_from_the_run(tiny_config, tmp_path, capsys):
+    """Resuming with a --set (or an edited file) that changes the fields of the checkpoint resumed
+    from says which, in one line (more epochs may be meant; a forgotten --set shows); the same
+    config says nothing."""
+    from captionkit.cli.main import main
+    run = ["train", "--config", str(tiny_config), "--out", str(tmp_path / "run")]
+    assert main([*run, "--set", "train.seed=3", "--max-steps", "2"]) == 0
+    capsys.readouterr()
+    assert main([*run, "--resume", "--max-steps", "3", "--set", "train.epochs=4"]) == 0
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'run'}: resuming with train.epochs = 4 (was 3); train.seed = 0 (was 3)\n" in err
+    # (compared with the checkpoint resumed from, which the last resume wrote with its fields)
+    assert main([*run, "--resume", "--max-steps", "4", "--set", "train.epochs=4"]) == 0
+    assert "resuming with" not in capsys.readouterr().err
+
+
 def test_set_goes_to_every_process_of_nproc(tiny_config, tmp_path, monkeypatch):
     """--nproc N starts N copies of the command: each gets the same --set fields, as given."""
     from captionkit.cli.main import main

@@ -116,6 +116,17 @@ def check_resumable(cfg: RunConfig, out: Path, max_steps: int | None = None) -> 
                               f"{v!r}; resume with the run's own config")
 
 
+def changed_fields(cfg: RunConfig, saved: dict) -> list[str]:
+    """The [data], [encoder] and [train] fields of ``cfg`` that differ from those the run in a
+    checkpoint (``saved``: its config.json) was trained with, as "train.seed = 2 (was 0)"; a
+    resumed run may change them on purpose (more epochs), or by a --set left out."""
+    was = saved.get("train", {})
+    now = cfg.to_dict()
+    return [f"{table}.{k} = {v!r} (was {was[table][k]!r})" for table in ("data", "encoder", "train")
+            if isinstance(was.get(table), dict) for k, v in now[table].items()
+            if k in was[table] and was[table][k] != v]
+
+
 def check_inputs(cfg: RunConfig, config: str | Path) -> None:
     """The files the config names that are cheap to check: the checkpoint to start from and
     the word-vector file (and its dimension against model.embed_dim)."""
@@ -213,6 +224,8 @@ def train(config: str | Path, out: str | Path | None = None, max_steps: int | No
         barrier(world)  # every rank has checked the folder before rank 0 writes into it
         if resume:
             saved = read_config(resolve(out / "last"))
+            if world.main and (changed := changed_fields(cfg, saved)):
+                print(f"{out}: resuming with {'; '.join(changed)}", file=sys.stderr, flush=True)
             trainer = build_trainer(cfg, out, saved=saved, device=run_device, world=world)
             if world.main and not (out / MARKER).is_file():  # a run written before folders were marked
                 write_marker(out, "run")
