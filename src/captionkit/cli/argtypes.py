@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 from typing import Any, Callable, NamedTuple
 
 from ..core.devices import check_device_name
-from ..core.fields import parse_value
+from ..core.fields import is_dotted_key, parse_value
 
 
 def _at_least(low: float, convert: Callable[[str], float], what: str) -> Callable[[str], float]:
@@ -84,6 +83,6 @@ def config_setting(text: str) -> Setting:
     is the config's check (RunConfig.load), which names the field."""
     key, eq, value = text.partition("=")
     key = key.strip()
-    if not eq or not value.strip() or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", key):
+    if not eq or not value.strip() or not is_dotted_key(key):
         raise argparse.ArgumentTypeError(f"expected TABLE.FIELD=VALUE, e.g. train.seed=2, got {text!r}")
     return Setting(key, parse_value(value), text)

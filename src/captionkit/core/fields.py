@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import tomllib
 import types
 import typing
@@ -93,6 +94,12 @@ def show(value: Any, limit: int = 60) -> str:
     """A value as a message shows it: repr (so newlines stay escaped), shortened."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def is_dotted_key(key: str) -> bool:
+    """Is ``key`` a config field as ``--set`` names it: TABLE.FIELD (train.lr), or deeper
+    (train.lr_groups.lora)?"""
+    return re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", key) is not None
 
 
 def parse_value(text: str) -> Any:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import OutputError, UserError
-from ..core.fields import parse_value
+from ..core.fields import is_dotted_key, parse_value
 from ..core.outputs import atomic_write_text, check_folder_target, owner_kind, write_marker
 from ..core.progress import lines_above_bars
 from ..core.progress import progress as progress_bar
@@ -102,7 +102,7 @@ def parse_set(text: str) -> Axis:
         return Axis(ROOT, values=tables)
     key, eq, values = text.partition("=")
     key = key.strip()
-    if not eq or not values.strip() or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", key):
+    if not eq or not values.strip() or not is_dotted_key(key):
         raise UserError(f"--set {text}: expected TABLE.FIELD=VALUE[,VALUE...], e.g. train.lr=1e-4,3e-5")
     m = re.fullmatch(r"(\w+)\((.*)\)", values.strip())
     if m and m.group(1) in _DISTRIBUTIONS:
