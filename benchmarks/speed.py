@@ -18,6 +18,12 @@ Prints:
 Every figure is the median of several timed repeats. ``--captioning-only`` runs only 4.,
 ``--training-only`` only 1. and 3.
 
+``--tutorial-checkout DIR`` times, beside them, the tutorial's own decoder: ``DecoderWithAttention``
+from DIR/models.py, a checkout of github.com/sgrvinod/a-PyTorch-Tutorial-to-Image-Captioning kept
+outside this repository, trained a batch at a time as its train.py does (captions padded to 52
+tokens, scores and targets packed, cross-entropy plus the doubly stochastic term, gradients
+clamped element-wise at 5, Adam, the top-5 accuracy it logs), at the same sizes and features.
+
 ``--compare OTHER/src`` measures 2.-4. for another checkout of captionkit too (e.g. ``git worktree
 add --detach ../old HEAD~5``, then ``--compare ../old/src``): each measurement runs in a child
 process per tree (benchmarks/device_path.py's ``run_in_tree``), alternating old, new, old, new
@@ -34,6 +40,7 @@ same moment of a shared machine.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -63,6 +70,7 @@ EMBED_DROPOUT = 0.0
 # (a 2048^3 matmul at well under 1 GFLOP/s), a figure of the emulation, not of captionkit
 TRAIN_PRECISIONS = ("bf16", "fp32") if native_bf16() else ("fp32",)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+OWN = "tutorial's own fp32"  # --tutorial-checkout's figure
 
 
 def use_recipe_sizes() -> None:
@@ -116,9 +124,52 @@ def tutorial_step_flops() -> float:
     return 2 * B * (T * (2 * twice + 3 * thrice) + 2 * 2 * D * DIM)  # (+ init_h, init_c)
 
 
-def bench_training(repeats: int, tutorial: bool = True) -> dict:
+def tutorial_checkout(folder: Path):
+    """The tutorial's models.py module from a checkout of its repository (``--tutorial-checkout``),
+    or SystemExit in one line naming the folder."""
+    models = folder / "models.py"
+    spec = importlib.util.spec_from_file_location("tutorial_checkout_models", models) if models.is_file() else None
+    if spec is None:
+        raise SystemExit(f"--tutorial-checkout {folder}: no models.py there (a checkout of "
+                         "sgrvinod/a-PyTorch-Tutorial-to-Image-Captioning)")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not isinstance(getattr(module, "DecoderWithAttention", None), type):
+        raise SystemExit(f"--tutorial-checkout {folder}: its models.py defines no DecoderWithAttention")
+    return module
+
+
+def tutorial_train_step(models, feats: torch.Tensor, ids: torch.Tensor):
+    """One batch of the tutorial's own training loop (its train.py, per batch) for its
+    DecoderWithAttention at these sizes: our code, its model's."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+    decoder = models.DecoderWithAttention(attention_dim=DIM, embed_dim=DIM, decoder_dim=DIM, vocab_size=V,
+                                          encoder_dim=D, dropout=0.5)
+    opt = torch.optim.Adam([p for p in decoder.parameters() if p.requires_grad], lr=4e-4)
+    caps = torch.zeros(B, max(52, T + 1), dtype=torch.long)  # its data files pad every caption to 52 tokens
+    caps[:, :T + 1] = ids
+    caplens = torch.full((B, 1), T + 1)  # <start>, the words, <end>: T words decoded
+
+    def step():
+        scores, caps_sorted, decode_lengths, alphas, _ = decoder(feats, caps, caplens)
+        scores = pack_padded_sequence(scores, decode_lengths, batch_first=True).data
+        targets = pack_padded_sequence(caps_sorted[:, 1:], decode_lengths, batch_first=True).data
+        loss = torch.nn.functional.cross_entropy(scores, targets) + ((1.0 - alphas.sum(dim=1)) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        for p in decoder.parameters():
+            if p.grad is not None:
+                p.grad.clamp_(-5.0, 5.0)
+        opt.step()
+        top5 = scores.topk(5, 1).indices.eq(targets.unsqueeze(1)).any(1).float().mean().item()  # what it logs
+        return loss.item(), top5
+    return step
+
+
+def bench_training(repeats: int, tutorial: bool = True, checkout=None) -> dict:
     """name -> median seconds of a training step: captionkit in bf16 mixed precision (where the
-    CPU has native bf16) and fp32, and the tutorial-style decoder (``tutorial``). Their steps are
+    CPU has native bf16) and fp32, the tutorial-style decoder (``tutorial``) and the tutorial's
+    own (``checkout``: its models module, :func:`tutorial_checkout`). Their steps are
     interleaved, one of each per round after two unmeasured, so that every figure sees the same
     machine: on a shared host the load moves within seconds, and the multiple of the tutorial-
     style decoder is a ratio of two of these figures."""
@@ -161,6 +212,8 @@ def bench_training(repeats: int, tutorial: bool = True) -> dict:
             torch.nn.utils.clip_grad_norm_(base.parameters(), 5.0)
             base_opt.step()
         steps["tutorial-style fp32"] = base_step
+    if checkout is not None:
+        steps[OWN] = tutorial_train_step(checkout, feats, ids)
     for step in steps.values():
         step()
         step()
@@ -229,8 +282,14 @@ def main() -> None:
     ap.add_argument("--compare", type=Path, metavar="OTHER/src",
                     help="also measure the captionkit of another tree's src/ folder, alternating with this one")
     ap.add_argument("--rounds", type=int, default=3, help="with --compare: alternating passes per tree (default 3)")
+    ap.add_argument("--tutorial-checkout", type=Path, metavar="DIR",
+                    help="also time the tutorial's own decoder: a checkout of sgrvinod/a-PyTorch-Tutorial-to-"
+                         "Image-Captioning (its models.py), kept outside this repository")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.tutorial_checkout and (args.compare or args.captioning_only):
+        ap.error("--tutorial-checkout times this tree's training figures only: without --compare and --captioning-only")
+    checkout = tutorial_checkout(args.tutorial_checkout) if args.tutorial_checkout else None
     if args.cpu_time and args.threads != 1:
         ap.error("--cpu-time needs --threads 1 (CPU time counts every thread's waiting too)")
     if args.cpu_time:
@@ -254,7 +313,7 @@ def main() -> None:
     if not args.training_only:
         print(f"feature extraction (EfficientNet-Lite2, 260 px, {n_img} JPEGs): {bench_extraction(n_img):.1f} images/s")
 
-    times = bench_training(reps)
+    times = bench_training(reps, checkout=checkout)
     base = times["tutorial-style fp32"]
     ours, theirs = train_step_flops(), tutorial_step_flops()
     print(f"decoder training at {L} locations x {D} features, width {DIM}, batch {B}, {T} words, vocab {V} "
@@ -265,6 +324,9 @@ def main() -> None:
         flops = theirs if name.startswith("tutorial") else ours
         print(f"  {name:22s} {B / t:7.1f} captions/s  {flops / t / 1e9:6.1f} GFLOP/s "
               f"= {flops / t / peak:5.1%} of the {name[-4:]} peak  ({base / t:4.1f}x tutorial-style)")
+    if checkout is not None:
+        print(f"  captionkit fp32 is {times[OWN] / times['captionkit fp32']:.2f}x the tutorial's "
+              f"own decoder ({args.tutorial_checkout}), trained as its train.py does")
     if not args.training_only:
         report_captioning(n_img, args.model or [None], args.precision)
 
