@@ -143,6 +143,7 @@ def tutorial_train_step(models, feats: torch.Tensor, ids: torch.Tensor):
     """One batch of the tutorial's own training loop (its train.py, per batch) for its
     DecoderWithAttention at these sizes: our code, its model's."""
     from torch.nn.utils.rnn import pack_padded_sequence
+    models.device = torch.device("cpu")  # its forward's tensors: its own choice is CUDA on a GPU host
     decoder = models.DecoderWithAttention(attention_dim=DIM, embed_dim=DIM, decoder_dim=DIM, vocab_size=V,
                                           encoder_dim=D, dropout=0.5)
     opt = torch.optim.Adam([p for p in decoder.parameters() if p.requires_grad], lr=4e-4)

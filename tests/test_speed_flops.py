@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 calls = []
+device = torch.device("meta")  # the tutorial's module chooses CUDA where there is one: not the CPU
 
 
 class DecoderWithAttention(nn.Module):
@@ -49,7 +50,7 @@ class DecoderWithAttention(nn.Module):
         caps, T, L = encoded_captions[order], max(decode_lengths), encoder_out.shape[1]
         context = encoder_out[order].mean(1, keepdim=True).expand(-1, T, -1)
         scores = self.fc(torch.cat([self.embedding(caps[:, :T]), context], 2))
-        return scores, caps, decode_lengths, torch.full((len(caps), T, L), 1.0 / L), order
+        return scores, caps, decode_lengths, torch.full((len(caps), T, L), 1.0 / L).to(device), order
 '''
 
 
