@@ -1,6 +1,8 @@
 """benchmarks/speed.py's FLOP count of the tutorial-style decoder, against torch's own count:
 the multiple of it that equal GFLOP/s would give (docs/speed.md) rests on it."""
 
+import re
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -74,7 +76,7 @@ def test_the_tutorials_own_decoder_trains_as_its_train_py_does(tmp_path, monkeyp
 
 def test_a_folder_that_is_not_the_tutorials_checkout_is_named(tmp_path):
     speed = benchmark_module("speed")
-    with pytest.raises(SystemExit, match=f"--tutorial-checkout {tmp_path}: no models.py there"):
+    with pytest.raises(SystemExit, match=re.escape(f"--tutorial-checkout {tmp_path}: no models.py there")):
         speed.tutorial_checkout(tmp_path)
     (tmp_path / "models.py").write_text("class Encoder: pass\n")
     with pytest.raises(SystemExit, match="its models.py defines no DecoderWithAttention"):
