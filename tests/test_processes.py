@@ -160,13 +160,15 @@ def test_processes_refusals(capsys):
 
 
 def test_auto_processes(monkeypatch):
-    monkeypatch.setattr(processes, "available_memory", lambda: 64 * 2**30)
+    from captionkit.core import process_count
+
+    monkeypatch.setattr(process_count, "available_memory", lambda: 64 * 2**30)
     assert processes.auto_processes("cpu", 8, 10_000, 16) == 8  # one a thread
     assert processes.auto_processes("cpu", 1, 10_000, 16) == 1
     assert processes.auto_processes("cpu", 2, 64, 16) == 1  # 4 batches: not worth a helper's start
     assert processes.auto_processes("cpu", 2, 128, 16) == 2
     assert processes.auto_processes("cuda", 8, 10_000, 16) == 1
-    monkeypatch.setattr(processes, "available_memory", lambda: 5 * 2**30)
+    monkeypatch.setattr(process_count, "available_memory", lambda: 5 * 2**30)
     assert processes.auto_processes("cpu", 8, 10_000, 16) == 2  # half of 5 GiB holds two
 
 

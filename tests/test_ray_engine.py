@@ -89,9 +89,9 @@ def test_the_driver_of_engine_ray_imports_no_torch(picky_models, tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "False", out.stderr
 
 
-def test_a_local_ray_runs_one_replica_with_the_local_engines_threads(monkeypatch):
+def test_a_local_ray_shares_the_cpus_as_its_replicas_are_given(monkeypatch):
     """On this machine's own Ray the replicas share its CPUs and run the local engine's torch
-    threads (one replica by default: all of them); on a cluster one CPU and thread each."""
+    threads or their share of the CPUs; on a cluster one CPU and thread each."""
     import os
 
     from captionkit.cli.common import _ray_options
@@ -104,8 +104,79 @@ def test_a_local_ray_runs_one_replica_with_the_local_engines_threads(monkeypatch
     assert _ray_options(None, 1, 0, 16, None).torch_threads() == 6
     four = _ray_options(None, 4, 0, 16, None)
     assert (four.cpus_per_replica, four.torch_threads()) == (2, 2)
+    assert four.for_images(10_000) == four  # a count given stays
     cluster = _ray_options("auto", 4, 1, 16, None)
     assert (cluster.cpus, cluster.cpus_per_replica, cluster.torch_threads()) == (None, 1, 1)
+
+
+def test_replicas_auto_is_the_local_engines_processes_auto(monkeypatch):
+    """--replicas auto (the default) on a local Ray holds as many models, of as many threads, as
+    the local engine's --processes auto on the same machine and images: on 2 cores two replicas
+    of one thread for a large job, one of two for a small one; the memory cap, OMP_NUM_THREADS
+    and the chunk count (a replica with no chunk would idle) hold it down; a cluster or GPUs
+    get one."""
+    import os
+
+    from captionkit.cli.common import _ray_options
+    from captionkit.core import process_count
+    from captionkit.inference.processes import auto_processes
+    from captionkit.inference.ray_engine import CHUNK_BATCHES
+
+    monkeypatch.setattr(process_count, "available_memory", lambda: 64 * 2**30)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for cpus in (1, 2, 8):
+        monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+        auto = _ray_options(None, None, 0, 16, None)
+        assert auto.replicas is None
+        for images in (10, 100, 300, 8000):
+            sized = auto.for_images(images)
+            chunks = -(-images // (16 * CHUNK_BATCHES))
+            want = min(auto_processes("cpu", cpus, images, 16), chunks)
+            assert sized.replicas == want, (cpus, images)
+            assert sized.torch_threads() == max(1, cpus // want)
+            assert sized.cpus_per_replica == max(1, cpus // want)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    two = _ray_options(None, None, 0, 16, None).for_images(8000)
+    assert (two.replicas, two.cpus_per_replica, two.torch_threads()) == (2, 1, 1)
+    assert _ray_options(None, None, 0, 16, None).for_images(100).replicas == 1  # one chunk of 128
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the local engine runs one process of one thread
+    one = _ray_options(None, None, 0, 16, None).for_images(8000)
+    assert (one.replicas, one.torch_threads()) == (1, 1)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(process_count, "available_memory", lambda: 5 * 2**30)  # half holds two models
+    assert _ray_options(None, None, 0, 16, None).for_images(8000).replicas == 2
+    assert _ray_options("auto", None, 0, 16, None).for_images(8000).replicas == 1  # a cluster
+    assert _ray_options(None, None, 1, 16, None).for_images(8000).replicas == 1  # GPUs
+    bare = RayOptions().for_images(8000)  # the Python API's options: Ray counts the CPUs, as before
+    assert (bare.replicas, bare.cpus, bare.torch_threads()) == (1, None, 1)
+
+
+def test_the_replicas_started_are_the_resolved_count(monkeypatch, capsys):
+    """run_shards resolves --replicas auto for the images it was given before it starts Ray, and
+    says the count in a line, as the local engine says its processes."""
+    pytest.importorskip("ray")
+    import captionkit.inference.ray_engine as engine
+    from captionkit.core import process_count
+
+    class Started(Exception):
+        pass
+
+    seen = []
+
+    def init_ray(opts):
+        seen.append(opts)
+        raise Started
+
+    monkeypatch.setattr(engine, "init_ray", init_ray)
+    monkeypatch.setattr(process_count, "available_memory", lambda: 64 * 2**30)
+    paths = [Path(f"p{i}.jpg") for i in range(1000)]
+    for images, given, want in ((1000, None, (2, 1)), (100, None, (1, 2)), (1000, 1, (1, 2))):
+        with pytest.raises(Started):
+            list(engine.run_shards(paths[:images], [0], 1000, object, {}, engine.local_options(2, given, None)))
+        assert (seen[-1].replicas, seen[-1].torch_threads()) == want
+        said = "ray: 2 replicas of 1 torch thread each" in capsys.readouterr().err
+        assert said == (want[0] == 2)
 
 
 def test_a_local_ray_is_trimmed_and_a_cluster_left_as_it_is(monkeypatch):

@@ -351,7 +351,7 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
                 onnx: str | None = None, overwrite: bool = False, retry_failed: bool = False,
                 verbose: bool = False, weights: list[float] | None = None, rerank: str | None = None,
                 nbest: int | None = None, candidates: str | None = None, engine: str = "local",
-                address: str | None = None, replicas: int = 1, shard_size: int | None = None,
+                address: str | None = None, replicas: int | None = None, shard_size: int | None = None,
                 gpus_per_replica: float = 0, paths_from: str | None = None, tta: str | None = None,
                 device: str = "auto", precision: str = "auto", fast: bool = False, processes: int | None = None,
                 matcher: str | None = None, match_weight: float | None = None, **controls) -> int:

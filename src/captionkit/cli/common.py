@@ -39,7 +39,7 @@ def _load_dataset(dataset: str, images: str | None, image_column: str, title_col
     return load_dataset(dataset, images, image_column, title_column, image_suffix)
 
 
-def _ray_options(address: str | None, replicas: int, gpus_per_replica: float, batch_size: int,
+def _ray_options(address: str | None, replicas: int | None, gpus_per_replica: float, batch_size: int,
                  shard_size: int | None, workers: int = 2):
     """--engine ray's options. On a cluster (``address``) each replica holds one CPU and runs
     one torch thread; on the local Ray the replicas share this machine's CPUs and run the
@@ -173,9 +173,10 @@ def _add_engine_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=("local", "ray"), default="local",
                    help="local: this process; ray: model replicas on Ray, shards resumable")
     p.add_argument("--address", help="ray: a running Ray cluster (default: a local Ray on this machine's CPUs)")
-    p.add_argument("--replicas", type=positive_int, default=1,
-                   help="ray: model replicas (actors; default 1): on a cluster one CPU each, on the local Ray "
-                        "sharing this machine's CPUs")
+    p.add_argument("--replicas", type=processes_count, default=None, metavar="N",
+                   help="ray: model replicas (actors): on a cluster one CPU each (default 1), on the local Ray "
+                        "sharing this machine's CPUs (default auto: caption as --processes auto, one per thread "
+                        "where the images and memory allow; features 1)")
     p.add_argument("--gpus-per-replica", type=float_at_least(0), default=0,
                    help="ray: GPUs each replica holds (e.g. 1, or 0.5 for two replicas a GPU; default 0: CPU)")
     p.add_argument("--shard-size", type=positive_int, help="ray: images per output shard (default 1000)")

@@ -100,7 +100,7 @@ def add_features(sub: argparse._SubParsersAction) -> None:
 
 def cmd_features(dataset: str, images: str | None, encoder: str,
                  image_column: str, title_column: str, image_suffix: str, engine: str = "local",
-                 address: str | None = None, replicas: int = 1, shard_size: int | None = None,
+                 address: str | None = None, replicas: int | None = None, shard_size: int | None = None,
                  gpus_per_replica: float = 0, batch_size: int = 16, flip: bool = False, device: str = "auto",
                  workers: int = 2, verify: bool = False) -> int:
     from ..core.outputs import check_writable_folder
@@ -119,7 +119,8 @@ def cmd_features(dataset: str, images: str | None, encoder: str,
     ds = _load_dataset(dataset, images, image_column, title_column, image_suffix)
     paths = [it.path for it in ds.all_items()]
     if engine == "ray":
-        opts = _ray_options(address, replicas, gpus_per_replica, batch_size, shard_size, workers)
+        # one replica unless given: the local engine extracts features in one process
+        opts = _ray_options(address, replicas or 1, gpus_per_replica, batch_size, shard_size, workers)
         if verify:  # the bad shards lose their record: the Ray run below computes them with the missing ones
             verify_sharded(create_encoder(encoder), paths)
         store = build_features_ray(encoder, None, paths, None, opts)

@@ -42,39 +42,19 @@ from pathlib import Path
 import torch
 
 from ..core.errors import UserError
+from ..core.process_count import cpu_processes
 
-# What one captioning process holds at its peak with the default model, batches of 16, one torch
-# thread (measured: 1.15 GB of resident memory, torch included); ``auto`` starts no more
-# processes than half the memory available can hold at this size.
-PROCESS_BYTES = 1.2 * 2**30
-# Batches a process should have for a helper to pay for its start (a fresh interpreter importing
-# torch and loading the model: 3-4 s on 2 cores, about two batches' captioning at one thread).
-MIN_BATCHES = 4
 POLL_S = 1.0  # how often the caller, waiting for a helper, checks that it is still alive
 PR_SET_PDEATHSIG = 1  # prctl's option (linux/prctl.h): a signal for this process when its parent dies
 
 
-def available_memory() -> int | None:
-    """The memory the kernel says is available (Linux's MemAvailable), in bytes; None elsewhere."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def auto_processes(device: torch.device | str, threads: int, images: int, batch_size: int) -> int:
-    """``--processes auto``: on a CPU, one process per torch thread (each then runs one), no more
-    than the batches keep busy (MIN_BATCHES each) nor than half the available memory holds
-    (PROCESS_BYTES each); one elsewhere (a GPU is one device, fed by one process)."""
-    if torch.device(device).type != "cpu" or threads < 2:
+    """``--processes auto``: on a CPU, captionkit.core.process_count's rule (one process per torch
+    thread, as the batches and half the available memory allow); one elsewhere (a GPU is one
+    device, fed by one process)."""
+    if torch.device(device).type != "cpu":
         return 1
-    batches = math.ceil(images / batch_size)
-    memory = available_memory()
-    fit = threads if memory is None else int(memory / 2 // PROCESS_BYTES)
-    return max(1, min(threads, batches // MIN_BATCHES, fit))
+    return cpu_processes(threads, images, batch_size)
 
 
 class Helpers:

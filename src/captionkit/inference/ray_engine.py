@@ -32,7 +32,7 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +40,7 @@ import numpy as np
 from ..core.errors import OutputError
 from ..core import signals
 from ..core.outputs import atomic_write_text, check_folder_target, write_marker
+from ..core.process_count import cpu_processes
 from ..core.stderr_filter import dropping_lines
 
 # Ray's core worker logs this "E" line for a restartable actor whose constructor arguments are in
@@ -78,15 +79,15 @@ def ray_missing() -> str | None:
 @dataclass(frozen=True)
 class RayOptions:
     """How the work is spread: ``address`` of a running cluster (None: a local Ray of ``cpus``
-    CPUs), ``replicas`` model actors holding ``cpus_per_replica`` CPUs and ``gpus_per_replica``
-    GPUs each, running ``threads`` torch threads (None: ``cpus_per_replica``) and ``workers``
-    image readers (threads on a CPU, DataLoader processes on a GPU, as the local engine's
-    ``--workers``); images per model call ``batch_size``, images per output shard
-    ``shard_size``."""
+    CPUs), ``replicas`` model actors (None: auto, resolved for each run by :meth:`for_images`)
+    holding ``cpus_per_replica`` CPUs and ``gpus_per_replica`` GPUs each, running ``threads``
+    torch threads (None: ``cpus_per_replica``) and ``workers`` image readers (threads on a CPU,
+    DataLoader processes on a GPU, as the local engine's ``--workers``); images per model call
+    ``batch_size``, images per output shard ``shard_size``."""
 
     address: str | None = None
     cpus: int | None = None
-    replicas: int = 1
+    replicas: int | None = None
     cpus_per_replica: float = 1
     gpus_per_replica: float = 0
     batch_size: int = 16
@@ -97,13 +98,33 @@ class RayOptions:
     def torch_threads(self) -> int:
         return self.threads or max(1, int(self.cpus_per_replica))
 
+    def for_images(self, images: int) -> RayOptions:
+        """These options for a run of ``images`` images, ``replicas`` auto (None) resolved: on a
+        local Ray of CPUs, the local engine's ``--processes auto`` (captionkit.core.process_count:
+        one replica per torch thread, as the batches and half the available memory allow), the
+        CPUs shared as :func:`local_options` shares them, so both engines hold as many models and
+        run as many threads; on a cluster, with GPUs, or where ``cpus`` is not known (Ray counts
+        them), one. A count given stays as it is."""
+        if self.replicas is not None:
+            return self
+        if self.address is not None or self.gpus_per_replica or not self.cpus:
+            return replace(self, replicas=1)
+        cpus = self.cpus
+        chunks = -(-images // (self.batch_size * CHUNK_BATCHES))  # a replica with no chunk would idle
+        count = min(cpu_processes(self.threads or cpus, images, self.batch_size), max(1, chunks))
+        return local_options(cpus, count, self.threads, gpus_per_replica=self.gpus_per_replica,
+                             batch_size=self.batch_size, shard_size=self.shard_size, workers=self.workers)
 
-def local_options(cpus: int, replicas: int, torch_threads: int | None, **options) -> RayOptions:
+
+def local_options(cpus: int, replicas: int | None, torch_threads: int | None, **options) -> RayOptions:
     """The options of a local Ray on ``cpus`` CPUs: the replicas share the CPUs (their readers
     run beside the model, as in the local engine), each running the local engine's
     ``torch_threads`` torch threads (None: torch's default, all the CPUs) or its share of the
-    CPUs when that is fewer. One replica is the default: on 2 cores a second one halves each
-    replica's threads and doubles the model's memory (docs/scale.md)."""
+    CPUs when that is fewer. ``replicas`` None (auto) is resolved per run
+    (:meth:`RayOptions.for_images`): on 2 cores, two replicas of one thread, as the local
+    engine's two processes (docs/scale.md)."""
+    if replicas is None:
+        return RayOptions(cpus=cpus, replicas=None, cpus_per_replica=cpus, threads=torch_threads, **options)
     share = max(1, cpus // replicas)
     return RayOptions(cpus=cpus, replicas=replicas, cpus_per_replica=share, threads=min(share, torch_threads or share),
                       **options)
@@ -287,6 +308,11 @@ def run_shards(paths: list[Path], shards: list[int], shard_size: int, replica: t
     chunks = [list(ranges[s][k:k + size]) for s in shards for k in range(0, len(ranges[s]), size)]
     if not chunks:
         return
+    auto, opts = opts.replicas is None, opts.for_images(sum(map(len, chunks)))
+    if auto and opts.replicas > 1:  # as the local engine says its --processes auto
+        threads = opts.torch_threads()
+        print(f"ray: {opts.replicas} replicas of {threads} torch thread{'s' * (threads > 1)} each "
+              f"(--replicas 1: one replica)", file=sys.stderr, flush=True)
     init_ray(opts)
     actor = ray.remote(replica).options(num_cpus=opts.cpus_per_replica, num_gpus=opts.gpus_per_replica or None,
                                         runtime_env={"env_vars": REPLICA_ENV},
