@@ -104,7 +104,7 @@ def test_a_local_ray_shares_the_cpus_as_its_replicas_are_given(monkeypatch):
     assert _ray_options(None, 1, 0, 16, None).torch_threads() == 6
     four = _ray_options(None, 4, 0, 16, None)
     assert (four.cpus_per_replica, four.torch_threads()) == (2, 2)
-    assert four.for_images(10_000) == four  # a count given stays
+    assert four.for_images(10_000, 79) == four  # a count given stays
     cluster = _ray_options("auto", 4, 1, 16, None)
     assert (cluster.cpus, cluster.cpus_per_replica, cluster.torch_threads()) == (None, 1, 1)
 
@@ -129,26 +129,26 @@ def test_replicas_auto_is_the_local_engines_processes_auto(monkeypatch):
         auto = _ray_options(None, None, 0, 16, None)
         assert auto.replicas is None
         for images in (10, 100, 300, 8000):
-            sized = auto.for_images(images)
             chunks = -(-images // (16 * CHUNK_BATCHES))
+            sized = auto.for_images(images, chunks)
             want = min(auto_processes("cpu", cpus, images, 16), chunks)
             assert sized.replicas == want, (cpus, images)
             assert sized.torch_threads() == max(1, cpus // want)
             assert sized.cpus_per_replica == max(1, cpus // want)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    two = _ray_options(None, None, 0, 16, None).for_images(8000)
+    two = _ray_options(None, None, 0, 16, None).for_images(8000, 63)
     assert (two.replicas, two.cpus_per_replica, two.torch_threads()) == (2, 1, 1)
-    assert _ray_options(None, None, 0, 16, None).for_images(100).replicas == 1  # one chunk of 128
+    assert _ray_options(None, None, 0, 16, None).for_images(100, 1).replicas == 1  # one chunk of 128
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the local engine runs one process of one thread
-    one = _ray_options(None, None, 0, 16, None).for_images(8000)
+    one = _ray_options(None, None, 0, 16, None).for_images(8000, 63)
     assert (one.replicas, one.torch_threads()) == (1, 1)
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
     monkeypatch.setattr(process_count, "available_memory", lambda: 5 * 2**30)  # half holds two models
-    assert _ray_options(None, None, 0, 16, None).for_images(8000).replicas == 2
-    assert _ray_options("auto", None, 0, 16, None).for_images(8000).replicas == 1  # a cluster
-    assert _ray_options(None, None, 1, 16, None).for_images(8000).replicas == 1  # GPUs
-    bare = RayOptions().for_images(8000)  # the Python API's options: Ray counts the CPUs, as before
+    assert _ray_options(None, None, 0, 16, None).for_images(8000, 63).replicas == 2
+    assert _ray_options("auto", None, 0, 16, None).for_images(8000, 63).replicas == 1  # a cluster
+    assert _ray_options(None, None, 1, 16, None).for_images(8000, 63).replicas == 1  # GPUs
+    bare = RayOptions().for_images(8000, 63)  # the Python API's options: Ray counts the CPUs, as before
     assert (bare.replicas, bare.cpus, bare.torch_threads()) == (1, None, 1)
 
 

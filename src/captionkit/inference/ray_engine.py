@@ -98,19 +98,19 @@ class RayOptions:
     def torch_threads(self) -> int:
         return self.threads or max(1, int(self.cpus_per_replica))
 
-    def for_images(self, images: int) -> RayOptions:
-        """These options for a run of ``images`` images, ``replicas`` auto (None) resolved: on a
-        local Ray of CPUs, the local engine's ``--processes auto`` (captionkit.core.process_count:
-        one replica per torch thread, as the batches and half the available memory allow), the
-        CPUs shared as :func:`local_options` shares them, so both engines hold as many models and
-        run as many threads; on a cluster, with GPUs, or where ``cpus`` is not known (Ray counts
-        them), one. A count given stays as it is."""
+    def for_images(self, images: int, chunks: int) -> RayOptions:
+        """These options for a run of ``images`` images in ``chunks`` chunks, ``replicas`` auto
+        (None) resolved: on a local Ray of CPUs, the local engine's ``--processes auto``
+        (captionkit.core.process_count: one replica per torch thread, as the batches and half the
+        available memory allow), no more than the chunks (a replica with no chunk would idle),
+        the CPUs shared as :func:`local_options` shares them, so both engines hold as many models
+        and run as many threads; on a cluster, with GPUs, or where ``cpus`` is not known (Ray
+        counts them), one. A count given stays as it is."""
         if self.replicas is not None:
             return self
         if self.address is not None or self.gpus_per_replica or not self.cpus:
             return replace(self, replicas=1)
         cpus = self.cpus
-        chunks = -(-images // (self.batch_size * CHUNK_BATCHES))  # a replica with no chunk would idle
         count = min(cpu_processes(self.threads or cpus, images, self.batch_size), max(1, chunks))
         return local_options(cpus, count, self.threads, gpus_per_replica=self.gpus_per_replica,
                              batch_size=self.batch_size, shard_size=self.shard_size, workers=self.workers)
@@ -308,7 +308,7 @@ def run_shards(paths: list[Path], shards: list[int], shard_size: int, replica: t
     chunks = [list(ranges[s][k:k + size]) for s in shards for k in range(0, len(ranges[s]), size)]
     if not chunks:
         return
-    auto, opts = opts.replicas is None, opts.for_images(sum(map(len, chunks)))
+    auto, opts = opts.replicas is None, opts.for_images(sum(map(len, chunks)), len(chunks))
     if auto and opts.replicas > 1:  # as the local engine says its --processes auto
         threads = opts.torch_threads()
         print(f"ray: {opts.replicas} replicas of {threads} torch thread{'s' * (threads > 1)} each "
