@@ -137,6 +137,91 @@ def test_the_meteor_jar_reads_no_jvm_log_line_as_an_answer(monkeypatch):
         ev.meteor_jar(res, gts)
 
 
+@needs_java
+@pytest.mark.slow  # two starts of the METEOR jar
+def test_one_meteor_jar_serves_a_process_and_one_that_failed_is_replaced(monkeypatch):
+    """The jar takes ~10 s to load: a process keeps one for all its METEOR calls (`score
+    --compare` with bootstrap started four). A call midway that fails leaves the jar's answers
+    out of step with its questions, so that jar is stopped, and the next call's new one answers
+    what the first did; a dead jar is replaced; a forked child never writes to its parent's."""
+    from captionkit.scoring import evaluation as ev
+
+    res = {"a": "a dog runs on the grass", "b": "a man rides a bike", "c": "two girls play"}
+    gts = {"a": ["a brown dog runs in the grass", "a dog running"], "b": ["a man on a bicycle"],
+           "c": ["two young girls are playing", "children play outside"]}
+    first = ev.meteor_jar(res, gts)
+    server = ev.meteor_server()
+    other = ev.meteor_jar({"a": "a cat sleeps"}, {"a": ["a dog runs"]})
+    assert other[0] != first[0]
+    repeat = ev.meteor_jar(res, gts)  # after another call: the answers of a fresh jar
+    assert repeat[0] == first[0] and list(repeat[1]) == list(first[1]) and repeat[2] == first[2]
+    resampled = ev.meteor_jar_resampled(first[2], np.array([[1, 1, 1], [2, 0, 1]]))
+    assert resampled[0] == first[0] and resampled[1] != first[0]
+    assert ev.meteor_server() is server and server.alive()  # one jar for the four calls
+
+    with pytest.raises(KeyError):  # fails after some of its questions were asked
+        ev.meteor_jar(res, {**gts, "d": ["a missing caption"]})
+    assert not server.alive()
+    again = ev.meteor_jar(res, gts)
+    assert ev.meteor_server() is not server
+    assert again[0] == first[0] and list(again[1]) == list(first[1]) and again[2] == first[2]
+
+    current = ev.meteor_server()
+    current.meteor_p.kill()
+    current.meteor_p.wait()
+    parent = ev.meteor_server()  # (not asked anything: the test does not wait for it to load)
+    assert parent is not current and parent.alive()
+    real = os.getpid()
+    monkeypatch.setattr(ev.os, "getpid", lambda: real + 1)
+    child = ev.meteor_server()
+    assert child is not parent and parent.alive()  # the child's own; the parent's left running
+    child.stop()
+    monkeypatch.undo()
+    parent.stop()
+
+@needs_java
+@needs_flickr
+@pytest.mark.slow  # the METEOR jar over 600 Flickr8k test captions and 17 resamples
+def test_meteor_of_resamples_from_the_jars_statistics_is_the_jars_bit_for_bit():
+    """`score --bootstrap` and `--compare` need METEOR for 1,000 resamples: computed from the
+    jar's statistics lines by its own arithmetic (milliseconds), not by the jar (~0.2 s each)."""
+    from captionkit.scoring import evaluation as ev
+
+    res, gts = {}, {}
+    for tag, (cands, refs) in list(_flickr_sets().items())[:2]:  # matching captions, and unrelated ones
+        for name in sorted(refs)[:300]:
+            res[f"{tag}/{name}"], gts[f"{tag}/{name}"] = cands[name], refs[name]
+    res["same"], gts["same"] = "a dog runs on the grass", ["a dog runs on the grass"]  # one chunk: none counted
+    res["none"], gts["none"] = "zebra", ["a dog runs on the grass"]  # nothing matches: 0
+    corpus, per, stats = ev.meteor_jar(res, gts)
+    n = len(stats)
+    weights = np.vstack([np.ones(n, dtype=int), np.eye(n, dtype=int)[[0, 1, n - 2, n - 1]],
+                         np.random.default_rng(0).multinomial(n, np.ones(n) / n, size=12)])
+    mine = ev.meteor_from_stats(stats, weights)
+    assert mine[0] == corpus and list(mine[1:5]) == [per[0], per[1], per[-2], per[-1]]
+    assert per[-2] > 0.9 and per[-1] == 0.0
+    assert list(mine) == list(ev.meteor_jar_resampled(stats, weights))
+    assert list(ev.meteor_resampled(stats, weights, corpus)) == list(mine)
+
+
+@needs_java
+@pytest.mark.slow  # the METEOR jar
+def test_a_meteor_whose_arithmetic_is_not_1_5s_is_resampled_by_its_jar(monkeypatch, capsys):
+    from captionkit.scoring import evaluation as ev
+
+    res = {"a": "a dog runs on the grass", "b": "a man rides a bike", "c": "two girls play"}
+    gts = {"a": ["a brown dog runs in the grass", "a dog running"], "b": ["a man on a bicycle"],
+           "c": ["two young girls are playing", "children play outside"]}
+    corpus, _, stats = ev.meteor_jar(res, gts)
+    weights = np.array([[1, 1, 1], [3, 0, 0], [0, 1, 2]])
+    want = ev.meteor_jar_resampled(stats, weights)
+    assert list(ev.meteor_resampled(stats, weights, corpus)) == list(want)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(ev, "METEOR_PARAMETERS", (0.9, 3.0, 0.5, 1.0))  # another METEOR's arithmetic
+    assert list(ev.meteor_resampled(stats, weights, corpus)) == list(want)
+    assert "the jar recomputes each resample" in capsys.readouterr().err
+
+
 def _wordnet_available() -> bool:
     from captionkit.scoring.evaluation import _wordnet
     try:

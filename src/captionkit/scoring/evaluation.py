@@ -14,7 +14,11 @@ Scores are unscaled (0..1, CIDEr 0..10); :func:`format_scores` prints them x100.
 
 from __future__ import annotations
 
+import atexit
+import os
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -58,7 +62,7 @@ class Report:
                 out[f"Bleu_{k + 1}"] = b[:, k]
         for name, vals in self.per_image.items():
             if name == "METEOR" and self.meteor_stats is not None:
-                out[name] = meteor_jar_resampled(self.meteor_stats, weights)
+                out[name] = meteor_resampled(self.meteor_stats, weights, self.scores["METEOR"])
             elif name in self.scores:  # corpus score = mean of image scores
                 out[name] = weights @ vals / weights.sum(1)
         return out
@@ -120,11 +124,10 @@ def meteor_nltk(res: dict[str, str], gts: dict[str, list[str]]) -> tuple[float, 
 def _meteor_eval(meteor, stats: list[str]) -> tuple[float, list[float]]:
     """The jar's corpus METEOR and segment scores from per-image statistics lines (what
     pycocoevalcap's Meteor.compute_score sends, in the same protocol)."""
-    with meteor.lock:
-        meteor.meteor_p.stdin.write(("EVAL ||| " + " ||| ".join(stats) + "\n").encode())
-        meteor.meteor_p.stdin.flush()
-        per = [_meteor_number(meteor) for _ in stats]
-        return _meteor_number(meteor), per
+    meteor.meteor_p.stdin.write(("EVAL ||| " + " ||| ".join(stats) + "\n").encode())
+    meteor.meteor_p.stdin.flush()
+    per = [_meteor_number(meteor) for _ in stats]
+    return _meteor_number(meteor), per
 
 
 def _meteor_number(meteor) -> float:
@@ -132,53 +135,196 @@ def _meteor_number(meteor) -> float:
     try:
         return float(line)
     except ValueError:
-        raise RuntimeError(f"the METEOR jar answered {line[:200]!r} instead of a score") from None
+        raise RuntimeError(f"the METEOR jar answered {line[:200]!r} instead of a score{meteor.log_tail()}") from None
+
+
+def _meteor_key() -> tuple:
+    """What a METEOR jar is started with: its command (pycocoevalcap's, the JVM's logs to standard
+    error) and the environment's java options, which the JVM reads as it starts."""
+    from pycocoevalcap.meteor import meteor as m
+
+    cmd = ("java", *jvm_log_flags(), "-jar", "-Xmx2G", m.METEOR_JAR, "-", "-", "-stdio", "-l", "en", "-norm")
+    return cmd, os.environ.get("JAVA_TOOL_OPTIONS"), os.environ.get("_JAVA_OPTIONS")
 
 
 def start_meteor():
     """pycocoevalcap's METEOR 1.5 jar, started with its own command, except that the JVM's log
     lines go to standard error: on standard output (Java 9+'s default) the first would be read
-    as the first caption's statistics and shift every later answer by one. A Java subprocess,
-    stopped when the object is collected."""
-    import os
+    as the first caption's statistics and shift every later answer by one. Standard error goes
+    to a temporary file (a pipe nobody reads would stop the jar once full; a failure quotes its
+    end). A Java subprocess, stopped by :meth:`stop` or when the object is collected."""
     import subprocess
-    import threading
+    import tempfile
 
     from pycocoevalcap.meteor import meteor as m
 
     class _Meteor(m.Meteor):
         def __init__(self):  # pycocoevalcap's __init__, with the JVM's logs redirected
-            self.meteor_cmd = ["java", *jvm_log_flags(), "-jar", "-Xmx2G", m.METEOR_JAR,
-                               "-", "-", "-stdio", "-l", "en", "-norm"]
+            self.key = _meteor_key()
+            self.meteor_cmd = list(self.key[0])
+            self.pid = os.getpid()  # the process whose server this is (a forked child starts its own)
+            self.log = tempfile.TemporaryFile()
             self.meteor_p = subprocess.Popen(self.meteor_cmd, cwd=os.path.dirname(os.path.abspath(m.__file__)),
-                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                             stderr=subprocess.PIPE)
-            self.lock = threading.Lock()
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+            self.lock = threading.Lock()  # held across a whole call (_meteor_call)
+
+        def alive(self) -> bool:
+            return self.meteor_p.poll() is None
+
+        def log_tail(self) -> str:
+            try:
+                self.log.seek(0, os.SEEK_END)
+                self.log.seek(max(0, self.log.tell() - 400))
+                tail = self.log.read().decode(errors="replace").strip()
+            except (OSError, ValueError):
+                return ""
+            return f" (its standard error ends: {tail!r})" if tail else ""
+
+        def stop(self) -> None:
+            if self.pid != os.getpid():  # a forked child's copy: the parent's jar is not its own
+                return
+            if self.meteor_p.poll() is None:
+                try:
+                    self.meteor_p.stdin.close()
+                except OSError:
+                    pass
+                self.meteor_p.kill()
+            self.meteor_p.wait()
+            self.log.close()
+
+        def __del__(self):  # pycocoevalcap's would kill a jar a forked child inherited from its parent
+            if hasattr(self, "meteor_p"):
+                self.stop()
 
     return _Meteor()
+
+
+# The jar loads its 60 MB paraphrase table as it starts, ~10 s on a 2-core machine, and then
+# answers any number of calls (each line of its protocol stands alone): one jar a process serves
+# every METEOR of it (`score --compare` and bootstrap made four; `report`, one a run).
+_METEOR_SERVER = None
+_METEOR_START = threading.Lock()
+
+
+def meteor_server():
+    """This process's running METEOR jar (:func:`start_meteor`), started on first use and kept
+    until the process ends; a new one where the last has exited, where the java options it was
+    started with changed (``JAVA_TOOL_OPTIONS``), or in a forked child."""
+    global _METEOR_SERVER
+    with _METEOR_START:
+        old = _METEOR_SERVER
+        if old is not None and old.pid == os.getpid() and old.alive() and old.key == _meteor_key():
+            return old
+        if old is not None:
+            old.stop()
+        _METEOR_SERVER = start_meteor()
+        return _METEOR_SERVER
+
+
+@contextmanager
+def _meteor_call():
+    """The process's METEOR jar for one call; one that failed midway (its answers no longer line
+    up with its questions) is stopped, and the next call starts another."""
+    global _METEOR_SERVER
+    meteor = meteor_server()
+    with meteor.lock:
+        try:
+            yield meteor
+        except BaseException:
+            with _METEOR_START:
+                if _METEOR_SERVER is meteor:
+                    _METEOR_SERVER = None
+            meteor.stop()
+            raise
+
+
+@atexit.register
+def _stop_meteor_server() -> None:
+    if _METEOR_SERVER is not None:
+        _METEOR_SERVER.stop()
 
 
 def meteor_jar(res: dict[str, str], gts: dict[str, list[str]]) -> tuple[float, np.ndarray, list[str]]:
     """METEOR 1.5 as pycocoevalcap computes it, plus each image's statistics line, from which
     the jar recomputes the corpus score of any resample (its corpus score is not a mean of
     image scores, so bootstrap must go back to the jar)."""
-    meteor = start_meteor()
-    with meteor.lock:
+    with _meteor_call() as meteor:
         stats = [meteor._stat(res[k], gts[k]) for k in gts]
-    if any(not st for st in stats):
-        raise RuntimeError("the METEOR jar stopped answering (it gave no statistics for a caption)")
-    score, per = _meteor_eval(meteor, stats)
-    del meteor
+        if any(not st for st in stats):
+            raise RuntimeError(f"the METEOR jar stopped answering (it gave no statistics for a caption)"
+                               f"{meteor.log_tail()}")
+        score, per = _meteor_eval(meteor, stats)
     return score, np.asarray(per, dtype=np.float64), stats
 
 
 def meteor_jar_resampled(stats: list[str], weights: np.ndarray) -> np.ndarray:
     """Corpus METEOR of every bootstrap resample: weights (R, N) image counts -> (R,)."""
-    meteor = start_meteor()
-    out = np.array([_meteor_eval(meteor, [st for st, c in zip(stats, row) for _ in range(int(c))])[0]
-                    for row in weights])
-    del meteor
-    return out
+    with _meteor_call() as meteor:
+        return np.array([_meteor_eval(meteor, [st for st, c in zip(stats, row) for _ in range(int(c))])[0]
+                         for row in weights])
+
+
+# METEOR 1.5's parameters as the jar runs them for pycocoevalcap (`-l en -norm`, its English
+# defaults): alpha, beta, gamma, delta, and the weights of its four matching stages (exact, stem,
+# synonym, paraphrase); Denkowski and Lavie 2014, "Meteor Universal". tests/test_metrics.py
+# checks that they give the jar's scores bit for bit.
+METEOR_PARAMETERS = (0.85, 0.2, 0.6, 0.75)
+METEOR_STAGE_WEIGHTS = (1.0, 0.6, 0.8, 0.6)
+
+
+def meteor_from_stats(stats: list[str], weights: np.ndarray) -> np.ndarray:
+    """Corpus METEOR of image weights (R, N) from the jar's per-image statistics lines, by the
+    arithmetic the jar's EVAL runs (its MeteorStats sums and MeteorScorer.computeMetrics), in
+    the same order: the statistics are counts, so their weighted sums are exact whatever the
+    order, and every later step is the jar's own sequence of float64 operations. -> (R,).
+
+    A line holds 23 numbers: the test and reference lengths and function words, for each of the
+    four stages the test and reference content and function matches, the chunks, and the test
+    and reference word matches."""
+    alpha, beta, gamma, delta = METEOR_PARAMETERS
+    s = np.array([[float(x) for x in line.split()] for line in stats], dtype=np.float64).reshape(len(stats), 23)
+    stages = s[:, 4:20].reshape(-1, 4, 4)  # (N, stage, [test content, ref content, test function, ref function])
+    test_total = np.zeros(len(s))
+    ref_total = np.zeros(len(s))
+    for i in range(4):  # as the jar reads a line
+        test_total, ref_total = test_total + stages[:, i, 0], ref_total + stages[:, i, 1]
+        test_total, ref_total = test_total + stages[:, i, 2], ref_total + stages[:, i, 3]
+    # an image whose caption is its reference (one chunk, every word matched) adds no chunks
+    same = (test_total == s[:, 0]) & (ref_total == s[:, 1]) & (s[:, 20] == 1.0)
+    w = np.asarray(weights, dtype=np.float64)  # (R, N)
+    t_len, r_len, t_fn, r_fn = w @ s[:, 0], w @ s[:, 1], w @ s[:, 2], w @ s[:, 3]  # (R,)
+    t_tot, r_tot, chunks = w @ test_total, w @ ref_total, w @ np.where(same, 0.0, s[:, 20])
+    st = np.einsum("rn,nij->rij", w, stages)  # (R, 4, 4)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t_wlen = (delta * (t_len - t_fn)) + ((1.0 - delta) * t_fn)
+        r_wlen = (delta * (r_len - r_fn)) + ((1.0 - delta) * r_fn)
+        t_wm, r_wm = np.zeros(len(w)), np.zeros(len(w))
+        for i, mw in enumerate(METEOR_STAGE_WEIGHTS):  # content, then function matches
+            t_wm = t_wm + st[:, i, 0] * mw * delta
+        for i, mw in enumerate(METEOR_STAGE_WEIGHTS):
+            r_wm = r_wm + st[:, i, 1] * mw * delta
+        for i, mw in enumerate(METEOR_STAGE_WEIGHTS):
+            t_wm = t_wm + st[:, i, 2] * mw * (1.0 - delta)
+        for i, mw in enumerate(METEOR_STAGE_WEIGHTS):
+            r_wm = r_wm + st[:, i, 3] * mw * (1.0 - delta)
+        precision, recall = t_wm / t_wlen, r_wm / r_wlen
+        f_mean = 1.0 / (((1.0 - alpha) / precision) + (alpha / recall))
+        identical = (t_tot == t_len) & (r_tot == r_len) & (chunks == 1)
+        frag = np.where(identical, 0.0, chunks / ((t_tot + r_tot) / 2))
+        score = f_mean * (1.0 - gamma * np.power(frag, beta))
+    return np.where(np.isnan(score), 0.0, np.maximum(score, 0.0))
+
+
+def meteor_resampled(stats: list[str], weights: np.ndarray, corpus: float) -> np.ndarray:
+    """Corpus METEOR of every bootstrap resample, weights (R, N): :func:`meteor_from_stats`
+    (milliseconds for 1,000 resamples; the jar takes ~0.2 s a resample of 1,000 images), where
+    it gives this jar's own corpus score ``corpus`` for the unweighted set; otherwise (a METEOR
+    other than 1.5's) the jar recomputes each resample, and a line says so."""
+    if abs(meteor_from_stats(stats, np.ones((1, len(stats))))[0] - corpus) <= 1e-12:
+        return meteor_from_stats(stats, weights)
+    print("note: this METEOR jar's corpus score is not METEOR 1.5's arithmetic on its statistics; "
+          "the jar recomputes each resample (slow)", file=sys.stderr)
+    return meteor_jar_resampled(stats, weights)
 
 
 SPICE_CORENLP_JARS = ("stanford-corenlp-3.6.0.jar", "stanford-corenlp-3.6.0-models.jar")
