@@ -179,6 +179,7 @@ def test_one_meteor_jar_serves_a_process_and_one_that_failed_is_replaced(monkeyp
     monkeypatch.undo()
     parent.stop()
 
+
 @needs_java
 @needs_flickr
 @pytest.mark.slow  # the METEOR jar over 600 Flickr8k test captions and 17 resamples
