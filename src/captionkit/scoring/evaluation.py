@@ -246,8 +246,8 @@ def _stop_meteor_server() -> None:
 
 def meteor_jar(res: dict[str, str], gts: dict[str, list[str]]) -> tuple[float, np.ndarray, list[str]]:
     """METEOR 1.5 as pycocoevalcap computes it, plus each image's statistics line, from which
-    the jar recomputes the corpus score of any resample (its corpus score is not a mean of
-    image scores, so bootstrap must go back to the jar)."""
+    the corpus score of any resample is computed (its corpus score is not a mean of image
+    scores: :func:`meteor_resampled`)."""
     with _meteor_call() as meteor:
         stats = [meteor._stat(res[k], gts[k]) for k in gts]
         if any(not st for st in stats):
@@ -299,14 +299,10 @@ def meteor_from_stats(stats: list[str], weights: np.ndarray) -> np.ndarray:
         t_wlen = (delta * (t_len - t_fn)) + ((1.0 - delta) * t_fn)
         r_wlen = (delta * (r_len - r_fn)) + ((1.0 - delta) * r_fn)
         t_wm, r_wm = np.zeros(len(w)), np.zeros(len(w))
-        for i, mw in enumerate(METEOR_STAGE_WEIGHTS):  # content, then function matches
-            t_wm = t_wm + st[:, i, 0] * mw * delta
-        for i, mw in enumerate(METEOR_STAGE_WEIGHTS):
-            r_wm = r_wm + st[:, i, 1] * mw * delta
-        for i, mw in enumerate(METEOR_STAGE_WEIGHTS):
-            t_wm = t_wm + st[:, i, 2] * mw * (1.0 - delta)
-        for i, mw in enumerate(METEOR_STAGE_WEIGHTS):
-            r_wm = r_wm + st[:, i, 3] * mw * (1.0 - delta)
+        for col, share in ((0, delta), (2, 1.0 - delta)):  # each sum: content, then function matches
+            for i, mw in enumerate(METEOR_STAGE_WEIGHTS):
+                t_wm = t_wm + st[:, i, col] * mw * share
+                r_wm = r_wm + st[:, i, col + 1] * mw * share
         precision, recall = t_wm / t_wlen, r_wm / r_wlen
         f_mean = 1.0 / (((1.0 - alpha) / precision) + (alpha / recall))
         identical = (t_tot == t_len) & (r_tot == r_len) & (chunks == 1)
@@ -320,8 +316,9 @@ def meteor_resampled(stats: list[str], weights: np.ndarray, corpus: float) -> np
     (milliseconds for 1,000 resamples; the jar takes ~0.2 s a resample of 1,000 images), where
     it gives this jar's own corpus score ``corpus`` for the unweighted set; otherwise (a METEOR
     other than 1.5's) the jar recomputes each resample, and a line says so."""
-    if abs(meteor_from_stats(stats, np.ones((1, len(stats))))[0] - corpus) <= 1e-12:
-        return meteor_from_stats(stats, weights)
+    scores = meteor_from_stats(stats, np.vstack([np.ones((1, len(stats))), weights]))  # the unweighted set first
+    if abs(scores[0] - corpus) <= 1e-12:
+        return scores[1:]
     print("note: this METEOR jar's corpus score is not METEOR 1.5's arithmetic on its statistics; "
           "the jar recomputes each resample (slow)", file=sys.stderr)
     return meteor_jar_resampled(stats, weights)
