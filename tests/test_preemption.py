@@ -22,7 +22,8 @@ from killharness import Child, Launch, _env, compare_runs
 
 from captionkit.core.checkpoint import read_config
 from captionkit.core.errors import OutputError, UserError
-from captionkit.core.signals import EXIT_PREEMPTED, Preempted, StopSignals
+from captionkit.core.signals import EXIT_PREEMPTED, Preempted, StopSignals, deferred
+from captionkit.inference import ray_engine
 from captionkit.inference.ray_engine import ray_missing
 from captionkit.training import trainer as trainer_module
 from captionkit.training.run import train
@@ -140,6 +141,44 @@ def test_stop_signals_are_checked_and_restored():
         os.kill(os.getpid(), signal.SIGUSR2)
         assert stop.requested == "SIGUSR2"
     assert signal.getsignal(signal.SIGUSR2) is old
+
+
+def test_a_stop_deferred_around_compiled_code_is_raised_after_it_with_the_stop_message():
+    """signals.deferred: inside, a signal only sets the flag even where the handler would raise
+    (immediate); on leaving, Preempted with the message set. Without a stop, nothing changes."""
+    with StopSignals("SIGUSR2", immediate=True) as stop:
+        stop.message = "stopped on {signal} after 3 of 9"
+        with deferred():
+            pass
+        assert stop.immediate and stop.requested is None
+        reached = []
+        with pytest.raises(Preempted, match="stopped on SIGUSR2 after 3 of 9"):
+            with deferred():
+                assert not stop.immediate
+                os.kill(os.getpid(), signal.SIGUSR2)
+                time.sleep(0.01)  # (the handler runs between bytecodes: here)
+                reached.append("the end of the block")
+        assert reached == ["the end of the block"] and stop.immediate
+
+
+def test_the_ray_engine_waits_on_ray_with_stops_deferred_and_polls():
+    """A stop signal that comes while the driver is inside ray.wait (compiled code that turns a
+    handler's exception into a SystemError) is raised after the call returns, within POLL_S."""
+    calls = []
+
+    class FakeRay:
+        def wait(self, refs, num_returns, timeout):
+            if len(calls) == 1:
+                os.kill(os.getpid(), signal.SIGUSR2)
+                time.sleep(0.01)  # (a handler that raised would raise here, inside the call)
+            calls.append(timeout)
+            return [], refs  # nothing ready yet: _ready polls again
+
+    with StopSignals("SIGUSR2", immediate=True) as stop:
+        stop.message = "stopped on {signal} while Ray worked"
+        with pytest.raises(Preempted, match="SIGUSR2 while Ray worked"):
+            ray_engine._ready(FakeRay(), ["ref"], 1)
+    assert calls == [ray_engine.POLL_S] * 2  # (the call with the signal returned; no third)
 
 
 @pytest.mark.slow  # child processes: several seconds

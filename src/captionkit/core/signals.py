@@ -14,7 +14,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from types import FrameType
 
 from .errors import UserError
@@ -136,3 +137,25 @@ def reinstall() -> None:
     if threading.current_thread() is threading.main_thread():
         for stop in _ACTIVE:
             stop.reinstall()
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Within: a stop signal only sets the flag, also where a :class:`StopSignals` is
+    :attr:`~StopSignals.immediate`; on leaving, a stop that came meanwhile raises
+    :class:`Preempted` as the signal would have. For calls into compiled code that runs Python's
+    signal handlers itself and does not pass their exception on: Ray's ``ray.wait``/``ray.get``
+    turn it into a ``SystemError`` ("returned a result with an exception set"), an internal
+    error instead of exit 75. Keep what runs within short (poll with a timeout): the stop waits
+    for it."""
+    held = [stop for stop in _ACTIVE if stop.immediate]
+    for stop in held:
+        stop.immediate = False
+    try:
+        yield
+    finally:
+        for stop in held:
+            stop.immediate = True
+    for stop in reversed(held):  # (innermost first, as its handler would have raised)
+        if stop.requested is not None:
+            raise Preempted(stop.message.format(signal=stop.requested), stop.requested)

@@ -64,6 +64,7 @@ CHUNK_BATCHES = 8
 # machine's memory) is never needed; Ray's floor is 75 MiB.
 LOCAL_OBJECT_STORE = 256 * 2**20
 QUEUED = 2  # chunks handed to a replica at a time: one it works on, one waiting behind it
+POLL_S = 0.5  # a wait on Ray's results looks for a stop signal this often (_ready)
 RESTARTS = 3  # a replica lost (its node, its memory) is restarted and its chunks retried this often
 
 
@@ -156,11 +157,31 @@ def init_ray(opts: RayOptions) -> None:
         trimmed = {"object_store_memory": LOCAL_OBJECT_STORE,
                    "_system_config": {"enable_worker_prestart": False, "prestart_worker_first_driver": False,
                                       "worker_niceness": 0}}
-        ray.init(address=opts.address, num_cpus=opts.cpus if local else None, include_dashboard=False,
-                 log_to_driver=False, configure_logging=False, **(trimmed if local else {}))
-        if local:
-            _stop_unused_head_processes(ray)
-        signals.reinstall()  # ray.init's SIGTERM handler exits anywhere: the caller's stop handling instead
+        with signals.deferred():  # (a stop while Ray starts: raised once it has, not inside its code)
+            ray.init(address=opts.address, num_cpus=opts.cpus if local else None, include_dashboard=False,
+                     log_to_driver=False, configure_logging=False, **(trimmed if local else {}))
+            if local:
+                _stop_unused_head_processes(ray)
+            signals.reinstall()  # ray.init's SIGTERM handler exits anywhere: the caller's stop handling instead
+
+
+def _ready(ray, refs: list, num_returns: int) -> list:
+    """``ray.wait`` until ``num_returns`` of ``refs`` are ready; returns those. Stop signals are
+    deferred within each call and taken between calls, every POLL_S: a handler's exception raised
+    inside ``ray.wait`` comes out of it as a SystemError (signals.deferred), not the Preempted a
+    preempted command exits 75 with."""
+    while True:
+        with signals.deferred():
+            ready, _ = ray.wait(refs, num_returns=num_returns, timeout=POLL_S)
+        if len(ready) >= num_returns:
+            return ready
+
+
+def _get(ray, refs: list) -> list:
+    """``ray.get`` of ``refs``, waiting for them as :func:`_ready` does."""
+    _ready(ray, refs, len(refs))
+    with signals.deferred():
+        return ray.get(refs)
 
 
 def _stop_unused_head_processes(ray) -> None:
@@ -320,7 +341,7 @@ def run_shards(paths: list[Path], shards: list[int], shard_size: int, replica: t
     args = {**replica_args, "threads": opts.torch_threads(), "batch_size": opts.batch_size, "workers": opts.workers}
     replicas = [actor.remote(**args) for _ in range(min(opts.replicas, len(chunks)))]
     try:
-        failed = [e for e in ray.get([rep.ready.remote() for rep in replicas]) if e is not None]
+        failed = [e for e in _get(ray, [rep.ready.remote() for rep in replicas]) if e is not None]
         if failed:
             raise failed[0]
     except BaseException:
@@ -347,9 +368,9 @@ def run_shards(paths: list[Path], shards: list[int], shard_size: int, replica: t
     try:
         with dropping_lines(RESTARTABLE_ACTOR_LINE):
             while running:
-                [ready], _ = ray.wait(list(running), num_returns=1)
+                [ready] = _ready(ray, list(running), 1)
                 rep = running.pop(ready)
-                batch = ray.get(ready)
+                [batch] = _get(ray, [ready])
                 if handed < len(chunks):
                     hand(rep)
                 for s in np.unique(batch["pos"] // shard_size):
