@@ -92,6 +92,18 @@ def tiny_run(tiny_config, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_matcher(flickr_dir, tmp_path_factory) -> Path:
+    """An image-caption matcher checkpoint of the tiny config's encoder rows (efficientnet_lite0,
+    random weights): train.scst_matcher's."""
+    from captionkit.training.matcher import train_matcher
+
+    out = tmp_path_factory.mktemp("tiny_matcher") / "m"
+    train_matcher(str(flickr_dir), out, encoder="efficientnet_lite0", encoder_weights="random", epochs=2,
+                  embed_dim=8, word_dim=4, min_count=1, bank_size=4, batch_size=4)
+    return out
+
+
+@pytest.fixture(scope="session")
 def picky_data(tmp_path_factory) -> Path:
     """Twelve photos that are not their own mirror images, in the Flickr8k layout (4 per split)."""
     return write_picky_flickr8k(tmp_path_factory.mktemp("picky_data"))

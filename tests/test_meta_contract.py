@@ -301,6 +301,28 @@ def test_scst_sampling_builds_no_host_tensors(family, request):
         loss.backward()
 
 
+def test_scst_discriminability_term_runs_on_the_device_and_reads_nothing_back():
+    """train.scst_matcher: the matcher runs where the features are; its term adds no host tensor
+    and no host sync to a self-critical step (the word ids it reads are on the host already)."""
+    from captionkit.models.matcher import Matcher, MatcherConfig
+
+    model = tiny_model("sat", lambda _: "").to(META)
+    tok = tiny_tokenizer(model)
+    refs = {0: [["a", "red", "circle"]], 1: [["a", "blue", "square"]]}
+    m = Matcher(MatcherConfig(words=["<pad>", "<unk>", "a", "red", "circle"], feat_dim=model.cfg.feat_dim,
+                              embed_dim=4, word_dim=2, bank_size=3))
+    m.bank.fill_(0.5)
+    objectives = {w: SelfCritical(refs, tok, samples=2, max_len=MAX_LEN, matcher=m, match_weight=w) for w in (0.0, 1.0)}
+    m.to(META)  # (as the trainer places it, with the model)
+    syncs = {}
+    for weight, scst in objectives.items():
+        with strict_devices(decoding_answers(MAX_LEN)), factory_sentinel(META), count_syncs() as counted:
+            loss, stats = scst.loss(model, features(model, 2), [0, 1])
+        assert_on(META, loss, stats.sample_reward)
+        syncs[weight] = counted.total
+    assert syncs[1.0] == syncs[0.0], f"the term's host syncs: {syncs}"
+
+
 # ---- host syncs against the budget --------------------------------------------------------------
 @pytest.mark.parametrize("beam", [1, 3])
 @pytest.mark.parametrize("family", FAMILIES)

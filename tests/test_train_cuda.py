@@ -4,6 +4,8 @@ they ran on two H200s and an H100 on 2026-11-26: docs/devices.md, "What ran on a
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -81,11 +83,15 @@ def test_fp16_trains_under_a_gradient_scaler_and_loads_on_the_cpu(tiny_config, t
     assert cap.decode_features(torch.rand(1, 49, 1280), beam=2)[0].ids
 
 
-@pytest.mark.parametrize("variant", ["", 'scst_baseline = "mean"\nscst_repeat_penalty = 0.3'],
-                         ids=["greedy-baseline", "mean-baseline-repeat-penalty"])
-def test_self_critical_steps_on_cuda(tiny_run, tiny_config, tmp_path, variant):
+@pytest.mark.parametrize("variant", ["", 'scst_baseline = "mean"\nscst_repeat_penalty = 0.3',
+                                     'scst_matcher = "MATCHER"\nscst_match_weight = 0.5'],
+                         ids=["greedy-baseline", "mean-baseline-repeat-penalty", "greedy-baseline-matcher"])
+def test_self_critical_steps_on_cuda(tiny_run, tiny_config, tmp_path, variant, request):
+    if "MATCHER" in variant:  # the discriminability term: the matcher runs on the GPU beside the model
+        variant = variant.replace("MATCHER", str(request.getfixturevalue("tiny_matcher")))
     cfg = _config(tiny_config, tmp_path, "scst",
                   f'init = "{tiny_run / "best"}"\nobjective = "scst"\nsamples = 2\n{variant}', drop_model=True)
     out = tmp_path / "scst"
     train(cfg, out=out, max_steps=2, progress=False, device="cuda")
-    assert read_config(out / "last")["state"]["history"][-1]["reward"] >= 0  # 2 steps: the 9 images' epoch
+    reward = read_config(out / "last")["state"]["history"][-1]["reward"]  # 2 steps: the 9 images' epoch
+    assert reward >= 0 if "matcher" not in variant else math.isfinite(reward)

@@ -116,6 +116,25 @@ class Matcher(nn.Module):
         mask = (ids != PAD).unsqueeze(-1).to(h.dtype)  # (N, T, 1)
         return F.normalize(self.txt_proj((h * mask).sum(1) / lengths.unsqueeze(-1)), dim=-1)  # (N, E)
 
+    def text_on_device(self, ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`text_ids` without packing, for ids already on the matcher's device (self-critical
+        training's term): torch's packed RNN takes its lengths on the host and reads its order back
+        (a host sync), this reads nothing. The GRU runs twice on padded rows: with the words
+        first (its forward half is exact at the words: it has seen none of the padding yet) and
+        with them last (its backward half is exact there), each half taken from its run. Equal
+        to text_ids up to float rounding (tests/test_scst_match.py); no dropout (eval only)."""
+        H, T = self.cfg.embed_dim // 2, ids.shape[1]
+        mask = ids != PAD  # (N, T)
+        shift = (T - mask.sum(1).clamp(min=1)).unsqueeze(1)  # (N, 1): padding in front of the words-last rows
+        pos = torch.arange(T, device=ids.device).unsqueeze(0)  # (1, T)
+        words_last = torch.where(pos >= shift, ids.gather(1, (pos - shift).clamp(min=0)), PAD)  # (N, T)
+        forward = self.gru(self.embed(ids))[0][..., :H]  # (N, T, H)
+        backward = self.gru(self.embed(words_last))[0][..., H:]  # (N, T, H), words at t + shift
+        backward = backward.gather(1, (pos + shift).clamp(max=T - 1).unsqueeze(-1).expand(-1, -1, H))
+        h = torch.cat([forward, backward], -1) * mask.unsqueeze(-1)  # (N, T, E), 0 at the padding
+        count = mask.sum(1, keepdim=True).clamp(min=1).to(h.dtype)  # (N, 1)
+        return F.normalize(self.txt_proj(h.sum(1) / count), dim=-1)  # (N, E)
+
     def text(self, captions: list[str]) -> torch.Tensor:
         """Captions as text -> (N, E), unit length."""
         return self.text_ids(self.ids(captions))
@@ -126,10 +145,17 @@ class Matcher(nn.Module):
         target = torch.arange(len(logits), device=logits.device)
         return (F.cross_entropy(logits, target) + F.cross_entropy(logits.t(), target)) / 2
 
-    def discriminability(self, images: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
-        """disc (module docstring) of caption n for its photo n: images, texts (N, E) -> (N,)."""
+    def check_bank(self) -> None:
+        """Refuse a matcher whose bank was never filled (a read of the bank: once, not per call
+        in a loop that must not read back from its device)."""
         if not bool(self.bank.any()):
             raise RuntimeError("this matcher's bank of photos is empty (it was never trained)")
+
+    def discriminability(self, images: torch.Tensor, texts: torch.Tensor, checked: bool = False) -> torch.Tensor:
+        """disc (module docstring) of caption n for its photo n: images, texts (N, E) -> (N,).
+        ``checked``: :meth:`check_bank` was called already (no read of the bank here)."""
+        if not checked:
+            self.check_bank()
         own = self.scale * (images * texts).sum(-1)  # (N,)
         others = torch.logsumexp(self.scale * texts @ self.bank.t(), dim=1) - math.log(len(self.bank))  # (N,)
         return own - others
@@ -143,13 +169,23 @@ def pad_ids(seqs: list[list[int]]) -> torch.Tensor:
     return out
 
 
-def load_matcher(folder: str | Path) -> Matcher:
-    """A matcher checkpoint (``captionkit matcher``) in eval mode; one line naming the folder
-    when it is something else or its weights do not fit."""
+def check_matcher_folder(folder: str | Path) -> MatcherConfig:
+    """A matcher checkpoint's sizes, from its config alone (cheap: before any work that needs
+    it); one line naming the folder when it is not a matcher checkpoint."""
     folder = resolve(folder)
     config = read_config(folder)
     if config.get("kind") != KIND or not isinstance(config.get("matcher"), dict):
         raise CheckpointError(f"{folder}: not a matcher checkpoint (captionkit matcher writes one)")
-    m = Matcher(MatcherConfig(**config["matcher"]))
+    return MatcherConfig(**config["matcher"])
+
+
+def load_matcher(folder: str | Path) -> Matcher:
+    """A matcher checkpoint (``captionkit matcher``) in eval mode; one line naming the folder
+    when it is something else or its weights do not fit. Draws nothing from torch's global
+    generator (a training run that loads one samples what it would without it)."""
+    folder = resolve(folder)
+    cfg = check_matcher_folder(folder)
+    with torch.random.fork_rng(devices=[]):  # (the weights' random start is replaced: the caller's draws stay theirs)
+        m = Matcher(cfg)
     load_into(m, read_weights(folder), folder)
     return m.eval()

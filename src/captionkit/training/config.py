@@ -143,6 +143,10 @@ class TrainConfig:
         (the image's other samples' mean CIDEr-D, Luo 2020; needs samples >= 2).
     scst_repeat_penalty: scst only, what a caption that repeats a content phrase ("a boat ... a
         boat") loses of its CIDEr-D reward (0: nothing; issue 32).
+    scst_matcher: scst only, an image-caption matcher checkpoint (``captionkit matcher``) of the
+        run's encoder rows; scst_match_weight W: each caption's reward gains W times its
+        discriminability for its photo (how much better it fits this photo than the matcher's
+        bank of training photos; Luo et al. 2018). 0: the plain reward (issue 32).
     finetune_blocks: train the encoder's last N blocks too (0: frozen encoder).
     encoder_lr: their learning rate (decayed together with lr).
     lr_groups: learning rates of the model's named parameter groups, for families that name
@@ -180,6 +184,8 @@ class TrainConfig:
     samples: int = spec(5, ge=1)
     scst_baseline: str = spec("greedy", choices=BASELINES)
     scst_repeat_penalty: float = spec(0.0, ge=0)
+    scst_matcher: str = ""
+    scst_match_weight: float = spec(0.0, ge=0)
     finetune_blocks: int = spec(0, ge=0)
     encoder_lr: float = spec(1e-4, gt=0)
     schedule: str = spec("plateau", choices=("plateau", "cosine", "inverse_sqrt"))
@@ -205,6 +211,14 @@ class TrainConfig:
             raise field_error(self, "freeze_embeddings", "needs train.glove (frozen random embeddings learn nothing)")
         if self.scst_baseline == "mean" and self.samples < 2:
             raise field_error(self, "scst_baseline", "= \"mean\" needs train.samples >= 2")
+        if self.scst_match_weight and not self.scst_matcher:
+            raise field_error(self, "scst_match_weight", "needs train.scst_matcher (a matcher checkpoint folder: "
+                                                         "captionkit matcher trains one)")
+        if self.scst_matcher and self.objective != "scst":
+            raise field_error(self, "scst_matcher", "is a self-critical reward: it needs train.objective = \"scst\"")
+        if self.scst_matcher and self.finetune_blocks:
+            raise field_error(self, "scst_matcher", "reads the encoder's cached rows, which train.finetune_blocks "
+                                                    "changes as it trains: use one or the other")
         if self.glove and self.init:
             raise field_error(self, "glove", "initialises a new model's embedding; with train.init the "
                                              "embedding comes from that checkpoint")

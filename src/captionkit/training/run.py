@@ -29,6 +29,7 @@ from ..core.locks import check_unlocked, hold_lock
 from ..core.outputs import MARKER, atomic_write_text, check_folder_target, owner_kind, write_marker
 from ..core.signals import DEFAULT_STOP_SIGNALS, Preempted, StopSignals
 from ..data.tokenizers import Tokenizer, load_tokenizer
+from ..models.matcher import check_matcher_folder
 from .config import ConfigError, RunConfig
 from .distributed import (
     SINGLE,
@@ -132,6 +133,8 @@ def check_inputs(cfg: RunConfig, config: str | Path) -> None:
     the word-vector file (and its dimension against model.embed_dim)."""
     if cfg.train.init:
         read_config(cfg.train.init)  # one line naming the folder when it is not a checkpoint
+    if cfg.train.scst_matcher:
+        check_matcher_folder(cfg.train.scst_matcher)  # (its encoder: once the encoder is built)
     glove = cfg.train.glove
     if glove and not Path(glove).is_file():
         raise ConfigError(f"{config}: train.glove: {glove}: no such word-vector file")

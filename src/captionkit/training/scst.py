@@ -16,6 +16,13 @@ boat", scoring.diversity.repeated_phrase) is rewarded P less. CIDEr-D alone pays
 repeated words are n-grams the references hold), which is how self-critical training teaches
 them; the term takes that pay back. 0: the plain reward.
 
+``matcher`` and ``match_weight`` W (issue 32): each caption's reward gains W times its
+discriminability for its photo under an image-caption matcher (captionkit.models.matcher: how
+much better the caption fits this photo than the matcher's bank of training photos). Luo et al.
+2018 ("Discriminability objective for training descriptive captions") add such a retrieval term
+to the CIDEr-D reward: a generic caption that fits many photos earns nothing from it, one that
+names what this photo shows earns more. The matcher is frozen and runs where the features are.
+
 What it uses of a model: the contract of :class:`captionkit.models.base.CaptionModel`, the
 steps (``prepare``, ``init_state``, ``step``; to sample and to decode greedily) and the
 teacher-forced ``forward(feats, inputs, image_index) -> (scores, attention)`` (to take the
@@ -36,6 +43,7 @@ from ..core.errors import UserError
 from ..data.items import mirror_words
 from ..data.vocab import Vocab
 from ..inference.decoding import allowed_words, greedy, select_rows
+from ..models.matcher import PAD, Matcher
 from ..scoring.diversity import repeated_phrase
 from ..scoring.metrics import CiderD
 
@@ -89,7 +97,7 @@ BASELINES = ("greedy", "mean")
 @dataclass
 class SelfCriticalStats:
     """0-dim tensors on the loss's device (read on the host when the trainer reads its figures)."""
-    sample_reward: torch.Tensor  # mean CIDEr-D of the sampled captions
+    sample_reward: torch.Tensor  # mean reward of the sampled captions (CIDEr-D, and the terms set)
     greedy_reward: torch.Tensor | None  # mean CIDEr-D of the greedy captions (the greedy baseline)
 
 
@@ -106,10 +114,12 @@ class SelfCritical:
     refs: for each image key, its reference captions as lists of words (document frequencies
     for CIDEr-D come from these). vocab turns word ids back into words. baseline: "greedy"
     (the greedy caption's reward) or "mean" (the other samples' mean reward; samples >= 2).
-    repeat_penalty: what a caption that repeats a content phrase loses of its reward (0: nothing)."""
+    repeat_penalty: what a caption that repeats a content phrase loses of its reward (0: nothing).
+    matcher, match_weight: the discriminability term (module docstring; no matcher: none)."""
 
     def __init__(self, refs: dict, vocab: Vocab, samples: int = 5, max_len: int = 20,
-                 baseline: str = "greedy", repeat_penalty: float = 0.0):
+                 baseline: str = "greedy", repeat_penalty: float = 0.0, matcher: Matcher | None = None,
+                 match_weight: float = 0.0):
         if baseline not in BASELINES:
             raise UserError(f"self-critical baseline must be one of {', '.join(BASELINES)}, not {baseline!r}")
         if baseline == "mean" and samples < 2:
@@ -119,6 +129,26 @@ class SelfCritical:
         self.cider = CiderD(refs)
         self.vocab, self.samples, self.max_len, self.baseline = vocab, samples, max_len, baseline
         self.repeat_penalty = float(repeat_penalty)
+        if not 0 <= match_weight < float("inf"):
+            raise UserError(f"the self-critical match weight must be a finite number >= 0, not {match_weight!r}")
+        self.matcher, self.match_weight = matcher, float(match_weight)
+        if matcher is not None:
+            matcher.eval().requires_grad_(False)
+            matcher.check_bank()
+
+    def discriminability(self, feats: torch.Tensor, seqs: list[list[int]], n: int) -> torch.Tensor:
+        """The matcher's discriminability of each word-id sequence (without <start>/<end>) for
+        its image: feats (B, L, D), ``n`` consecutive sequences per image -> (B*n,) on the
+        features' device (where the matcher must be). The word ids become the matcher's on the
+        host, where they are already: nothing is read back from the device."""
+        m = self.matcher
+        words = [m.word_ids(" ".join(self.vocab.decode(s))) for s in seqs]
+        longest = max(map(len, words))
+        ids = torch.tensor([w + [PAD] * (longest - len(w)) for w in words], device=feats.device)  # (B*n, T)
+        with torch.no_grad():
+            images = m.image(feats).repeat_interleave(n, 0)  # (B*n, E)
+            texts = m.text_on_device(ids)  # (B*n, E)
+            return m.discriminability(images, texts, checked=True)  # (B*n,)
 
     def rewards(self, keys: list, seqs: list[list[int]], mirrored: list[bool] | None = None) -> list[float]:
         """CIDEr-D of each word-id sequence (without <start>/<end>) for its image key, less
@@ -153,10 +183,15 @@ class SelfCritical:
         ids = [[w for w in row if w not in (Vocab.end, Vocab.pad)] for row in seqs.tolist()]
         each = None if mirrored is None else [m for m in mirrored for _ in range(n)]
         rewards = torch.tensor(self.rewards([k for k in keys for _ in range(n)], ids, each), device=feats.device)  # (B*n,)
+        if self.match_weight:
+            rewards = rewards + self.match_weight * self.discriminability(feats, ids, n)
         greedy_rewards = None
         if self.baseline == "greedy":
             base = greedy(model, feats, self.max_len)
             greedy_rewards = torch.tensor(self.rewards(keys, [c.ids for c in base], mirrored), device=feats.device)  # (B,)
+            if self.match_weight:
+                greedy_rewards = greedy_rewards + self.match_weight * self.discriminability(
+                    feats, [c.ids for c in base], 1)
             advantage = rewards - greedy_rewards.repeat_interleave(n)  # (B*n,)
         else:
             advantage = rewards - leave_one_out_mean(rewards, n)  # (B*n,)

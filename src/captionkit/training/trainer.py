@@ -49,6 +49,7 @@ from ..data.tokenizers import Tokenizer
 from ..data.vocab import Vocab
 from ..encoders import load_finetuned
 from ..inference.captioner import Captioner
+from ..models.matcher import Matcher, load_matcher
 from ..scoring.evaluation import coco_scores, format_scores
 from .config import ConfigError, RunConfig
 from .distributed import SINGLE, World, barrier, broadcast_json, mean_figures, shard, step_sum
@@ -117,7 +118,8 @@ class Trainer:
         if tc.objective == "scst":  # CIDEr-D document frequencies from the training references
             refs = {row: [t for t in it.words(cfg.data.words) if t] for row, it in enumerate(data.train_items)}
             self.scst = SelfCritical(refs, vocab, tc.samples, tc.max_len, tc.scst_baseline,
-                                     tc.scst_repeat_penalty)
+                                     tc.scst_repeat_penalty, _scst_matcher(tc.scst_matcher, data, device),
+                                     tc.scst_match_weight)
 
     # ---- features and batches ----
     def features(self, feats: torch.Tensor) -> torch.Tensor:
@@ -627,6 +629,18 @@ def forked_rng(device: torch.device):
 class _StopInValidation(Exception):
     """A stop signal came during an epoch's validation (rank 0): the epoch's state from before
     it is saved (resumed, it validates again) instead of waiting for the validation to end."""
+
+
+def _scst_matcher(folder: str, data: TrainData, device: torch.device) -> Matcher | None:
+    """train.scst_matcher's matcher on ``device`` (where the features are), or None; one line
+    naming the folder when it reads another encoder's rows than the run's."""
+    if not folder:
+        return None
+    m = load_matcher(folder)
+    if m.cfg.encoder != data.encoder.cache_key():
+        raise ConfigError(f"train.scst_matcher: {folder} is a matcher of {m.cfg.encoder} rows, but this run's "
+                          f"encoder is {data.encoder.cache_key()} (captionkit matcher --encoder trains one for it)")
+    return m.to(device)
 
 
 class _BatchLoss(torch.nn.Module):
