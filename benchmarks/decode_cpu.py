@@ -16,9 +16,10 @@ without it), decoded with beam 3 as one batch, as ``captionkit caption`` decodes
 ``--flops``: how near the arithmetic's limit beam decoding runs. The floating-point operations
 of its matrix products (``torch.utils.flop_counter``: mm, addmm, bmm; the attention energy's
 C kernel and the elementwise work are not counted, so the rate is a lower bound), their rate,
-and that rate as a share of this thread's float32 matmul rate at 1024^3; then the products'
-shapes that take the most time, each with its own rate (the profiler's count). A rate near the
-1024^3 one leaves nothing to win but fewer operations; a low one is memory or overhead.
+and that rate as a share of this thread's float32 matmul peak (``speed.py``'s: the fastest
+2048^3 product); then the products' shapes that take the most time, each with its own rate (the
+profiler's count). A rate near the peak leaves nothing to win but fewer operations; a low one
+is memory or overhead.
 """
 
 from __future__ import annotations
@@ -51,30 +52,23 @@ def cpu_ms(fn, repeats: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def matmul_rate(n: int = 1024, repeats: int = 5) -> float:
-    """This thread's float32 GFLOP/s on an n^3 matrix product (the median of ``repeats``)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t)
-    return 2 * n ** 3 / statistics.median(times) / 1e9
-
-
 def report_flops(decode, n: int, dec_ms: float, top: int = 8) -> None:
     """Print beam decoding's matmul GFLOP a photo, their rate and the slowest shapes (--flops)."""
+    import sys
+
     from torch.profiler import ProfilerActivity, profile
     from torch.utils.flop_counter import FlopCounterMode
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from speed import matmul_peak  # (here, not at the top: the old tree's runs need none of speed's imports)
 
     with FlopCounterMode(display=False) as counter:
         decode()
     gflop = counter.get_total_flops() / n / 1e9  # a photo
-    peak = matmul_rate()
+    peak = matmul_peak(torch.float32, 7) / 1e9  # speed.py's peak, on this one thread
     rate = gflop / (dec_ms / 1000)
     print(f"  beam decoding's matrix products: {gflop:.2f} GFLOP a photo, {rate:.1f} GFLOP/s = "
-          f"{rate / peak:.0%} of this thread's float32 matmul rate at 1024^3 ({peak:.1f} GFLOP/s)")
+          f"{rate / peak:.0%} of this thread's float32 matmul peak (2048^3: {peak:.1f} GFLOP/s)")
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:
         t = time.perf_counter()
         decode()
