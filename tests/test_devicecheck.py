@@ -104,3 +104,44 @@ def test_hot_path_scopes_a_mode_to_one_method():
     with hot_path(s, "step", lambda: factory_sentinel(META)), pytest.raises(AssertionError):
         s.step()
     assert "step" not in vars(s)
+
+
+def _meta_of(out):
+    if isinstance(out, torch.Tensor):
+        return (out.device, tuple(out.shape), out.stride(), out.storage_offset(), out.dtype, out.requires_grad)
+    return tuple(_meta_of(o) for o in out)
+
+
+def test_the_meta_memo_gives_what_torch_gives_and_still_raises():
+    """strict_devices remembers functional meta kernels' outputs (devicecheck's "Speed"): a second
+    call of each op, memoised, gives tensors of the metadata torch's own kernel gives (a fresh
+    one each time, gradients too), a call that raises raises every time, and views and in-place
+    ops still alias their inputs."""
+    import devicecheck
+    from torch.nn import functional as F
+
+    m = torch.device("meta")
+    x = torch.empty(3, 4, 8, device=m).transpose(0, 1)  # (4, 3, 8), not contiguous
+    w, b = torch.empty(5, 8, device=m, requires_grad=True), torch.empty(5, device=m, requires_grad=True)
+    n = torch.empty(8, device=m)
+    ops = [lambda: x + n, lambda: x * 2.5, lambda: F.linear(x, w, b), lambda: F.layer_norm(x, (8,), n, n),
+           lambda: torch.native_layer_norm(x, (8,), n, n, 1e-5), lambda: x.softmax(-1), lambda: x.half() / 3,
+           lambda: torch.cat([x, x], 1), lambda: (x > 0).sum(0), lambda: F.gelu(x).log_softmax(-1)]
+    for op in ops:
+        want = _meta_of(op())
+        devicecheck._MEMO.clear()
+        with strict_devices():
+            first, second = op(), op()
+        assert _meta_of(first) == _meta_of(second) == want
+        assert devicecheck._MEMO, "nothing was memoised"
+        assert second is not first
+    with strict_devices():  # gradients flow through memoised ops as through torch's
+        F.linear(x, w, b).sum().backward()
+        F.linear(x, w, b).sum().backward()
+    assert _meta_of(w.grad)[:5] == _meta_of(w)[:5] and _meta_of(b.grad)[:5] == _meta_of(b)[:5]
+    for _ in range(2):  # a mismatch raises on every call, memoised or not
+        with strict_devices(), pytest.raises(RuntimeError):
+            torch.mm(torch.empty(2, 3, device=m), torch.empty(4, 5, device=m))
+    with strict_devices():
+        y = torch.empty(4, 3, 8, device=m)
+        assert y.view(12, 8)._base is y and y[1:]._base is y and y.add_(1) is y
