@@ -120,10 +120,9 @@ def test_the_meta_memo_gives_what_torch_gives_and_still_raises():
     import devicecheck
     from torch.nn import functional as F
 
-    m = torch.device("meta")
-    x = torch.empty(3, 4, 8, device=m).transpose(0, 1)  # (4, 3, 8), not contiguous
-    w, b = torch.empty(5, 8, device=m, requires_grad=True), torch.empty(5, device=m, requires_grad=True)
-    n = torch.empty(8, device=m)
+    x = torch.empty(3, 4, 8, device=META).transpose(0, 1)  # (4, 3, 8), not contiguous
+    w, b = torch.empty(5, 8, device=META, requires_grad=True), torch.empty(5, device=META, requires_grad=True)
+    n = torch.empty(8, device=META)
     ops = [lambda: x + n, lambda: x * 2.5, lambda: F.linear(x, w, b), lambda: F.layer_norm(x, (8,), n, n),
            lambda: torch.native_layer_norm(x, (8,), n, n, 1e-5), lambda: x.softmax(-1), lambda: x.half() / 3,
            lambda: torch.cat([x, x], 1), lambda: (x > 0).sum(0), lambda: F.gelu(x).log_softmax(-1)]
@@ -141,7 +140,7 @@ def test_the_meta_memo_gives_what_torch_gives_and_still_raises():
     assert _meta_of(w.grad)[:5] == _meta_of(w)[:5] and _meta_of(b.grad)[:5] == _meta_of(b)[:5]
     for _ in range(2):  # a mismatch raises on every call, memoised or not
         with strict_devices(), pytest.raises(RuntimeError):
-            torch.mm(torch.empty(2, 3, device=m), torch.empty(4, 5, device=m))
+            torch.mm(torch.empty(2, 3, device=META), torch.empty(4, 5, device=META))
     with strict_devices():
-        y = torch.empty(4, 3, 8, device=m)
+        y = torch.empty(4, 3, 8, device=META)
         assert y.view(12, 8)._base is y and y[1:]._base is y and y.add_(1) is y
