@@ -324,7 +324,7 @@ def main() -> None:
         peak = peaks[name[-4:]]
         flops = theirs if name.startswith("tutorial") else ours
         print(f"  {name:22s} {B / t:7.1f} captions/s  {flops / t / 1e9:6.1f} GFLOP/s "
-              f"= {flops / t / peak:5.1%} of the {name[-4:]} peak  ({base / t:4.1f}x tutorial-style)")
+              f"= {flops / t / peak:5.1%} of the {name[-4:]} peak  ({base / t:5.2f}x tutorial-style)")
     if checkout is not None:
         print(f"  captionkit fp32 is {times[OWN] / times['captionkit fp32']:.2f}x the tutorial's "
               f"own decoder ({args.tutorial_checkout}), trained as its train.py does")
@@ -376,8 +376,8 @@ def report_training_shares(got: dict[str, dict[str, list]]) -> None:
             rate = statistics.median(rates) / B * flops
             multiples = [r / t for r, t in zip(rates, got[label][tut])]  # each child's
             print(f"  {label} {p}: {rate / 1e9:.1f} GFLOP/s = {rate / peaks[p]:.1%} of the {p} peak, "
-                  f"{statistics.median(multiples):.1f}x tutorial-style (in its own children: "
-                  f"{', '.join(f'{m:.1f}x' for m in multiples)})", flush=True)
+                  f"{statistics.median(multiples):.2f}x tutorial-style (in its own children: "
+                  f"{', '.join(f'{m:.2f}x' for m in multiples)})", flush=True)
 
 
 def compare(args: argparse.Namespace, reps: int, n_img: int) -> None:
