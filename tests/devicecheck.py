@@ -93,10 +93,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["MetaAnswers", "MetaMemo", "SyncCounter", "count_syncs", "factory_sentinel", "hot_path", "meta_autocast",
-           "strict_devices", "tensor_devices"]
+__all__ = ["META", "MetaAnswers", "MetaMemo", "SyncCounter", "count_syncs", "factory_sentinel", "hot_path",
+           "meta_autocast", "strict_devices", "tensor_devices"]
 
 CPU = torch.device("cpu")
+META = torch.device("meta")
 _HERE = os.path.abspath(__file__)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _SRC = os.sep + os.path.join("src", "captionkit") + os.sep
@@ -353,7 +354,6 @@ def meta_autocast():
 
 
 # ---- memoised meta kernels (see "Speed" above) ------------------------------------------------
-META = torch.device("meta")
 _MEMO: dict = {}
 _MEMO_MAX = 200_000  # entries; cleared when full (a whole suite's decoding shapes fit many times)
 _MEMOISABLE: dict = {}  # op -> whether its outputs are fresh tensors that depend on metadata only

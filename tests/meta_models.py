@@ -11,14 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from devicecheck import MetaAnswers, SyncCounter, count_syncs, strict_devices
+from devicecheck import META, MetaAnswers, SyncCounter, count_syncs, strict_devices
 from torch import nn
 
 from captionkit.data.vocab import SPECIALS, Vocab
 from captionkit.inference.decoding import beam_nbest, decode_lists, greedy
 from captionkit.models import CaptionModel, create_model
 
-META = torch.device("meta")
 FEAT, GRID = 8, (2, 3)
 # the pretrained folders each LM family is built from (conftest fixtures / helpers.write_tiny_*)
 LM_FOLDERS = {"prefix_lm": ("tiny_lm",), "vit_gpt2": ("tiny_vit", "tiny_gpt2")}

@@ -2,9 +2,7 @@
 
 import pytest
 import torch
-from devicecheck import MetaAnswers, count_syncs, factory_sentinel, hot_path, strict_devices
-
-META = torch.device("meta")
+from devicecheck import META, MetaAnswers, count_syncs, factory_sentinel, hot_path, strict_devices
 
 
 def test_strict_devices_refuses_what_meta_lets_through():
