@@ -11,13 +11,18 @@ tiny SAT run once its random encoder saw the photo: after 4 steps at lr 1e-2 gat
 differed by 3e-5 between one and two processes, while each step's gradients agreed to float
 rounding (see assert_same_steps). So :func:`record_steps` pins each step of the DDP run to the
 parameters one process had before that step and records what the step computed.
+:class:`ThreadRanks` simulates a step's ranks on threads of one process, for the parts of a step
+whose global sums (``process_sum``) can be checked without starting processes.
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
+
+from captionkit.core.collectives import summed_over
 
 from captionkit.training.config import RunConfig
 from captionkit.training.distributed import SINGLE, World
@@ -82,3 +87,41 @@ def assert_same_steps(one: list[dict], two: list[dict]) -> None:
             gap = float((b["grads"][n] - g).norm())
             assert gap < GRAD_RTOL * float(g.norm()) + GRAD_ATOL * total, \
                 f"step {i}: {n}'s gradient from two processes is {gap:.1e} from one's (its size {float(g.norm()):.1e})"
+
+
+class ThreadRanks:
+    """``fn(rank)`` for each of ``n`` ranks, each on its own thread, with
+    :func:`~captionkit.core.collectives.process_sum` an all-reduce over them (what the trainer
+    gets from ``distributed.step_sum``, simulated in one process)."""
+
+    def __init__(self, n: int):
+        self.n, self.barrier, self.parts = n, threading.Barrier(n, timeout=60), [None] * n
+
+    def _sum(self, rank: int):
+        def total(t: torch.Tensor) -> torch.Tensor:
+            self.parts[rank] = t.clone()
+            self.barrier.wait()
+            out = sum(self.parts[r] for r in range(self.n))
+            self.barrier.wait()
+            return out
+        return total
+
+    def run(self, fn) -> list:
+        results, errors = [None] * self.n, []
+
+        def one(rank):
+            try:
+                with summed_over(self._sum(rank)):
+                    results[rank] = fn(rank)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(self.n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return results

@@ -12,14 +12,13 @@ from __future__ import annotations
 import copy
 import os
 import random
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from ddpsteps import assert_same_steps, record_steps
+from ddpsteps import ThreadRanks, assert_same_steps, record_steps
 from devicecheck import MetaAnswers, count_syncs, factory_sentinel, strict_devices
 from helpers import free_port
 from safetensors.torch import load_file, save_file
@@ -28,7 +27,6 @@ import captionkit.inference.captioner as captioner_module
 import captionkit.training.scst as scst_module
 import captionkit.training.trainer as trainer_module
 from captionkit.core import precision
-from captionkit.core.collectives import summed_over
 from captionkit.core.errors import UserError
 from captionkit.data.vocab import Vocab
 from captionkit.inference.captioner import Captioner
@@ -140,44 +138,6 @@ def test_the_dev_loss_leaves_the_hard_attention_baseline_alone(tiny_config, tmp_
 
 
 # ---- DDP: the global statistics of a step ----------------------------------------------------------
-class ThreadRanks:
-    """``fn(rank)`` for each of ``n`` ranks, each on its own thread, with
-    :func:`~captionkit.core.collectives.process_sum` an all-reduce over them (what the trainer
-    gets from ``distributed.step_sum``, simulated in one process)."""
-
-    def __init__(self, n: int):
-        self.n, self.barrier, self.parts = n, threading.Barrier(n, timeout=60), [None] * n
-
-    def _sum(self, rank: int):
-        def total(t: torch.Tensor) -> torch.Tensor:
-            self.parts[rank] = t.clone()
-            self.barrier.wait()
-            out = sum(self.parts[r] for r in range(self.n))
-            self.barrier.wait()
-            return out
-        return total
-
-    def run(self, fn) -> list:
-        results, errors = [None] * self.n, []
-
-        def one(rank):
-            try:
-                with summed_over(self._sum(rank)):
-                    results[rank] = fn(rank)
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                errors.append(e)
-                self.barrier.abort()
-
-        threads = [threading.Thread(target=one, args=(r,)) for r in range(self.n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return results
-
-
 def tiny_sat(**kw):
     torch.manual_seed(0)
     return create_model("sat", dict(vocab_size=12, feat_dim=10, embed_dim=8, hidden_dim=9, attn_dim=7, dropout=0.0,

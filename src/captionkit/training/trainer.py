@@ -39,7 +39,7 @@ from ..core.checkpoint import (
     restore_optimizer,
     save_checkpoint,
 )
-from ..core.collectives import summed_over
+from ..core.collectives import process_sum, summed_over
 from ..core.errors import TrainingDiverged
 from ..core.outputs import append_whole, atomic_write_text
 from ..core.precision import autocast, grad_scaler, resolve_precision
@@ -170,23 +170,31 @@ class Trainer:
         (B or U, L, C) cached rows, "ids" (B, T+1) and with image batching "image_index" (B,);
         scst: "feats" (B, L, C) of the images."""
         if self.scst is not None:
-            out = {"feats": self.select_feats(torch.tensor(idx))}
+            out = {"feats": self.select_feats(torch.tensor(idx))}  # (B, L, C)
+            if self.cfg.train.scst_xe_weight:  # the mixed objective: every caption of the B images
+                pos = [(p, i) for p, row in enumerate(idx) for i in self.image_examples[row]]
+                out["ids"] = self.caption_ids([i for _, i in pos])  # (R, T+1)
+                out["image_index"] = torch.tensor([p for p, _ in pos])  # (R,) each caption's image in feats
         else:
             rows = torch.tensor([self.examples[i][0] for i in idx])
-            captions = [self.mirrored_ids.get(i, self.examples[i][1])
-                        if self.mirrored_ids and self.epoch_mirrored[self.examples[i][0]]
-                        else self.examples[i][1] for i in idx]
-            # "length" batches: all this long, except a mirrored caption whose tokenizer spells
-            # "left" and "right" in different numbers of tokens (characters, subwords): padded
-            longest = max(len(c) for c in captions)
-            out = {"ids": torch.tensor([c + [Vocab.pad] * (longest - len(c))
-                                        for c in captions])}  # (B, T+1), <pad> after <end> (ignored by the loss)
+            out = {"ids": self.caption_ids(idx)}  # (B, T+1)
             if self.cfg.train.batching == "image":  # each image once, indexed per caption
                 rows, out["image_index"] = torch.unique(rows, return_inverse=True)  # (U,), (B,)
             out["feats"] = self.select_feats(rows)  # (B or U, L, C)
         if self.device.type == "cuda":
             out = {k: v.pin_memory() for k, v in out.items()}
         return out
+
+    def caption_ids(self, idx: list[int]) -> torch.Tensor:
+        """The token ids of the captions ``idx`` (as the epoch sees them: mirrored with their
+        image under train.flip) -> (B, T+1), <pad> after <end> (ignored by the loss). A
+        "length" batch is all one length, except where a mirrored caption's tokenizer spells
+        "left" and "right" in different numbers of tokens (characters, subwords)."""
+        captions = [self.mirrored_ids.get(i, self.examples[i][1])
+                    if self.mirrored_ids and self.epoch_mirrored[self.examples[i][0]]
+                    else self.examples[i][1] for i in idx]
+        longest = max(len(c) for c in captions)
+        return torch.tensor([c + [Vocab.pad] * (longest - len(c)) for c in captions])
 
     def select_feats(self, rows: torch.Tensor) -> torch.Tensor:
         """The cached rows of the train images ``rows`` (R,) -> (R, L, C): the mirror image's for
@@ -219,11 +227,29 @@ class Trainer:
                 figures = {"reward": stats.sample_reward}
                 if stats.greedy_reward is not None:
                     figures["greedy_reward"] = stats.greedy_reward
+                if "ids" in t:  # train.scst_xe_weight
+                    xe, figures["loss"] = self.reference_loss(feats, t["ids"], t["image_index"])
+                    loss = loss + tc.scst_xe_weight * xe
                 return loss, figures
             ids = t["ids"]
             loss, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], alpha_c=tc.alpha_c,
                                                 label_smoothing=tc.label_smoothing, image_index=t.get("image_index"))
             return loss, {"loss": ce.detach()}
+
+    def reference_loss(self, feats: torch.Tensor, ids: torch.Tensor, image_index: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mixed objective's cross-entropy term: the family's training loss on the captions
+        ``ids`` (R, T+1) of the images ``feats`` (B, L, D) (``image_index`` (R,): each caption's
+        image) -> (the term, weighted like the self-critical loss: by this process's share of
+        the global batch's target tokens, so that under DDP the processes' terms add up to the
+        one-process term; the plain cross-entropy, detached, to report)."""
+        tc = self.cfg.train
+        if not self.model.image_batching:  # (the family takes one image row per caption)
+            feats, image_index = feats.index_select(0, image_index), None  # (R, L, D)
+        loss, ce = self.model.training_loss(feats, ids[:, :-1], ids[:, 1:], alpha_c=tc.alpha_c,
+                                            label_smoothing=tc.label_smoothing, image_index=image_index)
+        tokens = (ids[:, 1:] != Vocab.pad).sum()
+        return loss * tokens / process_sum(tokens), ce.detach()
 
     # ---- the loop ----
     def fit(self, max_steps: int | None = None, progress: bool = True,
