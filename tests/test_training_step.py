@@ -305,11 +305,14 @@ def test_a_training_step_reads_nothing_on_the_host(model, tiny_config, tmp_path)
     assert trainer.state.epoch_progress.sums == {"loss": 0.0}  # (meta reads are made-up zeros)
 
 
-def test_a_self_critical_step_reads_only_what_scoring_needs(tiny_config, tmp_path):
+@pytest.mark.parametrize("mixed", ["", "scst_xe_weight = 0.5\n"], ids=["plain", "mixed"])
+def test_a_self_critical_step_reads_only_what_scoring_needs(mixed, tiny_config, tmp_path):
     """SCST scores its samples with CIDEr-D on the CPU: the samples and the greedy captions
     come to the host, and sampling and greedy decoding read once per word (to stop when every
-    caption has ended). Nothing else is read: not the rewards, not the loss."""
-    trainer = meta_trainer(variant(tiny_config, tmp_path, train='objective = "scst"\nsamples = 2\n'),
+    caption has ended). Nothing else is read: not the rewards, not the loss, not the mixed
+    objective's cross-entropy term (whose captions and image index go to the device with the
+    batch)."""
+    trainer = meta_trainer(variant(tiny_config, tmp_path, train=f'objective = "scst"\nsamples = 2\n{mixed}'),
                            tmp_path / "run")
     trainer.model.eval()
     batch = trainer.host_batch(trainer.epoch_batches(0)[0])
