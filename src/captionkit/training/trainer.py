@@ -168,7 +168,8 @@ class Trainer:
     def host_tensors(self, idx: list[int]) -> dict[str, torch.Tensor]:
         """The CPU tensors of the items ``idx`` (pinned when training on CUDA): xe: "feats"
         (B or U, L, C) cached rows, "ids" (B, T+1) and with image batching "image_index" (B,);
-        scst: "feats" (B, L, C) of the images."""
+        scst: "feats" (B, L, C) of the images, and with train.scst_xe_weight "ids" (R, T+1) of
+        every caption of theirs and "image_index" (R,), each caption's image."""
         if self.scst is not None:
             out = {"feats": self.select_feats(torch.tensor(idx))}  # (B, L, C)
             if self.cfg.train.scst_xe_weight:  # the mixed objective: every caption of the B images
