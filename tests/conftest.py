@@ -75,6 +75,20 @@ def flickr_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def sided(tmp_path_factory):
+    """The shapes dataset, with one caption of every image naming a side (left, right, left, ...):
+    train.flip's mirrored captions differ from the plain ones."""
+    root = write_flickr8k(tmp_path_factory.mktemp("sided"))
+    tokens = root / "Flickr8k.token.txt"
+    lines = []
+    for i, line in enumerate(tokens.read_text().splitlines()):
+        key, text = line.split("\t")
+        lines.append(f"{key}\t{text} on the {('left', 'right')[i // 5 % 2]}" if key.endswith("#4") else line)
+    tokens.write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.fixture(scope="session")
 def tiny_config(flickr_dir, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("cfg") / "tiny.toml"
     path.write_text(TINY_CONFIG.format(dataset=flickr_dir))

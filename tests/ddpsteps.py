@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from captionkit.core.collectives import summed_over
-
 from captionkit.training.config import RunConfig
 from captionkit.training.distributed import SINGLE, World
 from captionkit.training.run import build_trainer

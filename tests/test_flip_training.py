@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TINY_CONFIG, write_flickr8k
+from helpers import TINY_CONFIG
 
 from captionkit.core.checkpoint import read_config
 from captionkit.data.items import mirror_words
@@ -18,19 +18,6 @@ from captionkit.training.config import ConfigError, RunConfig
 from captionkit.training.run import build_trainer, train
 from captionkit.training.scst import SelfCritical, SelfCriticalStats
 from captionkit.training.stages import prepare_data
-
-
-@pytest.fixture(scope="module")
-def sided(tmp_path_factory):
-    """The shapes dataset, with one caption of every image naming a side (left, right, left, ...)."""
-    root = write_flickr8k(tmp_path_factory.mktemp("sided"))
-    tokens = root / "Flickr8k.token.txt"
-    lines = []
-    for i, line in enumerate(tokens.read_text().splitlines()):
-        key, text = line.split("\t")
-        lines.append(f"{key}\t{text} on the {('left', 'right')[i // 5 % 2]}" if key.endswith("#4") else line)
-    tokens.write_text("\n".join(lines) + "\n")
-    return root
 
 
 def config_file(tmp_path, dataset, flip: float, epochs: int = 3):

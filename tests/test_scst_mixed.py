@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from ddpsteps import ThreadRanks
+from ddpsteps import ThreadRanks, tiny_trainer
 from helpers import TINY_CONFIG
 
 from captionkit.data.items import mirror_words
@@ -16,9 +16,6 @@ from captionkit.data.vocab import Vocab
 from captionkit.training.config import ConfigError, RunConfig
 from captionkit.training.distributed import World
 from captionkit.training.prefetch import HostBatch
-from captionkit.training.run import build_trainer
-from captionkit.training.stages import prepare_data
-from captionkit.training.state import EpochProgress
 from captionkit.training.trainer import Trainer
 
 TRANSFORMER = """[model]
@@ -43,13 +40,6 @@ def config_file(tmp_path, dataset, weight: float, family: str = "sat", objective
     return path
 
 
-def trainer_for(path, out):
-    cfg = RunConfig.load(path)
-    trainer = build_trainer(cfg, out, data=prepare_data(cfg))
-    trainer.state.epoch_progress = EpochProgress()
-    return trainer
-
-
 def reference_ids(trainer, rows: list[int], mirrored: bool = False) -> tuple[list[list[int]], list[int]]:
     """Every caption of the train images ``rows``, tokenised here from the dataset's words (not
     by the trainer's tables), and each caption's position in ``rows``."""
@@ -69,8 +59,8 @@ def test_the_mixed_loss_is_the_self_critical_loss_plus_w_times_the_references_cr
     """The same batch, the same draws: the loss with W = 0.5 is the plain one (W = 0) plus 0.5 x
     the family's cross-entropy of the images' 5 captions each, computed here on its own; so are
     the gradients. The LSTM takes one image row per caption, the transformer indexes them."""
-    plain = trainer_for(config_file(tmp_path, flickr_dir, 0.0, family), tmp_path / "plain")
-    mixed = trainer_for(config_file(tmp_path, flickr_dir, 0.5, family), tmp_path / "mixed")
+    plain = tiny_trainer(config_file(tmp_path, flickr_dir, 0.0, family), tmp_path / "plain")
+    mixed = tiny_trainer(config_file(tmp_path, flickr_dir, 0.5, family), tmp_path / "mixed")
     mixed.model.load_state_dict(plain.model.state_dict())
     for t in (plain, mixed):
         t.model.eval()  # as fit() runs self-critical training: no dropout
@@ -110,7 +100,7 @@ def test_the_term_under_ddp_adds_up_to_the_one_process_term(flickr_dir, tmp_path
     """Two ranks take Trainer.shard's parts of a batch of 5 images (unequal numbers of images and
     of reference words): weighted as train_step weights a self-critical shard, the average DDP
     takes of their gradients is the one-process gradient of the whole batch's term."""
-    trainer = trainer_for(config_file(tmp_path, flickr_dir, 0.5, "transformer"), tmp_path / "run")
+    trainer = tiny_trainer(config_file(tmp_path, flickr_dir, 0.5, "transformer"), tmp_path / "run")
     trainer.model.eval()
     rows = [4, 1, 7, 2, 0]
     params = [p for p in trainer.model.parameters() if p.requires_grad]
@@ -132,21 +122,10 @@ def test_the_term_under_ddp_adds_up_to_the_one_process_term(flickr_dir, tmp_path
     assert compared > 3
 
 
-def test_mirrored_images_are_trained_on_their_mirrored_captions(flickr_dir, tmp_path):
+def test_mirrored_images_are_trained_on_their_mirrored_captions(sided, tmp_path):
     """train.flip = 1: every image of the epoch is seen mirrored, and the captions of the mixed
     term are the mirrored ones ("left" and "right" swapped), as cross-entropy training reads them."""
-    sided = tmp_path / "sided"
-    sided.mkdir()
-    for f in flickr_dir.iterdir():  # the dataset, one caption of every image naming a side
-        (sided / f.name).symlink_to(f)
-    tokens = sided / "Flickr8k.token.txt"
-    tokens.unlink()
-    lines = []
-    for i, line in enumerate((flickr_dir / "Flickr8k.token.txt").read_text().splitlines()):
-        key, text = line.split("\t")
-        lines.append(f"{key}\t{text} on the {('left', 'right')[i // 5 % 2]}" if key.endswith("#4") else line)
-    tokens.write_text("\n".join(lines) + "\n")
-    trainer = trainer_for(config_file(tmp_path, sided, 0.5, extra="flip = 1.0"), tmp_path / "run")
+    trainer = tiny_trainer(config_file(tmp_path, sided, 0.5, extra="flip = 1.0"), tmp_path / "run")
     batch = trainer.epoch_batches(0)[0]
     assert bool(trainer.epoch_mirrored[batch].all())
     got = [[w for w in row if w != Vocab.pad] for row in trainer.host_tensors(batch)["ids"].tolist()]
