@@ -153,6 +153,58 @@ def bleu_stats(cands: dict[str, str] | Corpus, refs: dict[str, list[str]] | None
     return BleuStats(tl, reflen, correct, guess)
 
 
+class SentenceBleu:
+    """BLEU-n of single candidates against fixed references, for rewards during self-critical
+    training (issue 32: a reward that pays the precision of longer n-grams, which CIDEr-D's
+    tf-idf weighting pays little for common phrases).
+
+    A sentence's BLEU is corpus BLEU's formula on its own counts: clipped n-gram matches (each
+    n-gram counted at most as often as one reference has it) over the candidate's n-grams, the
+    geometric mean over n = 1..n, times the brevity penalty against the reference closest in
+    length (ties to the shorter, coco-caption's "closest"). A short caption often has no
+    matching 4-gram, which would make its BLEU-4 0 whatever else it gets right, so orders 2..n
+    add one to their matches and totals (Lin and Och 2004, "ORANGE", their smoothing for
+    sentence-level BLEU); ``smooth=False`` gives ``bleu_stats`` of the one sentence instead.
+    Sentences are sequences of tokens (words or ids)."""
+
+    def __init__(self, refs: dict, n: int = 4, smooth: bool = True):
+        self.n, self.smooth = n, smooth
+        self.refs = {}
+        for k, rs in refs.items():  # per image: reference lengths, the most any one has of each n-gram
+            most: dict[tuple, int] = {}
+            for r in rs:
+                for g, c in _ngram_counts(list(r), n).items():
+                    most[g] = max(most.get(g, 0), c)
+            self.refs[k] = (sorted(len(r) for r in rs), most)
+
+    def score(self, key, words) -> float:
+        """BLEU-n (0..1) of one candidate for the image ``key``."""
+        words = list(words)
+        lengths, most = self.refs[key]
+        correct, guess = [0] * self.n, [max(0, len(words) - i) for i in range(self.n)]
+        for g, c in _ngram_counts(words, self.n).items():
+            correct[len(g) - 1] += min(c, most.get(g, 0))
+        log_p = 0.0
+        for i in range(self.n):
+            add = 1 if self.smooth and i > 0 else 0
+            num, den = correct[i] + add, guess[i] + add
+            if num == 0 or den == 0:
+                return 0.0
+            log_p += math.log(num / den)
+        reflen = min(lengths, key=lambda x: abs(x - len(words)))  # sorted: ties to the shorter
+        bp = 1.0 if len(words) >= reflen else math.exp(1 - reflen / len(words))
+        return bp * math.exp(log_p / self.n)
+
+
+def _ngram_counts(words: list, n: int) -> dict[tuple, int]:
+    out: dict[tuple, int] = {}
+    for k in range(1, n + 1):
+        for i in range(len(words) - k + 1):
+            g = tuple(words[i:i + k])
+            out[g] = out.get(g, 0) + 1
+    return out
+
+
 # ---- ROUGE-L ------------------------------------------------------------------------------
 def _lcs(a: list[str], b: list[str]) -> int:
     """Length of the longest common subsequence, bit-parallel over ``b`` (Hyyro 2004):
@@ -262,13 +314,7 @@ class CiderD:
         self.refs = {k: [self._vector(c) for c in rs] for k, rs in grams.items()}
 
     def _count(self, words) -> dict[tuple, int]:
-        words = list(words)
-        out: dict[tuple, int] = {}
-        for k in range(1, self.n + 1):
-            for i in range(len(words) - k + 1):
-                g = tuple(words[i:i + k])
-                out[g] = out.get(g, 0) + 1
-        return out
+        return _ngram_counts(list(words), self.n)
 
     def _vector(self, counts: dict[tuple, int]):
         """tf-idf per n-gram, the norm of each order's vector, and the bigram count."""

@@ -147,6 +147,9 @@ class TrainConfig:
         run's encoder rows; scst_match_weight W: each caption's reward gains W times its
         discriminability for its photo (how much better it fits this photo than the matcher's
         bank of training photos; Luo et al. 2018). 0: the plain reward (issue 32).
+    scst_bleu_weight: scst only, each caption's reward gains this weight times its sentence
+        BLEU-4 against its photo's references (smoothed; scoring.metrics.SentenceBleu), beside
+        CIDEr-D. 0: the plain reward (issue 32).
     scst_xe_weight: scst only, the mixed objective: the self-critical loss plus this weight
         times the cross-entropy of the batch images' own reference captions (all of them,
         mirrored with the image under train.flip), which keeps probability on the words people
@@ -191,6 +194,7 @@ class TrainConfig:
     scst_matcher: str = ""
     scst_match_weight: float = spec(0.0, ge=0)
     scst_xe_weight: float = spec(0.0, ge=0)
+    scst_bleu_weight: float = spec(0.0, ge=0)
     finetune_blocks: int = spec(0, ge=0)
     encoder_lr: float = spec(1e-4, gt=0)
     schedule: str = spec("plateau", choices=("plateau", "cosine", "inverse_sqrt"))
@@ -221,6 +225,8 @@ class TrainConfig:
                                                          "captionkit matcher trains one)")
         if self.scst_matcher and self.objective != "scst":
             raise field_error(self, "scst_matcher", "is a self-critical reward: it needs train.objective = \"scst\"")
+        if self.scst_bleu_weight and self.objective != "scst":
+            raise field_error(self, "scst_bleu_weight", "is a self-critical reward: it needs train.objective = \"scst\"")
         if self.scst_xe_weight and self.objective != "scst":
             raise field_error(self, "scst_xe_weight", "mixes cross-entropy into the self-critical loss: it needs "
                                                       "train.objective = \"scst\"")

@@ -16,6 +16,12 @@ boat", scoring.diversity.repeated_phrase) is rewarded P less. CIDEr-D alone pays
 repeated words are n-grams the references hold), which is how self-critical training teaches
 them; the term takes that pay back. 0: the plain reward.
 
+``bleu_weight`` B (issue 32): each caption's reward gains B times its sentence BLEU-4 against
+its image's references (scoring.metrics.SentenceBleu, smoothed). CIDEr-D weights an n-gram by
+how rare it is among the references, so a reward of CIDEr-D alone pays little for getting the
+common phrases of a caption in the order people write them, which is what BLEU-4's 4-gram
+precision counts (Rennie et al. 2017 and Liu et al. 2017, "SPIDEr", train on such mixtures).
+
 ``matcher`` and ``match_weight`` W (issue 32): each caption's reward gains W times its
 discriminability for its photo under an image-caption matcher (captionkit.models.matcher: how
 much better the caption fits this photo than the matcher's bank of training photos). Luo et al.
@@ -45,7 +51,7 @@ from ..data.vocab import Vocab
 from ..inference.decoding import allowed_words, greedy, select_rows
 from ..models.matcher import PAD, Matcher
 from ..scoring.diversity import repeated_phrase
-from ..scoring.metrics import CiderD
+from ..scoring.metrics import CiderD, SentenceBleu
 
 
 @torch.no_grad()
@@ -115,11 +121,12 @@ class SelfCritical:
     for CIDEr-D come from these). vocab turns word ids back into words. baseline: "greedy"
     (the greedy caption's reward) or "mean" (the other samples' mean reward; samples >= 2).
     repeat_penalty: what a caption that repeats a content phrase loses of its reward (0: nothing).
-    matcher, match_weight: the discriminability term (module docstring; no matcher: none)."""
+    matcher, match_weight: the discriminability term (module docstring; no matcher: none).
+    bleu_weight: what each caption's reward gains per unit of its sentence BLEU-4 (0: nothing)."""
 
     def __init__(self, refs: dict, vocab: Vocab, samples: int = 5, max_len: int = 20,
                  baseline: str = "greedy", repeat_penalty: float = 0.0, matcher: Matcher | None = None,
-                 match_weight: float = 0.0):
+                 match_weight: float = 0.0, bleu_weight: float = 0.0):
         if baseline not in BASELINES:
             raise UserError(f"self-critical baseline must be one of {', '.join(BASELINES)}, not {baseline!r}")
         if baseline == "mean" and samples < 2:
@@ -129,6 +136,10 @@ class SelfCritical:
         self.cider = CiderD(refs)
         self.vocab, self.samples, self.max_len, self.baseline = vocab, samples, max_len, baseline
         self.repeat_penalty = float(repeat_penalty)
+        if not 0 <= bleu_weight < float("inf"):
+            raise UserError(f"the self-critical BLEU weight must be a finite number >= 0, not {bleu_weight!r}")
+        self.bleu_weight = float(bleu_weight)
+        self.bleu = SentenceBleu(refs) if bleu_weight else None
         if not 0 <= match_weight < float("inf"):
             raise UserError(f"the self-critical match weight must be a finite number >= 0, not {match_weight!r}")
         self.matcher, self.match_weight = matcher, float(match_weight)
@@ -151,8 +162,9 @@ class SelfCritical:
             return m.discriminability(images, texts, checked=True)  # (B*n,)
 
     def rewards(self, keys: list, seqs: list[list[int]], mirrored: list[bool] | None = None) -> list[float]:
-        """CIDEr-D of each word-id sequence (without <start>/<end>) for its image key, less
-        ``repeat_penalty`` where it repeats a content phrase; scored on the CPU. ``mirrored``:
+        """CIDEr-D of each word-id sequence (without <start>/<end>) for its image key, plus
+        ``bleu_weight`` times its sentence BLEU-4, less ``repeat_penalty`` where it repeats a
+        content phrase; scored on the CPU. ``mirrored``:
         per sequence, whether it describes its image mirrored (train.flip): its "left" and
         "right" are swapped back before it meets the references."""
         out = []
@@ -161,6 +173,8 @@ class SelfCritical:
             if mirrored is not None and mirrored[j]:
                 words = mirror_words(words)
             r = self.cider.score(k, words)
+            if self.bleu is not None:
+                r += self.bleu_weight * self.bleu.score(k, words)
             if self.repeat_penalty and repeated_phrase(words) is not None:
                 r -= self.repeat_penalty
             out.append(r)
