@@ -223,10 +223,9 @@ class TrainConfig:
         if self.scst_match_weight and not self.scst_matcher:
             raise field_error(self, "scst_match_weight", "needs train.scst_matcher (a matcher checkpoint folder: "
                                                          "captionkit matcher trains one)")
-        if self.scst_matcher and self.objective != "scst":
-            raise field_error(self, "scst_matcher", "is a self-critical reward: it needs train.objective = \"scst\"")
-        if self.scst_bleu_weight and self.objective != "scst":
-            raise field_error(self, "scst_bleu_weight", "is a self-critical reward: it needs train.objective = \"scst\"")
+        for reward, value in (("scst_matcher", self.scst_matcher), ("scst_bleu_weight", self.scst_bleu_weight)):
+            if value and self.objective != "scst":
+                raise field_error(self, reward, "is a self-critical reward: it needs train.objective = \"scst\"")
         if self.scst_xe_weight and self.objective != "scst":
             raise field_error(self, "scst_xe_weight", "mixes cross-entropy into the self-critical loss: it needs "
                                                       "train.objective = \"scst\"")

@@ -114,6 +114,13 @@ def leave_one_out_mean(rewards: torch.Tensor, n: int) -> torch.Tensor:
     return ((per_image.sum(1, keepdim=True) - per_image) / (n - 1)).reshape(-1)
 
 
+def _reward_weight(value: float, what: str) -> float:
+    """A reward term's weight as a float, or a UserError naming the term."""
+    if not 0 <= value < float("inf"):
+        raise UserError(f"the self-critical {what} weight must be a finite number >= 0, not {value!r}")
+    return float(value)
+
+
 class SelfCritical:
     """The self-critical objective for one set of training images.
 
@@ -136,13 +143,9 @@ class SelfCritical:
         self.cider = CiderD(refs)
         self.vocab, self.samples, self.max_len, self.baseline = vocab, samples, max_len, baseline
         self.repeat_penalty = float(repeat_penalty)
-        if not 0 <= bleu_weight < float("inf"):
-            raise UserError(f"the self-critical BLEU weight must be a finite number >= 0, not {bleu_weight!r}")
-        self.bleu_weight = float(bleu_weight)
+        self.bleu_weight = _reward_weight(bleu_weight, "BLEU")
         self.bleu = SentenceBleu(refs) if bleu_weight else None
-        if not 0 <= match_weight < float("inf"):
-            raise UserError(f"the self-critical match weight must be a finite number >= 0, not {match_weight!r}")
-        self.matcher, self.match_weight = matcher, float(match_weight)
+        self.matcher, self.match_weight = matcher, _reward_weight(match_weight, "match")
         if matcher is not None:
             matcher.eval().requires_grad_(False)
             matcher.check_bank()
