@@ -51,3 +51,8 @@ def test_the_run_config_sets_the_penalty(tiny_config, tmp_path):
     assert config("").train.scst_repeat_penalty == 0.0
     with pytest.raises(ConfigError, match="train.scst_repeat_penalty must be >= 0"):
         config("scst_repeat_penalty = -0.5")
+    xe = tmp_path / "xe.toml"  # outside self-critical training it would be silently unused
+    xe.write_text(tiny_config.read_text().replace("[train]", "[train]\nscst_repeat_penalty = 0.25\n", 1))
+    with pytest.raises(ConfigError, match='train.scst_repeat_penalty is a self-critical reward: it needs '
+                                          'train.objective = "scst"'):
+        RunConfig.load(xe)

@@ -223,7 +223,9 @@ class TrainConfig:
         if self.scst_match_weight and not self.scst_matcher:
             raise field_error(self, "scst_match_weight", "needs train.scst_matcher (a matcher checkpoint folder: "
                                                          "captionkit matcher trains one)")
-        for reward, value in (("scst_matcher", self.scst_matcher), ("scst_bleu_weight", self.scst_bleu_weight)):
+        rewards = (("scst_matcher", self.scst_matcher), ("scst_bleu_weight", self.scst_bleu_weight),
+                   ("scst_repeat_penalty", self.scst_repeat_penalty))
+        for reward, value in rewards:  # each would be silently unused under "xe"
             if value and self.objective != "scst":
                 raise field_error(self, reward, "is a self-critical reward: it needs train.objective = \"scst\"")
         if self.scst_xe_weight and self.objective != "scst":
