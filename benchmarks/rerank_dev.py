@@ -56,14 +56,14 @@ def dump(args) -> None:
         feats.append(f)
         pooled.append(f[:, 0].float().mean(1))  # (B, D): what the matcher reads
     args.out.mkdir(parents=True, exist_ok=True)
+    common = {"names": [it.name for it in items], "length_penalty": cap.length_penalty_or(None),
+              "pooled": torch.cat(pooled).tolist()}  # (N, D)
     for n in args.nbest:
         c = cap.controls_for(None, n)
         lists = [[[cap.text(x), x.logprob, len(x.ids)] for x in caps]
                  for f in feats for caps in cap.nbest_features(f, n, n, None, c)]
         out = args.out / f"dev_nbest_{n}.json"
-        out.write_text(json.dumps({"names": [it.name for it in items], "lists": lists,
-                                   "length_penalty": cap.length_penalty_or(None),
-                                   "pooled": torch.cat(pooled).tolist()}))
+        out.write_text(json.dumps({**common, "lists": lists}))
         print(f"{out}: {len(lists)} photos, {n} captions each")
 
 
@@ -95,7 +95,8 @@ def score(args) -> None:
         for k in range(max(map(len, lists))):
             r = score_captions({n: cs[min(k, len(cs) - 1)][0] for n, cs in zip(names, lists)}, refs,
                                metrics=("cider",), tokenizer="java", quiet=True)
-            per.append([r.per_image["CIDEr"][r.images.index(n)] for n in names])
+            cider = dict(zip(r.images, r.per_image["CIDEr"]))
+            per.append([cider[n] for n in names])
         best = torch.tensor(per).argmax(0).tolist()
         print(f"{args.lists.name}: | BLEU-4 METEOR ROUGE-L CIDEr-D | vocabulary distinct length repeated")
         row("the references' choice (CIDEr-D)", {n: cs[min(i, len(cs) - 1)][0] for n, cs, i in zip(names, lists, best)})
@@ -107,15 +108,9 @@ def score(args) -> None:
         from captionkit.models.matcher import load_matcher
 
         m = load_matcher(args.matcher)
-        with torch.no_grad():
-            images = m.pooled_image(torch.tensor(d["pooled"]))  # (N, E)
-            flat = m.text([c[0] for caps in lists for c in caps])
-            owner = torch.tensor([b for b, caps in enumerate(lists) for _ in caps])
-            values = m.discriminability(images[owner], flat).tolist()
-        disc, pos = [], 0
-        for caps in lists:
-            disc.append(values[pos:pos + len(caps)])
-            pos += len(caps)
+        with torch.no_grad():  # as Captioner.match scores them
+            disc = m.list_discriminability(m.pooled_image(torch.tensor(d["pooled"])),
+                                           [[c[0] for c in caps] for caps in lists])
         label = Path(args.matcher).name
     print(f"{args.lists.name}, {label}: weight | BLEU-4 METEOR ROUGE-L CIDEr-D | vocabulary distinct length repeated")
     for w in args.weights:
@@ -132,6 +127,7 @@ def minilm(args) -> None:
     from captionkit.data.datasets import load_dataset
     from captionkit.encoders import create_encoder
     from captionkit.encoders.features import build_features
+    from captionkit.models.matcher import contrast, info_nce
     from captionkit.training.matcher import pooled_rows
 
     torch.manual_seed(args.seed)
@@ -191,9 +187,8 @@ def minilm(args) -> None:
             for b in range(steps):
                 idx = order[b * bs:(b + 1) * bs].tolist()
                 text = emb[[caps[i][(p + epoch) % len(caps[i])] for i in idx]]
-                logits = m.scale * m.text(text) @ m.image(train_pooled[idx]).t()
-                y = torch.arange(len(idx))
-                loss = (F.cross_entropy(logits, y) + F.cross_entropy(logits.t(), y)) / 2
+                texts = m.text(text)  # (before the images: the dropout masks drawn in this order)
+                loss = info_nce(m.scale, m.image(train_pooled[idx]), texts)  # `captionkit matcher`'s loss
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -211,13 +206,12 @@ def minilm(args) -> None:
     bank_ids = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))[:1000].sort().values
     with torch.no_grad():
         bank = m.image(train_pooled[bank_ids])  # (K, E), as `captionkit matcher` keeps its bank
+        images = m.image(dev_pooled)  # (N, E)
         for path, d in every.items():
-            disc = []
-            for b, caps_b in enumerate(d["lists"]):
-                t = m.text(emb[[row[c[0]] for c in caps_b]])  # (n, E)
-                own = m.scale * (t @ m.image(dev_pooled[b:b + 1]).t()).squeeze(1)
-                others = torch.logsumexp(m.scale * t @ bank.t(), 1) - math.log(len(bank))
-                disc.append((own - others).tolist())
+            owner = torch.tensor([b for b, caps_b in enumerate(d["lists"]) for _ in caps_b], dtype=torch.long)
+            texts = m.text(emb[[row[c[0]] for caps_b in d["lists"] for c in caps_b]])  # (sum n, E)
+            values = contrast(m.scale, images[owner], texts, bank)  # Matcher.discriminability's arithmetic
+            disc = [part.tolist() for part in values.split([len(caps_b) for caps_b in d["lists"]])]
             out = args.out / f"disc_minilm_{path.stem}.json"
             out.write_text(json.dumps(disc))
             print(f"{out}: the matcher of best dev R@1 {best:.3f}")

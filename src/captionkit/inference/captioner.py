@@ -355,14 +355,7 @@ class Captioner:
             raise UserError(f"{self._matcher_folder}: a matcher of {self.matcher.cfg.feat_dim}-wide rows, but this "
                             f"captioner's are {photo.shape[-1]} wide")
         images = self.matcher.image(photo.float().cpu())  # (B, E)
-        texts = [[self.text(c) for c in caps] for caps in lists]
-        flat = self.matcher.text([t for ts in texts for t in ts])  # (sum n, E)
-        owner = torch.tensor([b for b, ts in enumerate(texts) for _ in ts], dtype=torch.long)
-        disc = self.matcher.discriminability(images[owner], flat).tolist()
-        parts, pos = [], 0
-        for ts in texts:
-            parts.append(disc[pos:pos + len(ts)])
-            pos += len(ts)
+        parts = self.matcher.list_discriminability(images, [[self.text(c) for c in caps] for caps in lists])
         choice = match_choice([[c.logprob for c in caps] for caps in lists],
                               [[len(c.ids) for c in caps] for caps in lists],  # tokens: as the beam normalised
                               parts, self.match_weight, self.length_penalty_or(length_penalty))

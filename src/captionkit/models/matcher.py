@@ -141,9 +141,7 @@ class Matcher(nn.Module):
 
     def contrastive_loss(self, images: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
         """Symmetric InfoNCE of (B, E) image and caption embeddings, pair i matching pair i."""
-        logits = self.scale * texts @ images.t()  # (B, B)
-        target = torch.arange(len(logits), device=logits.device)
-        return (F.cross_entropy(logits, target) + F.cross_entropy(logits.t(), target)) / 2
+        return info_nce(self.scale, images, texts)
 
     def check_bank(self) -> None:
         """Refuse a matcher whose bank was never filled (a read of the bank: once, not per call
@@ -156,9 +154,30 @@ class Matcher(nn.Module):
         ``checked``: :meth:`check_bank` was called already (no read of the bank here)."""
         if not checked:
             self.check_bank()
-        own = self.scale * (images * texts).sum(-1)  # (N,)
-        others = torch.logsumexp(self.scale * texts @ self.bank.t(), dim=1) - math.log(len(self.bank))  # (N,)
-        return own - others
+        return contrast(self.scale, images, texts, self.bank)
+
+    def list_discriminability(self, images: torch.Tensor, captions: list[list[str]]) -> list[list[float]]:
+        """disc of each photo's captions (an n-best list each, as text) for that photo: images
+        (B, E) from :meth:`image`, ``captions`` B lists -> B lists of floats, in one pass."""
+        owner = torch.tensor([b for b, caps in enumerate(captions) for _ in caps], dtype=torch.long)
+        values = self.discriminability(images[owner], self.text([c for caps in captions for c in caps]))  # (sum n,)
+        return [part.tolist() for part in values.split([len(caps) for caps in captions])]
+
+
+def info_nce(scale: torch.Tensor, images: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
+    """Symmetric InfoNCE (CLIP's loss) of (B, E) unit image and caption embeddings at inverse
+    temperature ``scale``, pair i matching pair i."""
+    logits = scale * texts @ images.t()  # (B, B)
+    target = torch.arange(len(logits), device=logits.device)
+    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.t(), target)) / 2
+
+
+def contrast(scale: torch.Tensor, images: torch.Tensor, texts: torch.Tensor, bank: torch.Tensor) -> torch.Tensor:
+    """disc (module docstring) of caption n for photo n: (N, E) unit embeddings, at inverse
+    temperature ``scale``, against the (K, E) ``bank`` of other photos -> (N,)."""
+    own = scale * (images * texts).sum(-1)  # (N,)
+    others = torch.logsumexp(scale * texts @ bank.t(), dim=1) - math.log(len(bank))  # (N,)
+    return own - others
 
 
 def pad_ids(seqs: list[list[int]]) -> torch.Tensor:
