@@ -181,6 +181,43 @@ def test_row_products_packed_and_pytorch_agree(transposed, start, M, K, N):
     assert torch.equal(last, outs[0][-1:])
 
 
+def test_row_products_same_in_either_vector_width(tmp_path):
+    """gemm.c's AVX-512 tile (panels of 48) and its AVX2 tile (panels of 24) give the same
+    outputs bit for bit: each output is the same sequence of FMAs either way. Runs where the
+    CPU has AVX-512: the library as loaded against gemm.c compiled here without it."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from captionkit import kernels
+    if not (kernels._load().gemm_supported() and kernels._load().gemm_panel() == 48):
+        pytest.skip("the CPU has no AVX-512: only the AVX2 tile is built here")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    so, obj = tmp_path / "gemm_avx2.so", tmp_path / "gemm_avx2.o"
+    src = kernels._SOURCES[-1]
+    assert src.name == "gemm.c"
+    # compiled as the loader does, with -ffast-math but linked without it (with it, loading the
+    # library would set flush-to-zero for this whole test process)
+    subprocess.run([cc, "-O3", "-ffast-math", "-march=native", "-mno-avx512f", "-fopenmp", "-fPIC", "-c",
+                    str(src), "-o", str(obj)], check=True)
+    subprocess.run([cc, "-shared", "-fopenmp", str(obj), "-o", str(so)], check=True)
+    avx2 = ctypes.CDLL(str(so))
+    P, L_, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    avx2.gemm_panel.restype = I
+    avx2.pack_panels.argtypes = [P, L_, I, L_, L_, P, I]
+    avx2.gemm_packed.argtypes = [P, L_, L_, L_, P, L_, P, P, L_, P, L_, I]
+    assert avx2.gemm_panel() == 24
+    g = torch.Generator().manual_seed(3)
+    for M, K, N in [(32, 2561, 100), (13, 300, 49), (70, 129, 25), (1, 7, 3)]:
+        w, x, bias = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g), torch.randn(N, generator=g)
+        want = kernels.RowProducts(w, packed=True)(x, torch.empty(M, N), bias=bias)
+        packed = torch.empty(-(-N // 24), K, 24)
+        avx2.pack_panels(w.data_ptr(), K, 0, N, K, packed.data_ptr(), 1)
+        out = torch.empty(M, N)
+        avx2.gemm_packed(x.data_ptr(), K, M, K, packed.data_ptr(), N, bias.data_ptr(), None, 0, out.data_ptr(), N, 2)
+        assert torch.equal(out, want), (M, K, N)
+
+
 def test_row_products_refuse_what_they_cannot_take():
     from captionkit import kernels
     w = torch.randn(6, 4)

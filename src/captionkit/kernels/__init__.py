@@ -99,6 +99,7 @@ def _load():
     lib.attend_bwd_half.restype = I
     lib.gemm_supported.restype = I
     lib.gemm_preferred.restype = I
+    lib.gemm_panel.restype = I
     lib.pack_panels.argtypes = [P, L_, I, L_, L_, P, I]
     lib.gemm_packed.argtypes = [P, L_, L_, L_, P, L_, P, P, L_, P, L_, I]
     _lib = lib
@@ -289,12 +290,10 @@ def attend_backward(dz: torch.Tensor, zc: torch.Tensor, beta: torch.Tensor, gate
 
 # ---- products of a few rows by one weight many times (gemm.c): the recurrence's per-word matmuls ----
 
-_PANEL = 24  # gemm.c's NR: outputs a packed panel
-
-
 def gemm_preferred() -> bool:
     """Do :class:`RowProducts` run gemm.c's packed kernel here? Where the kernels load and the
-    CPU has AVX2 + FMA but not AVX-512 (there MKL's 512-bit kernels are left to it, unmeasured)."""
+    CPU has AVX2 + FMA (AVX-512 included: there the kernel's 512-bit tile ran 1.6-1.9x MKL's
+    path at the training step's shapes, on an AMD EPYC Zen 4)."""
     return kernel_available() and bool(_load().gemm_preferred())
 
 
@@ -315,7 +314,8 @@ class RowProducts:
         if gemm_preferred() if packed is None else packed:
             if not (kernel_available() and _load().gemm_supported()):
                 raise RuntimeError("RowProducts(packed=True): gemm.c's kernel is not built here (needs AVX2 and FMA)")
-            self.packed = torch.empty(-(-self.n // _PANEL), self.k, _PANEL)
+            panel = _load().gemm_panel()  # outputs a packed panel: 24 (AVX2) or 48 (AVX-512)
+            self.packed = torch.empty(-(-self.n // panel), self.k, panel)
             _load().pack_panels(_ptr(w), w.stride(0), int(transposed), self.n, self.k, _ptr(self.packed),
                                 torch.get_num_threads())
         self._tmp = None  # (N, M): PyTorch's W x^T before its transpose is copied out
