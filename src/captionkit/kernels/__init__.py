@@ -401,3 +401,36 @@ class EnergyContext:
         if self.buf is None:  # proj is constant but q/w need gradients
             self.buf = torch.zeros_like(self.proj)
         return _Energy.apply(self.proj, q, w, self.buf)
+
+
+# ---- inference's products in gemm.c's packed kernel: decoding steps' few-row matmuls ----
+
+# weight -> (its _version and data pointer when packed, its RowProducts); freed with the weight
+_packed_weights = torch.utils.weak.WeakTensorKeyDictionary()
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x (..., K) W^T + bias by gemm.c's packed kernel, or None where this is not that kernel's
+    case: float32 CPU tensors, no gradient asked for (decoding: a beam step's products have a
+    few dozen rows, where MKL re-packs the weight at every call), no autocast, not traced or
+    compiled, and the kernel preferred here (:func:`gemm_preferred`). The weight is packed on
+    its first use and kept until it changes in place or is freed. Each output row depends on
+    its own input row only (not on how many rows share the call), and its value is float32
+    rounding away from PyTorch's (tested). Callers run their own PyTorch product on None."""
+    if (torch.is_grad_enabled() or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or x.device.type != KERNEL_DEVICE or weight.device.type != KERNEL_DEVICE
+            or (bias is not None and (bias.dtype != torch.float32 or bias.device.type != KERNEL_DEVICE))
+            or torch.is_autocast_enabled(KERNEL_DEVICE) or torch.jit.is_tracing() or torch.compiler.is_compiling()
+            or weight.dim() != 2 or x.shape[-1] != weight.shape[1] or x.numel() == 0 or not gemm_preferred()):
+        return None
+    key = (weight._version, weight.data_ptr())
+    entry = _packed_weights.get(weight)
+    if entry is None or entry[0] != key:
+        entry = (key, RowProducts(weight, packed=True))
+        _packed_weights[weight] = entry
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], weight.shape[0])
+    entry[1](rows, out, bias=None if bias is None else bias.contiguous())
+    return out.view(*x.shape[:-1], weight.shape[0])

@@ -42,7 +42,7 @@ from ..core.fields import check_fields, spec
 from ..core.registry import register_exporter, register_family
 from ..data.vocab import Vocab
 from ..kernels import KERNEL_DEVICE, EnergyContext, half_copy, kernel_available
-from .base import CaptionModel, DecoderExport, token_cross_entropy
+from .base import CaptionModel, DecoderExport, Linear, token_cross_entropy
 from .sat_recurrence import SoftRecurrence
 
 
@@ -112,18 +112,18 @@ class SoftAttentionDecoder(CaptionModel):
         self.cfg = cfg
         D, M, H, A, V = cfg.feat_dim, cfg.embed_dim, cfg.hidden_dim, cfg.attn_dim, cfg.vocab_size
         self.embed = nn.Embedding(V, M)
-        self.init_h = nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, H))
-        self.init_c = nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, H))
-        self.att_feat = nn.Linear(D, A)  # W_a
+        self.init_h = nn.Sequential(Linear(D, H), nn.Tanh(), Linear(H, H))
+        self.init_c = nn.Sequential(Linear(D, H), nn.Tanh(), Linear(H, H))
+        self.att_feat = Linear(D, A)  # W_a
         # One matmul of h_{t-1} gives U_a h, f_beta(h) and W_hh h: [A | 1 | 4H] columns.
-        self.h_proj = nn.Linear(H, A + 1 + 4 * H)
+        self.h_proj = Linear(H, A + 1 + 4 * H)
         self.att_w = nn.Parameter(torch.empty(A).uniform_(-A ** -0.5, A ** -0.5))  # w (a bias would
         # shift every location's energy equally, which the softmax ignores)
-        self.gates_emb = nn.Linear(M, 4 * H)  # embedding's share of the LSTM gates (has the bias)
-        self.gates_ctx = nn.Linear(D, 4 * H, bias=False)  # context's share
-        self.out_h = nn.Linear(H, M)  # L_h
-        self.out_z = nn.Linear(D, M, bias=False)  # L_z
-        self.out = nn.Linear(M, V)  # L_o
+        self.gates_emb = Linear(M, 4 * H)  # embedding's share of the LSTM gates (has the bias)
+        self.gates_ctx = Linear(D, 4 * H, bias=False)  # context's share
+        self.out_h = Linear(H, M)  # L_h
+        self.out_z = Linear(D, M, bias=False)  # L_z
+        self.out = Linear(M, V)  # L_o
         self.drop = nn.Dropout(cfg.dropout)
         self.embed_drop = nn.Dropout(cfg.embed_dropout)
         with torch.no_grad():  # LSTM forget-gate bias 1 (Jozefowicz et al. 2015)

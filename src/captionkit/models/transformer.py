@@ -36,7 +36,8 @@ from torch import nn
 
 from ..core.fields import check_fields, field_error, spec
 from ..core.registry import register_exporter, register_family
-from .base import CaptionModel, DecoderExport, KVMemory, states_owned, token_cross_entropy
+from ..kernels import packed_linear
+from .base import CaptionModel, DecoderExport, KVMemory, Linear, states_owned, token_cross_entropy
 
 
 @dataclass
@@ -102,8 +103,8 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.heads = cfg.heads
-        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
-        self.proj = nn.Linear(cfg.width, cfg.width)
+        self.qkv = Linear(cfg.width, 3 * cfg.width)
+        self.proj = Linear(cfg.width, cfg.width)
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
@@ -125,9 +126,9 @@ class CrossAttention(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.heads = cfg.heads
-        self.q = nn.Linear(cfg.width, cfg.width)
-        self.kv = nn.Linear(cfg.width, 2 * cfg.width)
-        self.proj = nn.Linear(cfg.width, cfg.width)
+        self.q = Linear(cfg.width, cfg.width)
+        self.kv = Linear(cfg.width, 2 * cfg.width)
+        self.proj = Linear(cfg.width, cfg.width)
 
     def keys_values(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, L, D = memory.shape
@@ -145,8 +146,8 @@ class CrossAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.width, cfg.mlp_ratio * cfg.width)
-        self.proj = nn.Linear(cfg.mlp_ratio * cfg.width, cfg.width)
+        self.fc = Linear(cfg.width, cfg.mlp_ratio * cfg.width)
+        self.proj = Linear(cfg.mlp_ratio * cfg.width, cfg.width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
@@ -194,18 +195,18 @@ class TransformerCaptioner(CaptionModel):
         D, V, E = cfg.width, cfg.vocab_size, cfg.embed_dim or cfg.width
         L = cfg.grid[0] * cfg.grid[1]
         # image side
-        self.img_proj = nn.Linear(cfg.feat_dim, D)  # ViT's patch embedding, or a CNN grid's projection
+        self.img_proj = Linear(cfg.feat_dim, D)  # ViT's patch embedding, or a CNN grid's projection
         self.img_pos = nn.Parameter(torch.zeros(L, D))
         # not named "encoder": checkpoints keep fine-tuned image-encoder tensors under "encoder."
         self.img_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
         self.ln_img = nn.LayerNorm(D)
         # word side
         self.embed = nn.Embedding(V, E)  # the trainer may load word vectors into it (GloVe)
-        self.embed_proj = nn.Linear(E, D, bias=False) if E != D else None
+        self.embed_proj = Linear(E, D, bias=False) if E != D else None
         self.pos = nn.Parameter(torch.zeros(cfg.max_positions, D))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         self.ln_f = nn.LayerNorm(D)
-        self.head = None if cfg.tie_embeddings else nn.Linear(D, V, bias=False)
+        self.head = None if cfg.tie_embeddings else Linear(D, V, bias=False)
         self.head_bias = nn.Parameter(torch.zeros(V))
         self.drop = nn.Dropout(cfg.dropout)
         self.attention_layer = cfg.attention_layer % cfg.decoder_layers
@@ -257,7 +258,8 @@ class TransformerCaptioner(CaptionModel):
             return self.head(x) + self.head_bias
         if self.embed_proj is not None:  # back from width to the embedding size
             x = x @ self.embed_proj.weight  # (B, T, E)
-        return x @ self.embed.weight.t() + self.head_bias  # (B, T, V)
+        y = packed_linear(x, self.embed.weight, self.head_bias)  # decoding in float32 on a CPU
+        return x @ self.embed.weight.t() + self.head_bias if y is None else y  # (B, T, V)
 
     # ---- the decoder step contract -------------------------------------------------------
     def prepare(self, feats: torch.Tensor) -> KVMemory:
