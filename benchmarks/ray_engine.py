@@ -1,7 +1,7 @@
 """The Ray engine against the local engine: ``captionkit caption FOLDER --jsonl`` on Flickr8k images,
 each engine as the user runs it (a fresh command, start-up included), in one run on this machine.
 
-    python benchmarks/ray_engine.py [--images N] [--model M] [--replicas R] [--threads T]
+    python benchmarks/ray_engine.py [--images N] [--model M] [--precision P] [--replicas R] [--threads T]
                                     [--old-src OLD/src]
 
 Prints, per engine: wall seconds (start-up included), images/s, the peak memory of all its
@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, help="--batch-size of both engines (default: their default, 16)")
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS for both engines (default: unset, torch's own)")
     ap.add_argument("--model", help="the model both engines run (default: the shipped default captioner)")
+    ap.add_argument("--precision", help="--precision of both engines (default: the command's, auto)")
     ap.add_argument("--old-src", type=Path, help="also run the Ray engine from this src/ (an older checkout's)")
     ap.add_argument("--only", choices=("local", "ray"), help="run one engine only (no ratios)")
     ap.add_argument("--no-costs", action="store_true", help="skip the per-image encoder/decoder costs")
@@ -103,6 +104,7 @@ def main() -> None:
     everything = sorted(FLICKR.glob("*.jpg"))
     images = everything[:args.images]
     print(f"{len(images)} Flickr8k images, model {args.model or 'the default'}, batch {args.batch_size or 16}, "
+          f"precision {args.precision or 'auto'}, "
           f"{os.cpu_count()} CPUs, OMP_NUM_THREADS={args.threads or 'unset'}, load average "
           f"{os.getloadavg()[0]:.1f} at start", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,7 +115,8 @@ def main() -> None:
         listing = [str(FLICKR)] if len(images) == len(everything) else list(map(str, images))
         base = [sys.executable, "-m", "captionkit.cli.main", "caption", *listing,
                 *(["--model", args.model] if args.model else []),
-                *(["--batch-size", str(args.batch_size)] if args.batch_size else [])]
+                *(["--batch-size", str(args.batch_size)] if args.batch_size else []),
+                *(["--precision", args.precision] if args.precision else [])]
         ray = ["--engine", "ray", *(["--replicas", str(args.replicas)] if args.replicas else [])]
         engines = [("local", [], ROOT / "src"), ("ray", ray, ROOT / "src")]
         if args.old_src:

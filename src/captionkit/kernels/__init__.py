@@ -14,7 +14,8 @@ For training, :class:`EnergyContext` wraps a batch's ``proj`` once, so that the 
 ``proj`` is accumulated in place across all time steps instead of being summed by autograd.
 The SAT decoder's fused training recurrence (models/sat_recurrence.py) runs the per-word kernels
 of ``recurrence.c`` and the few-row matmuls of ``gemm.c`` (:class:`RowProducts`), all in the same
-library.
+library; decoding's few-row products run ``gemm.c`` too (:func:`packed_linear`, through
+``models.base.Linear``).
 """
 
 from __future__ import annotations
