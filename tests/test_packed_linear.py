@@ -30,6 +30,12 @@ def test_packed_only_for_float32_cpu_inference():
         with kernels.plain_pytorch():
             assert kernels.packed_linear(x, w, b) is None
     assert kernels.packed_linear(x, w, b) is None  # gradient mode: autograd needs PyTorch's product
+    with torch.inference_mode():
+        assert kernels.packed_linear(x, w, b) is not None  # a weight made outside: packed
+        made_here = torch.randn(37, 19)  # an inference tensor: in-place changes go uncounted
+        assert kernels.packed_linear(x, made_here) is None
+        lin = Linear(19, 4)  # so a module built under inference_mode is nn.Linear, and works
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
 
 
 def test_a_row_does_not_depend_on_its_neighbours():

@@ -415,14 +415,17 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     case: float32 CPU tensors, no gradient asked for (decoding: a beam step's products have a
     few dozen rows, where MKL re-packs the weight at every call), no autocast, not traced or
     compiled, and the kernel preferred here (:func:`gemm_preferred`). The weight is packed on
-    its first use and kept until it changes in place or is freed. Each output row depends on
+    its first use and kept until it changes in place (as optimizers and ``load_state_dict``
+    change it: PyTorch counts those; a write through ``weight.data`` is not counted, and is not
+    seen), gets new storage, or is freed. Each output row depends on
     its own input row only (not on how many rows share the call), and its value is float32
     rounding away from PyTorch's (tested). Callers run their own PyTorch product on None."""
     if (torch.is_grad_enabled() or x.dtype != torch.float32 or weight.dtype != torch.float32
             or x.device.type != KERNEL_DEVICE or weight.device.type != KERNEL_DEVICE
             or (bias is not None and (bias.dtype != torch.float32 or bias.device.type != KERNEL_DEVICE))
             or torch.is_autocast_enabled(KERNEL_DEVICE) or torch.jit.is_tracing() or torch.compiler.is_compiling()
-            or weight.dim() != 2 or x.shape[-1] != weight.shape[1] or x.numel() == 0 or not gemm_preferred()):
+            or weight.dim() != 2 or x.shape[-1] != weight.shape[1] or x.numel() == 0 or not gemm_preferred()
+            or weight.is_inference()):  # made under inference_mode: no version counter to see a change by
         return None
     key = (weight._version, weight.data_ptr())
     entry = _packed_weights.get(weight)
