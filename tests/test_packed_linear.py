@@ -1,7 +1,8 @@
 """Decoding's products in gemm.c's packed kernel (kernels.packed_linear, models.base.Linear):
 when the kernel takes a product and when PyTorch keeps it, the values against PyTorch's, a row
-independent of the rows beside it, the weight packed again after it changes, and a decoder's
-captions and log-probabilities with the kernel against plain PyTorch."""
+independent of the rows beside it, the weight packed again after it changes, only models read
+for captioning packed (never one that trains), and a decoder's captions and log-probabilities
+with the kernel against plain PyTorch."""
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 from captionkit import kernels
 from captionkit.inference.decoding import beam_nbest, greedy
 from captionkit.models import create_model
-from captionkit.models.base import Linear
+from captionkit.models.base import Linear, pack_products
 
 pytestmark = pytest.mark.skipif(not kernels.gemm_preferred(), reason="gemm.c's packed kernel is not used here")
 
@@ -34,7 +35,7 @@ def test_packed_only_for_float32_cpu_inference():
         assert kernels.packed_linear(x, w, b) is not None  # a weight made outside: packed
         made_here = torch.randn(37, 19)  # an inference tensor: in-place changes go uncounted
         assert kernels.packed_linear(x, made_here) is None
-        lin = Linear(19, 4)  # so a module built under inference_mode is nn.Linear, and works
+        lin = pack_products(Linear(19, 4))  # so a module built under inference_mode is nn.Linear, and works
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
 
 
@@ -51,7 +52,7 @@ def test_a_row_does_not_depend_on_its_neighbours():
 
 
 def test_the_weight_is_packed_again_when_it_changes():
-    lin = Linear(16, 24)
+    lin = pack_products(Linear(16, 24))
     x = torch.randn(3, 16)
     with torch.no_grad():
         lin(x)  # packed now
@@ -85,7 +86,7 @@ def test_decoding_with_the_kernel_against_plain_pytorch(family):
             "dropout": 0.0} if family == "sat" else
            {"vocab_size": V, "feat_dim": 64, "width": 32, "heads": 2, "encoder_layers": 1,
             "decoder_layers": 2, "dropout": 0.0, "max_positions": 12, "grid": [3, 3]})
-    model = create_model(family, cfg).eval()
+    model = pack_products(create_model(family, cfg).eval())
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(3)  # sharper distributions: no near ties between the best words
@@ -103,3 +104,35 @@ def test_decoding_with_the_kernel_against_plain_pytorch(family):
                                    rtol=1e-5, atol=1e-5)
     assert [c.ids for c in packed_greedy] == [c.ids for c in plain_greedy]
     assert sum(len(c.ids) for c in plain_greedy) > 6  # the captions are words, not only <end>
+
+
+def test_only_models_read_for_captioning_are_packed():
+    """A model that trains changes its weights where PyTorch does not count it (fused Adam), so
+    a packed copy could go stale: nothing is packed until pack_products, and train() ends it."""
+    torch.manual_seed(0)
+    model = create_model("sat", {"vocab_size": 20, "feat_dim": 16, "embed_dim": 8, "hidden_dim": 12,
+                                 "attn_dim": 6, "dropout": 0.0})
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    feats = torch.randn(2, 4, 16)
+    greedy(model.eval(), feats, max_len=6)
+    assert model.out.weight not in kernels._packed_weights  # not declared done changing: PyTorch's
+    pack_products(model)
+    greedy(model, feats, max_len=6)
+    assert model.out.weight in kernels._packed_weights
+    version = model.out.weight._version
+    model.train()
+    assert not model.packed and not model.out.packed
+    loss = sum(p.sum() for p in model.parameters())
+    loss.backward()
+    opt.step()  # the weights move; PyTorch's version counter does not (fused Adam)
+    assert model.out.weight._version == version
+    with torch.no_grad():
+        after = model.eval().out(torch.ones(1, 8))
+        torch.testing.assert_close(after, F.linear(torch.ones(1, 8), model.out.weight, model.out.bias))
+
+
+def test_the_shipped_default_is_read_packed():
+    from captionkit.inference.captioner import Captioner
+    cap = Captioner.load(with_encoder=False, precision="fp32")
+    linears = [m for m in cap.decoder.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed for m in linears)

@@ -22,7 +22,7 @@ from ..data.tokenizers import Tokenizer, load_tokenizer
 from ..encoders import Encoder, create_encoder, load_finetuned
 from ..encoders.image_batches import PixelBatch, image_batches
 from ..models import CaptionModel, create_model
-from ..models.base import view_attention
+from ..models.base import pack_products, view_attention
 from .controls import MODEL_DEFAULTS, Controls, model_controls
 from .decoding import Caption, beam_nbest, decode_lists
 from .ensemble import (
@@ -73,6 +73,7 @@ def load_member(path: Path) -> Member:
         raise CheckpointError(f"{path}: vocabulary has {len(vocab)} words, model expects {decoder.cfg.vocab_size}")
     decoder_weights, encoder_tuned = split_weights(read_weights(path))
     load_into(decoder, decoder_weights, path)
+    pack_products(decoder)  # read for captioning: its float32 CPU products may use packed weights
     return Member(path, cfg, decoder, vocab, encoder_tuned)
 
 

@@ -49,15 +49,35 @@ from ..kernels import packed_linear
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose float32 CPU products in decoding run gemm.c's packed kernel
+    """nn.Linear whose float32 CPU products in decoding can run gemm.c's packed kernel
     (:func:`kernels.packed_linear`: a beam step's few dozen rows, where MKL re-packs the weight
-    at every call and ran at 55-90% of the packed kernel's speed at the default's shapes); with
-    a gradient, another dtype or device, under autocast or while traced it is nn.Linear. The
+    at every call and ran at 55-90% of the packed kernel's speed at the default's shapes), once
+    :func:`pack_products` has said that its weights are done changing; otherwise, and with a
+    gradient, another dtype or device, under autocast or while traced, it is nn.Linear. The
     parameters, their names and checkpoints are nn.Linear's."""
 
+    packed = False  # set by pack_products, cleared by train()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = packed_linear(x, self.weight, self.bias)
+        y = packed_linear(x, self.weight, self.bias) if self.packed else None
         return super().forward(x) if y is None else y
+
+    def train(self, mode: bool = True):
+        if mode:
+            self.packed = False
+        return super().train(mode)
+
+
+def pack_products(module: nn.Module) -> nn.Module:
+    """Declare ``module``'s weights done changing (a checkpoint read for captioning): its
+    :class:`Linear` layers, and the models that use ``packed_linear`` themselves, may keep a
+    packed copy of their weights from now until ``module.train()``. Not for a model that is
+    training: a packed copy is renewed when PyTorch counts an in-place change of its weight,
+    and the fused Adam optimizer's steps are not counted (torch 2.14)."""
+    for m in module.modules():
+        if isinstance(m, (Linear, CaptionModel)):
+            m.packed = True
+    return module
 
 
 class CaptionModel(nn.Module, metaclass=ABCMeta):
@@ -77,6 +97,14 @@ class CaptionModel(nn.Module, metaclass=ABCMeta):
     #: the names ``param_groups()`` can return: ``train.lr_groups`` is checked against them when
     #: the config is read, before a model is built
     GROUPS: ClassVar[tuple[str, ...]] = ("decoder",)
+    #: products outside a :class:`Linear` (a tied output layer) may use a packed weight copy:
+    #: set by :func:`pack_products`, cleared by ``train()``
+    packed = False
+
+    def train(self, mode: bool = True):
+        if mode:
+            self.packed = False
+        return super().train(mode)
 
     @classmethod
     def position_limit(cls, cfg: Any) -> int | None:

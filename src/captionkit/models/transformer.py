@@ -258,7 +258,7 @@ class TransformerCaptioner(CaptionModel):
             return self.head(x) + self.head_bias
         if self.embed_proj is not None:  # back from width to the embedding size
             x = x @ self.embed_proj.weight  # (B, T, E)
-        y = packed_linear(x, self.embed.weight, self.head_bias)  # decoding in float32 on a CPU
+        y = packed_linear(x, self.embed.weight, self.head_bias) if self.packed else None  # decoding, fp32 CPU
         return x @ self.embed.weight.t() + self.head_bias if y is None else y  # (B, T, V)
 
     # ---- the decoder step contract -------------------------------------------------------
