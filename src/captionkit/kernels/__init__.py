@@ -415,9 +415,10 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     case: float32 CPU tensors, no gradient asked for (decoding: a beam step's products have a
     few dozen rows, where MKL re-packs the weight at every call), no autocast, not traced or
     compiled, and the kernel preferred here (:func:`gemm_preferred`). The weight is packed on
-    its first use and kept until it changes in place (as optimizers and ``load_state_dict``
-    change it: PyTorch counts those; a write through ``weight.data`` is not counted, and is not
-    seen), gets new storage, or is freed. Each output row depends on
+    its first use and kept until it changes in place (as ``load_state_dict`` and PyTorch's
+    in-place operations change it, which PyTorch counts; the fused Adam optimizer's steps and
+    writes through ``weight.data`` are not counted, and not seen: callers pack only weights done
+    changing, ``models.base.pack_products``), gets new storage, or is freed. Each output row depends on
     its own input row only (not on how many rows share the call), and its value is float32
     rounding away from PyTorch's (tested). Callers run their own PyTorch product on None."""
     if (torch.is_grad_enabled() or x.dtype != torch.float32 or weight.dtype != torch.float32
