@@ -126,9 +126,25 @@ def test_only_models_read_for_captioning_are_packed():
     loss.backward()
     opt.step()  # the weights move; PyTorch's version counter does not (fused Adam)
     assert model.out.weight._version == version
+    assert model.out.weight not in kernels._packed_weights  # train() dropped the copies
     with torch.no_grad():
         after = model.eval().out(torch.ones(1, 8))
         torch.testing.assert_close(after, F.linear(torch.ones(1, 8), model.out.weight, model.out.bias))
+
+
+def test_a_declaration_packs_the_weights_as_they_are_now():
+    """pack_products drops copies made before it: a weight moved by fused Adam (not counted by
+    PyTorch) while the model was packed is packed afresh when the model is declared again."""
+    lin = pack_products(Linear(16, 24))
+    x = torch.ones(2, 16)
+    opt = torch.optim.Adam(lin.parameters(), lr=0.5, fused=True)
+    with torch.no_grad():
+        lin(x)  # packed
+    lin.weight.grad, lin.bias.grad = torch.ones(24, 16), torch.ones(24)
+    opt.step()  # moved without a train(): the version counter does not see it
+    pack_products(lin)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
 
 def test_the_shipped_default_is_read_packed():

@@ -201,11 +201,7 @@ def test_row_products_same_in_either_vector_width(tmp_path):
     subprocess.run([cc, "-O3", "-ffast-math", "-march=native", "-mno-avx512f", "-fopenmp", "-fPIC", "-c",
                     str(src), "-o", str(obj)], check=True)
     subprocess.run([cc, "-shared", "-fopenmp", str(obj), "-o", str(so)], check=True)
-    avx2 = ctypes.CDLL(str(so))
-    P, L_, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    avx2.gemm_panel.restype = I
-    avx2.pack_panels.argtypes = [P, L_, I, L_, L_, P, I]
-    avx2.gemm_packed.argtypes = [P, L_, L_, L_, P, L_, P, P, L_, P, L_, I]
+    avx2 = kernels.declare_gemm(ctypes.CDLL(str(so)))
     assert avx2.gemm_panel() == 24
     g = torch.Generator().manual_seed(3)
     for M, K, N in [(32, 2561, 100), (13, 300, 49), (70, 129, 25), (1, 7, 3)]:

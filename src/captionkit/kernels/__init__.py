@@ -98,12 +98,20 @@ def _load():
     lib.attend_fwd_half.argtypes = [P, P, P, L_, P, P, P, P, P, P, L_, L_, L_, L_, I]
     lib.attend_bwd_half.argtypes = [P, P, P, P, P, P, P, P, P, L_, P, P, P, P, L_, L_, L_, L_, I]
     lib.attend_bwd_half.restype = I
+    declare_gemm(lib)
+    _lib = lib
+    return lib
+
+
+def declare_gemm(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """gemm.c's functions' ctypes signatures on ``lib`` (the kernels' library, or a build of
+    gemm.c alone, as a test compiles it for another vector width)."""
+    P, L_, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     lib.gemm_supported.restype = I
     lib.gemm_preferred.restype = I
     lib.gemm_panel.restype = I
     lib.pack_panels.argtypes = [P, L_, I, L_, L_, P, I]
     lib.gemm_packed.argtypes = [P, L_, L_, L_, P, L_, P, P, L_, P, L_, I]
-    _lib = lib
     return lib
 
 
@@ -439,3 +447,10 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty(rows.shape[0], weight.shape[0])
     entry[1](rows, out, bias=None if bias is None else bias.contiguous())
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def unpack(weights) -> None:
+    """Drop the packed copies of ``weights`` (an iterable of tensors) that :func:`packed_linear`
+    keeps: their memory, and any copy PyTorch's version counter could not tell is stale."""
+    for w in weights:
+        _packed_weights.pop(w, None)

@@ -45,10 +45,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.vocab import Vocab
-from ..kernels import packed_linear
+from ..kernels import packed_linear, unpack
 
 
-class Linear(nn.Linear):
+class Packable(nn.Module):
+    """A module whose float32 CPU products may use packed copies of its weights
+    (:func:`kernels.packed_linear`) while ``packed`` is set: by :func:`pack_products`, for a
+    model read to caption with. ``train()`` clears it and drops the copies."""
+
+    packed = False
+
+    def train(self, mode: bool = True):
+        if mode:
+            self.packed = False
+            unpack(self.parameters())
+        return super().train(mode)
+
+
+class Linear(Packable, nn.Linear):
     """nn.Linear whose float32 CPU products in decoding can run gemm.c's packed kernel
     (:func:`kernels.packed_linear`: a beam step's few dozen rows, where MKL re-packs the weight
     at every call and ran at 55-90% of the packed kernel's speed at the default's shapes), once
@@ -56,31 +70,27 @@ class Linear(nn.Linear):
     gradient, another dtype or device, under autocast or while traced, it is nn.Linear. The
     parameters, their names and checkpoints are nn.Linear's."""
 
-    packed = False  # set by pack_products, cleared by train()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = packed_linear(x, self.weight, self.bias) if self.packed else None
         return super().forward(x) if y is None else y
 
-    def train(self, mode: bool = True):
-        if mode:
-            self.packed = False
-        return super().train(mode)
-
 
 def pack_products(module: nn.Module) -> nn.Module:
     """Declare ``module``'s weights done changing (a checkpoint read for captioning): its
-    :class:`Linear` layers, and the models that use ``packed_linear`` themselves, may keep a
-    packed copy of their weights from now until ``module.train()``. Not for a model that is
-    training: a packed copy is renewed when PyTorch counts an in-place change of its weight,
-    and the fused Adam optimizer's steps are not counted (torch 2.14)."""
+    :class:`Packable` parts (:class:`Linear` layers, and caption models, whose tied output
+    layers call ``packed_linear`` themselves) may keep packed copies of their weights from now
+    until ``module.train()``. Copies made before are dropped, so a declaration always packs the
+    weights as they are now. Not for a model that is training: a packed copy is renewed when
+    PyTorch counts an in-place change of its weight, and the fused Adam optimizer's steps are
+    not counted (torch 2.14)."""
+    unpack(module.parameters())
     for m in module.modules():
-        if isinstance(m, (Linear, CaptionModel)):
+        if isinstance(m, Packable):
             m.packed = True
     return module
 
 
-class CaptionModel(nn.Module, metaclass=ABCMeta):
+class CaptionModel(Packable, metaclass=ABCMeta):
     """The contract of a caption family (see the module docstring)."""
 
     family: ClassVar[str]  # the registered name (set by register_family)
@@ -97,14 +107,8 @@ class CaptionModel(nn.Module, metaclass=ABCMeta):
     #: the names ``param_groups()`` can return: ``train.lr_groups`` is checked against them when
     #: the config is read, before a model is built
     GROUPS: ClassVar[tuple[str, ...]] = ("decoder",)
-    #: products outside a :class:`Linear` (a tied output layer) may use a packed weight copy:
-    #: set by :func:`pack_products`, cleared by ``train()``
-    packed = False
-
-    def train(self, mode: bool = True):
-        if mode:
-            self.packed = False
-        return super().train(mode)
+    # (Packable's ``packed``: products outside a Linear, a tied output layer, may use a packed
+    # weight copy while it is set)
 
     @classmethod
     def position_limit(cls, cfg: Any) -> int | None:
