@@ -15,6 +15,7 @@ Scores are unscaled (0..1, CIDEr 0..10); :func:`format_scores` prints them x100.
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import sys
 import threading
@@ -307,7 +308,10 @@ def meteor_from_stats(stats: list[str], weights: np.ndarray) -> np.ndarray:
         f_mean = 1.0 / (((1.0 - alpha) / precision) + (alpha / recall))
         identical = (t_tot == t_len) & (r_tot == r_len) & (chunks == 1)
         frag = np.where(identical, 0.0, chunks / ((t_tot + r_tot) / 2))
-        score = f_mean * (1.0 - gamma * np.power(frag, beta))
+        # frag ** beta by the C library's pow, one number at a time, as the jar's Math.pow gives
+        # it: numpy's vectorised power (its AVX-512 loop) can differ from it in the last bit
+        penalty = np.array([math.pow(f, beta) for f in frag.tolist()], dtype=np.float64)
+        score = f_mean * (1.0 - gamma * penalty)
     return np.where(np.isnan(score), 0.0, np.maximum(score, 0.0))
 
 
