@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..core.errors import UserError
 from .base import Encoder, Preprocess, WeightsUnavailable, load_state_file, register_encoder
 
@@ -142,6 +143,19 @@ def _conv_relu6(conv: nn.Conv2d, x: torch.Tensor, dtype: torch.dtype,
                        list(conv.dilation), conv.groups, "hardtanh", [0.0, 6.0], "")
 
 
+# Where a block's expanded map is large (a view's, float32), its expansion and depthwise
+# convolution run as one pass of conv.c (kernels.expand_depthwise), which keeps a few rows of
+# that map in cache instead of writing it all and reading it back, and adds in oneDNN's order
+# (the same features, bit for bit where measured); on smaller maps oneDNN's wide 1x1
+# convolutions were mostly the faster (docs/speed.md, benchmarks/encoder_blocks.py).
+RING_MIN_BYTES = 1 << 20
+
+
+def _ring_pays(x: torch.Tensor, expanded: int) -> bool:
+    """Does the one-pass expansion pay on ``x`` (N, C, H, W) expanded to ``expanded`` channels?"""
+    return x.shape[-2] * x.shape[-1] * expanded * 4 >= RING_MIN_BYTES
+
+
 class MBConv(nn.Module):
     """Inverted residual: 1x1 expand -> depthwise kxk -> 1x1 project (+ identity)."""
 
@@ -181,6 +195,20 @@ class MBConv(nn.Module):
         """forward() in fused passes in ``dtype`` (fused_dtype), BatchNorms folded."""
         dw = self._depthwise_conv
         pads = dw.same_padding(*x.shape[-2:])  # top, left, bottom, right
+        y = None
+        if self.expand and dtype == torch.float32 and _ring_pays(x, self._expand_conv.out_channels):
+            y = kernels.expand_depthwise(x, self._expand_conv.weight, self._expand_conv.bias, dw.weight, dw.bias,
+                                         dw.stride[0], pads)
+        if y is None:
+            y = self._expand_depthwise(x, dtype, pads)
+        # the projection without a fused residual sum: oneDNN's fused sum rounded otherwise on
+        # small maps (a photo alone, 9x9 locations), and in bf16 it skips a rounding
+        y = F.conv2d(y, self._project_conv.weight.to(dtype), self._project_conv.bias.to(dtype))
+        return y.add_(x) if self.residual else y
+
+    def _expand_depthwise(self, x: torch.Tensor, dtype: torch.dtype, pads: tuple[int, int, int, int]) -> torch.Tensor:
+        """The expansion and the depthwise convolution in oneDNN's fused passes."""
+        dw = self._depthwise_conv
         symmetric = pads[:2] == pads[2:]
         y = x
         if not symmetric:
@@ -193,11 +221,7 @@ class MBConv(nn.Module):
             y = _conv_relu6(self._expand_conv, y, dtype)
             if not symmetric:
                 _zero_border(y, *pads)
-        y = _conv_relu6(dw, y, dtype, pads[:2] if symmetric else (0, 0))
-        # the projection without a fused residual sum: oneDNN's fused sum rounded otherwise on
-        # small maps (a photo alone, 9x9 locations), and in bf16 it skips a rounding
-        y = F.conv2d(y, self._project_conv.weight.to(dtype), self._project_conv.bias.to(dtype))
-        return y.add_(x) if self.residual else y
+        return _conv_relu6(dw, y, dtype, pads[:2] if symmetric else (0, 0))
 
 
 class EfficientNetLite(Encoder):

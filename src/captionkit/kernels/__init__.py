@@ -15,7 +15,8 @@ For training, :class:`EnergyContext` wraps a batch's ``proj`` once, so that the 
 The SAT decoder's fused training recurrence (models/sat_recurrence.py) runs the per-word kernels
 of ``recurrence.c`` and the few-row matmuls of ``gemm.c`` (:class:`RowProducts`), all in the same
 library; decoding's few-row products run ``gemm.c`` too (:func:`packed_linear`, through
-``models.base.Linear``).
+``models.base.Linear``), and EfficientNet-Lite's large blocks ``conv.c``
+(:func:`expand_depthwise`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 
 from ..core.cache import cache_dir
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("attention.c", "recurrence.c", "gemm.c")]  # one library
+_SOURCES = [Path(__file__).with_name(n) for n in ("attention.c", "recurrence.c", "gemm.c", "conv.c")]  # one library
 _lib = None
 _tried = False
 _plain = 0  # > 0 inside ``plain_pytorch()``
@@ -99,6 +100,9 @@ def _load():
     lib.attend_bwd_half.argtypes = [P, P, P, P, P, P, P, P, P, L_, P, P, P, P, L_, L_, L_, L_, I]
     lib.attend_bwd_half.restype = I
     declare_gemm(lib)
+    lib.expand_dw_supported.restype = I
+    lib.expand_dw.argtypes = [P, L_, L_, L_, L_, P, P, P, P, L_, I, I, I, I, L_, L_, P, I]
+    lib.expand_dw.restype = I
     _lib = lib
     return lib
 
@@ -454,3 +458,33 @@ def unpack(weights) -> None:
     keeps: their memory, and any copy PyTorch's version counter could not tell is stale."""
     for w in weights:
         _packed_weights.pop(w, None)
+
+
+# ---- an inverted-residual block's expansion and depthwise convolution in one pass (conv.c) ----
+
+def expand_depthwise(x: torch.Tensor, w_expand: torch.Tensor, b_expand: torch.Tensor, w_dw: torch.Tensor,
+                     b_dw: torch.Tensor, stride: int, pads: tuple[int, int, int, int]) -> torch.Tensor | None:
+    """relu6(depthwise(relu6(conv1x1(x, w_expand) + b_expand)) + b_dw) of ``x`` (N, C, H, W) in
+    channels_last, by conv.c, without the expanded map ever whole in memory; the result (N, M,
+    Ho, Wo) in channels_last. ``w_expand`` (M, C, 1, 1) and ``w_dw`` (M, 1, k, k) as nn.Conv2d
+    holds them; ``pads`` (top, left, bottom, right) the expanded map's zeros ("SAME" padding).
+    None where this is not the kernel's case (float32 CPU tensors, no gradient asked for, not
+    traced or compiled, k 3 or 5, M a multiple of 24, the kernels built with AVX2 and FMA):
+    the caller runs its own convolutions. Float32 rounding away from them (tested)."""
+    n, c, h, w = x.shape
+    m, k = w_expand.shape[0], w_dw.shape[-1]
+    if (torch.is_grad_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling()
+            or any(t.dtype != torch.float32 or t.device.type != KERNEL_DEVICE for t in (x, w_expand, b_expand, w_dw, b_dw))
+            or not x.is_contiguous(memory_format=torch.channels_last) or k not in (3, 5) or m % 24
+            or not kernel_available() or not _load().expand_dw_supported()):
+        return None
+    top, left, bottom, right = pads
+    ho, wo = (h + top + bottom - k) // stride + 1, (w + left + right - k) // stride + 1
+    we = w_expand.reshape(m, c).t().contiguous()  # (C, M)
+    wd = w_dw.reshape(m, k * k).t().contiguous()  # (k*k, M)
+    y = torch.empty(n, m, ho, wo, memory_format=torch.channels_last)
+    rc = _load().expand_dw(_ptr(x), n, h, w, c, _ptr(we), _ptr(b_expand.contiguous()), _ptr(wd),
+                           _ptr(b_dw.contiguous()), m, k, stride, top, left, ho, wo, _ptr(y), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("expand_depthwise: conv.c could not allocate its row buffers")
+    return y
