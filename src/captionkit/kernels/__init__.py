@@ -470,9 +470,14 @@ def expand_depthwise(x: torch.Tensor, w_expand: torch.Tensor, b_expand: torch.Te
     holds them; ``pads`` (top, left, bottom, right) the expanded map's zeros ("SAME" padding).
     None where this is not the kernel's case (float32 CPU tensors, no gradient asked for, not
     traced or compiled, k 3 or 5, M a multiple of 24, the kernels built with AVX2 and FMA):
-    the caller runs its own convolutions. Float32 rounding away from them (tested)."""
+    the caller runs its own convolutions. It adds in the order oneDNN's convolutions add: their
+    values bit for bit where measured (conv.c), tested to float32 rounding."""
     n, c, h, w = x.shape
     m, k = w_expand.shape[0], w_dw.shape[-1]
+    if w_expand.shape != (m, c, 1, 1) or w_dw.shape != (m, 1, k, k) or b_expand.shape != (m,) or b_dw.shape != (m,):
+        raise ValueError(f"expand_depthwise: weights {tuple(w_expand.shape)}, {tuple(w_dw.shape)} and biases "
+                         f"{tuple(b_expand.shape)}, {tuple(b_dw.shape)} are not a {c} -> M expansion and an M-channel "
+                         "depthwise convolution")
     if (torch.is_grad_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling()
             or any(t.dtype != torch.float32 or t.device.type != KERNEL_DEVICE for t in (x, w_expand, b_expand, w_dw, b_dw))
             or not x.is_contiguous(memory_format=torch.channels_last) or k not in (3, 5) or m % 24
@@ -485,6 +490,8 @@ def expand_depthwise(x: torch.Tensor, w_expand: torch.Tensor, b_expand: torch.Te
     y = torch.empty(n, m, ho, wo, memory_format=torch.channels_last)
     rc = _load().expand_dw(_ptr(x), n, h, w, c, _ptr(we), _ptr(b_expand.contiguous()), _ptr(wd),
                            _ptr(b_dw.contiguous()), m, k, stride, top, left, ho, wo, _ptr(y), torch.get_num_threads())
-    if rc != 0:
+    if rc == -1:
         raise MemoryError("expand_depthwise: conv.c could not allocate its row buffers")
+    if rc != 0:
+        raise RuntimeError(f"expand_depthwise: conv.c refused k={k}, M={m} ({rc}), which the checks above admit")
     return y
