@@ -40,7 +40,8 @@ def test_the_two_convolutions_to_float32_rounding(c, m, k, s, h, w):
     maps smaller than the kernel, both kernel sizes and strides; values around ReLU6's bounds."""
     we, be, wd, bd = block(c, m, k)
     x = (torch.randn(3, c, h, w) * 3).contiguous(memory_format=torch.channels_last)
-    pads = (*same_pads(h, k, s)[:1], *same_pads(w, k, s)[:1], same_pads(h, k, s)[1], same_pads(w, k, s)[1])
+    (top, bottom), (left, right) = same_pads(h, k, s), same_pads(w, k, s)
+    pads = (top, left, bottom, right)
     with torch.no_grad():
         got = kernels.expand_depthwise(x, we, be, wd, bd, s, pads)
     want = reference(x, we, be, wd, bd, s, pads)
