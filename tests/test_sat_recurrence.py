@@ -194,8 +194,7 @@ def test_row_products_same_in_either_vector_width(tmp_path):
         pytest.skip("the CPU has no AVX-512: only the AVX2 tile is built here")
     cc = shutil.which("cc") or shutil.which("gcc")
     so, obj = tmp_path / "gemm_avx2.so", tmp_path / "gemm_avx2.o"
-    src = kernels._SOURCES[-1]
-    assert src.name == "gemm.c"
+    src = next(s for s in kernels._SOURCES if s.name == "gemm.c")
     # compiled as the loader does, with -ffast-math but linked without it (with it, loading the
     # library would set flush-to-zero for this whole test process)
     subprocess.run([cc, "-O3", "-ffast-math", "-march=native", "-mno-avx512f", "-fopenmp", "-fPIC", "-c",
