@@ -84,6 +84,8 @@ def test_not_the_kernels_case_is_left_to_the_caller():
         we7, be7, wd7, bd7 = block(8, 48, 7)
         assert kernels.expand_depthwise(x, we7, be7, wd7, bd7, 1, (3, 3, 3, 3)) is None
     assert kernels.expand_depthwise(x, *args) is None  # autograd on: the caller's convolutions
+    with torch.no_grad():  # no images: an empty result, as oneDNN's
+        assert kernels.expand_depthwise(x[:0], *args).shape == (0, 48, 9, 9)
     with torch.no_grad(), pytest.raises(ValueError, match="depthwise"):  # a caller's bug: loud
         kernels.expand_depthwise(x, we, be, torch.randn(48, 2, 3, 3), bd, 1, (1, 1, 1, 1))
 

@@ -151,6 +151,7 @@ int expand_dw(const float *x, long N, long H, long W, long C, const float *we, c
               const float *wd, const float *bd, long M, int K, int s, int pt, int pl, long Ho, long Wo,
               float *y, int nthreads) {
     if (M % 24 != 0 || (K != 3 && K != 5)) return -2;
+    if (N <= 0 || Ho <= 0 || Wo <= 0) return 0;  /* nothing to write */
     const long parts = N >= nthreads ? 1 : (nthreads + N - 1) / N;  /* row ranges an image */
     const long jobs = N * parts;
     int failed = 0;
