@@ -66,9 +66,11 @@ def test_caption_engine_ray_loads_no_model_in_the_driver(picky_models, tmp_path,
     assert isinstance(seen["load"](), Captioner) and len(loaded) == 1  # what each replica calls
 
 
-def test_the_driver_of_engine_ray_imports_no_torch(picky_models, tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--precision", "fp32"]])
+def test_the_driver_of_engine_ray_imports_no_torch(picky_models, tmp_path, extra):
     """torch costs ~300 MiB of private memory in each process that imports it (this build):
-    the driver of --engine ray, which only lists paths and writes captions, goes without."""
+    the driver of --engine ray, which only lists paths and writes captions, goes without, with
+    --precision given too (the replicas resolve it; the driver did, importing torch)."""
     import os
     import subprocess
     import sys
@@ -82,7 +84,7 @@ def test_the_driver_of_engine_ray_imports_no_torch(picky_models, tmp_path):
         "engine.caption_with_ray = lambda *a, **k: iter(())  # the driver's side only\n"
         "from captionkit.cli.main import main\n"
         f"main(['caption', {str(photo)!r}, '--model', {str(picky_models[0])!r}, '--engine', 'ray',"
-        f" '--jsonl', {str(tmp_path / 'o.jsonl')!r}])\n"
+        f" '--jsonl', {str(tmp_path / 'o.jsonl')!r}, *{extra!r}])\n"
         "print('torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})

@@ -392,9 +392,10 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
     if not onnx:
         _check_model_folders(model)
     asked_precision = precision  # (resolved below for this machine; Ray's replicas resolve it for theirs)
-    # an explicit device is checked anyway; Ray's replicas resolve their own (the driver of
-    # --engine ray need not import torch: ~300 MiB of private memory with this build)
-    if (writer.readable and engine == "local") or device != "auto" or precision != "auto":
+    # an explicit device is checked anyway; Ray's replicas resolve their own, and their own
+    # precision (the driver of --engine ray need not import torch: ~300 MiB of private memory
+    # with this build; --precision's spelling is argparse's)
+    if (engine == "local" and (writer.readable or precision != "auto")) or device != "auto":
         where, precision = _device("cpu" if onnx else device, precision)
         if engine == "local":  # (Ray's replicas resolve their own)
             # bf16/fp16 captions differ from fp32 ones: a resumed file keeps to one (recorded when
