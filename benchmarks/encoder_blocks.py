@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,19 +22,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from timing import min_time  # noqa: E402
+
 from captionkit import kernels  # noqa: E402
 from captionkit.cli.main import tune_allocator  # noqa: E402
 from captionkit.encoders.efficientnet_lite import MBConv, _ring_pays, efficientnet_lite2  # noqa: E402
 
 
 def best_ms(f, views: int, repeats: int) -> float:
+    """The fastest of ``repeats`` calls after one unmeasured, in ms a view."""
     f()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3 / views
+    return min_time(f, repeats) * 1e3 / views
 
 
 def one_pass(block: MBConv, x: torch.Tensor) -> torch.Tensor:
