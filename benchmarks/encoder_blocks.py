@@ -36,9 +36,7 @@ def best_ms(f, views: int, repeats: int) -> float:
 
 
 def one_pass(block: MBConv, x: torch.Tensor) -> torch.Tensor:
-    dw = block._depthwise_conv
-    return kernels.expand_depthwise(x, block._expand_conv.weight, block._expand_conv.bias, dw.weight, dw.bias,
-                                    dw.stride[0], dw.same_padding(*x.shape[-2:]))
+    return block._one_pass(x, block._depthwise_conv.same_padding(*x.shape[-2:]))
 
 
 def onednn(block: MBConv, x: torch.Tensor) -> torch.Tensor:
@@ -54,7 +52,7 @@ def main() -> None:
     args = ap.parse_args()
     tune_allocator()
     torch.set_num_threads(args.threads)
-    if not (kernels.kernel_available() and kernels._load().expand_dw_supported()):
+    if not kernels.expand_depthwise_available():
         sys.exit("conv.c's kernel is not built here (needs a C compiler, AVX2 and FMA)")
     enc = efficientnet_lite2()
     if args.photos:

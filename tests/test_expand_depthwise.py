@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from captionkit import kernels
 from captionkit.encoders import create_encoder, efficientnet_lite
 
-pytestmark = pytest.mark.skipif(not (kernels.kernel_available() and kernels._load().expand_dw_supported()),
+pytestmark = pytest.mark.skipif(not kernels.expand_depthwise_available(),
                                 reason="conv.c's kernel is not built here (needs AVX2 and FMA)")
 
 

@@ -197,14 +197,20 @@ class MBConv(nn.Module):
         pads = dw.same_padding(*x.shape[-2:])  # top, left, bottom, right
         y = None
         if self.expand and dtype == torch.float32 and _ring_pays(x, self._expand_conv.out_channels):
-            y = kernels.expand_depthwise(x, self._expand_conv.weight, self._expand_conv.bias, dw.weight, dw.bias,
-                                         dw.stride[0], pads)
+            y = self._one_pass(x, pads)
         if y is None:
             y = self._expand_depthwise(x, dtype, pads)
         # the projection without a fused residual sum: oneDNN's fused sum rounded otherwise on
         # small maps (a photo alone, 9x9 locations), and in bf16 it skips a rounding
         y = F.conv2d(y, self._project_conv.weight.to(dtype), self._project_conv.bias.to(dtype))
         return y.add_(x) if self.residual else y
+
+    def _one_pass(self, x: torch.Tensor, pads: tuple[int, int, int, int]) -> torch.Tensor | None:
+        """The expansion and the depthwise convolution in conv.c's one pass, float32 (None where
+        that is not the kernel's case: kernels.expand_depthwise)."""
+        dw = self._depthwise_conv
+        return kernels.expand_depthwise(x, self._expand_conv.weight, self._expand_conv.bias, dw.weight, dw.bias,
+                                        dw.stride[0], pads)
 
     def _expand_depthwise(self, x: torch.Tensor, dtype: torch.dtype, pads: tuple[int, int, int, int]) -> torch.Tensor:
         """The expansion and the depthwise convolution in oneDNN's fused passes."""

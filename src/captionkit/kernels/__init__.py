@@ -462,6 +462,12 @@ def unpack(weights) -> None:
 
 # ---- an inverted-residual block's expansion and depthwise convolution in one pass (conv.c) ----
 
+def expand_depthwise_available() -> bool:
+    """Does :func:`expand_depthwise` run conv.c here? Where the kernels load and were built with
+    AVX2 and FMA."""
+    return kernel_available() and bool(_load().expand_dw_supported())
+
+
 def expand_depthwise(x: torch.Tensor, w_expand: torch.Tensor, b_expand: torch.Tensor, w_dw: torch.Tensor,
                      b_dw: torch.Tensor, stride: int, pads: tuple[int, int, int, int]) -> torch.Tensor | None:
     """relu6(depthwise(relu6(conv1x1(x, w_expand) + b_expand)) + b_dw) of ``x`` (N, C, H, W) in
@@ -481,7 +487,7 @@ def expand_depthwise(x: torch.Tensor, w_expand: torch.Tensor, b_expand: torch.Te
     if (torch.is_grad_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling()
             or any(t.dtype != torch.float32 or t.device.type != KERNEL_DEVICE for t in (x, w_expand, b_expand, w_dw, b_dw))
             or not x.is_contiguous(memory_format=torch.channels_last) or k not in (3, 5) or m % 24
-            or not kernel_available() or not _load().expand_dw_supported()):
+            or not expand_depthwise_available()):
         return None
     top, left, bottom, right = pads
     ho, wo = (h + top + bottom - k) // stride + 1, (w + left + right - k) // stride + 1
