@@ -137,13 +137,7 @@ def score(args) -> None:
         row("the beam's caption", {n: cs[0][0] for n, cs in zip(names, lists)})
         return
     if args.oracle:  # the ceiling of choosing among these lists: each photo's best by CIDEr-D against its references
-        per = []
-        for k in range(max(map(len, lists))):
-            r = score_captions({n: cs[min(k, len(cs) - 1)][0] for n, cs in zip(names, lists)}, refs,
-                               metrics=("cider",), tokenizer="java", quiet=True)
-            cider = dict(zip(r.images, r.per_image["CIDEr"]))
-            per.append([cider[n] for n in names])
-        best = torch.tensor(per).argmax(0).tolist()
+        best = [max(range(len(c)), key=c.__getitem__) for c in _candidate_ciders(names, lists, refs)]
         print(f"{args.lists.name}: | BLEU-4 METEOR ROUGE-L CIDEr-D | vocabulary distinct length repeated")
         row("the references' choice (CIDEr-D)", {n: cs[min(i, len(cs) - 1)][0] for n, cs, i in zip(names, lists, best)})
         return
@@ -168,14 +162,13 @@ def score(args) -> None:
 
 
 def _knn_consensus(args, names: list[str], lists: list, pooled: torch.Tensor) -> list[list[float]]:
-    """Each listed caption's CIDEr-D (coco-caption's scorer, x10 per image as it reports them)
-    against the captions of its photo's ``args.knn`` nearest training photos (cosine of the
-    mean-pooled rows the matcher reads), the pseudo-references of consensus reranking (Devlin et
-    al. 2015); ``score`` adds it to the probability as it adds a discriminability."""
+    """Each listed caption's CIDEr-D (:func:`_candidate_ciders`) against the captions of its
+    photo's ``args.knn`` nearest training photos (cosine of the mean-pooled rows the matcher
+    reads), the pseudo-references of consensus reranking (Devlin et al. 2015); ``score`` adds it
+    to the probability as it adds a discriminability."""
     from captionkit.data.datasets import load_dataset
     from captionkit.encoders import create_encoder
     from captionkit.encoders.features import build_features
-    from captionkit.scoring.evaluation import score_captions
     from captionkit.training.matcher import pooled_rows
 
     ds = load_dataset(args.dataset)
@@ -185,9 +178,18 @@ def _knn_consensus(args, names: list[str], lists: list, pooled: torch.Tensor) ->
     bank = torch.nn.functional.normalize(pooled_rows(store, [it.name for it in train]).float(), dim=1)  # (T, D)
     near = (torch.nn.functional.normalize(pooled.float(), dim=1) @ bank.t()).topk(args.knn, dim=1).indices
     pseudo = {n: [c for j in near[i].tolist() for c in train[j].raw] for i, n in enumerate(names)}
+    return _candidate_ciders(names, lists, pseudo)
+
+
+def _candidate_ciders(names: list[str], lists: list, refs: dict[str, list[str]]) -> list[list[float]]:
+    """Each listed caption's CIDEr-D against its photo's ``refs``, per image as coco-caption's
+    scorer gives it (PTB tokens): the k-th captions of all photos scored together, so the
+    document frequencies are those of the photos' references."""
+    from captionkit.scoring.evaluation import score_captions
+
     out = [[0.0] * len(cs) for cs in lists]
     for k in range(max(map(len, lists))):
-        r = score_captions({n: cs[min(k, len(cs) - 1)][0] for n, cs in zip(names, lists)}, pseudo,
+        r = score_captions({n: cs[min(k, len(cs) - 1)][0] for n, cs in zip(names, lists)}, refs,
                            metrics=("cider",), tokenizer="java", quiet=True)
         cider = dict(zip(r.images, r.per_image["CIDEr"]))
         for i, (n, cs) in enumerate(zip(names, lists)):
