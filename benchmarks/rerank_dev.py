@@ -43,10 +43,11 @@ sys.path.insert(0, str(ROOT / "src"))
 FLICKR = ROOT.parent / "shared" / "data" / "flickr8k"
 
 
-def _zoom_views(cap, zoom: float) -> None:
-    """Make ``cap`` (a flip-averaged captioner) read four views: the photo, its mirror image, its
-    centre ``zoom`` of each side enlarged back to the input size, and that crop's mirror image,
-    each member once per view at a quarter of its weight (with_flip_views' averaging, widened)."""
+def _zoom_views(cap, share: float) -> None:
+    """Make ``cap`` (a flip-averaged captioner) read four views (:func:`_encode_views`): the photo,
+    its mirror image, a centre crop and that crop's mirror image, each member once per view; the
+    crop's two views hold ``share`` of each member's weight (0.5: a quarter each; with_flip_views'
+    averaging, widened)."""
     from captionkit.inference.ensemble import EnsembleDecoder
 
     dec = cap.decoder
@@ -54,7 +55,8 @@ def _zoom_views(cap, zoom: float) -> None:
         sys.exit("--zoom adds views to flip averaging: give a model that decodes with --tta flip")
     m = len(dec.members) // 2  # with_flip_views lists the members for view 0, then again for view 1
     members, weights = list(dec.members)[:m], [2 * w for w in dec.weights[:m]]
-    cap.decoder = EnsembleDecoder(members * 4, [w / 4 for w in weights] * 4, dec.combine,
+    per_view = [(1 - share) / 2, (1 - share) / 2, share / 2, share / 2]
+    cap.decoder = EnsembleDecoder(members * 4, [w * v for v in per_view for w in weights], dec.combine,
                                   views=[v for v in range(4) for _ in range(m)])
 
 
@@ -84,7 +86,7 @@ def dump(args) -> None:
     tune_allocator()
     cap = Captioner.load(args.model, device="cpu", precision="fp32")
     if args.zoom is not None:
-        _zoom_views(cap, args.zoom)
+        _zoom_views(cap, args.zoom_share)
     items = load_dataset(args.dataset).split("dev")
     feats, pooled = [], []
     for batch in image_batches([it.path for it in items], cap.encoder.preprocess, 16, 1, cap.device):
@@ -98,7 +100,8 @@ def dump(args) -> None:
               "pooled": torch.cat(pooled).tolist()}  # (N, D)
     rules = {k: v for k, v in (("rare_word_bonus", args.rare_word_bonus), ("min_words", args.min_words))
              if v is not None}
-    tag = "".join(f"_{k}_{v:g}" for k, v in (("zoom", args.zoom), *rules.items()) if v is not None)
+    share = None if args.zoom is None or args.zoom_share == 0.5 else args.zoom_share
+    tag = "".join(f"_{k}_{v:g}" for k, v in (("zoom", args.zoom), ("share", share), *rules.items()) if v is not None)
     for n in args.nbest:
         G, strength = args.beam_groups, args.diversity_strength
         c = cap.controls_for(None, n, beam_groups=G, diversity_strength=strength, **rules)
@@ -307,6 +310,7 @@ def main() -> None:
     a.add_argument("--diversity-strength", type=float, default=0.5)
     a.add_argument("--zoom", type=float, help="two more views: the centre crop of this share of each side, "
                    "and its mirror image (a model with --tta flip)")
+    a.add_argument("--zoom-share", type=float, default=0.5, help="the crop's two views' share of the weight")
     a.add_argument("--rare-word-bonus", type=float, help="in place of the model's own")
     a.add_argument("--min-words", type=int, help="in place of the model's own")
     s = sub.add_parser("score")
