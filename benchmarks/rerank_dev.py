@@ -11,6 +11,7 @@ match --matcher DIR --match-weight W` chooses (docs/decoding-controls.md).
     python benchmarks/rerank_dev.py score --lists DIR/dev_nbest_3.json --oracle
     python benchmarks/rerank_dev.py dump --out DIR --nbest 6 --beam-groups 3 [--diversity-strength 0.5]
     python benchmarks/rerank_dev.py score --lists DIR/dev_nbest_3.json --knn 10 --weights 0.1,1
+    python benchmarks/rerank_dev.py score --lists ... --matcher ... --weights 0.08 --captions-out DIR   # for score --compare
 
 ``dump``: the shipped default, or ``--model`` (its rules, flips, beam N = n-best N, fp32,
 batches of 16 in the split's order, as `evaluate` forms them) on the dev photos; each photo's list (caption, log-
@@ -161,7 +162,11 @@ def score(args) -> None:
     for w in args.weights:
         choice = match_choice([[c[1] for c in caps] for caps in lists], [[c[2] for c in caps] for caps in lists],
                               disc, w, d["length_penalty"])
-        row(f"{w:g}", {n: cs[i][0] for n, cs, i in zip(names, lists, choice)})
+        chosen = {n: cs[i][0] for n, cs, i in zip(names, lists, choice)}
+        row(f"{w:g}", chosen)
+        if args.captions_out:  # {image: caption}, for `captionkit score --compare` (the paired bootstrap)
+            args.captions_out.mkdir(parents=True, exist_ok=True)
+            (args.captions_out / f"{args.lists.stem}_w{w:g}.json").write_text(json.dumps(chosen))
 
 
 def _knn_consensus(args, names: list[str], lists: list, pooled: torch.Tensor) -> list[list[float]]:
@@ -322,6 +327,7 @@ def main() -> None:
     who.add_argument("--first", action="store_true", help="no rerank: each list's first, the beam's caption")
     who.add_argument("--knn", type=int, help="consensus with the captions of this many nearest training photos")
     s.add_argument("--weights", type=lambda v: [float(x) for x in v.split(",")], default=[0.0, 0.03])
+    s.add_argument("--captions-out", type=Path, help="write each weight's chosen captions here, as {image: caption}")
     m = sub.add_parser("minilm")
     m.add_argument("--lists", type=Path, nargs="+", required=True)
     m.add_argument("--model-dir", required=True)
