@@ -45,20 +45,12 @@ FLICKR = ROOT.parent / "shared" / "data" / "flickr8k"
 
 
 def _zoom_views(cap, share: float) -> None:
-    """Make ``cap`` (a flip-averaged captioner) read four views (:func:`_encode_views`): the photo,
-    its mirror image, a centre crop and that crop's mirror image, each member once per view; the
-    crop's two views hold ``share`` of each member's weight (0.5: a quarter each; with_flip_views'
-    averaging, widened)."""
-    from captionkit.inference.ensemble import EnsembleDecoder
+    """Make ``cap`` (loaded without test-time augmentation) read four views (:func:`_encode_views`):
+    the photo, its mirror image, a centre crop and that crop's mirror image; the crop's two views
+    hold ``share`` of each member's weight (0.5: a quarter each, as flip averaging halves it)."""
+    from captionkit.inference.ensemble import with_views
 
-    dec = cap.decoder
-    if cap.tta != "flip" or dec.views is None:
-        sys.exit("--zoom adds views to flip averaging: give a model that decodes with --tta flip")
-    m = len(dec.members) // 2  # with_flip_views lists the members for view 0, then again for view 1
-    members, weights = list(dec.members)[:m], [2 * w for w in dec.weights[:m]]
-    per_view = [(1 - share) / 2, (1 - share) / 2, share / 2, share / 2]
-    cap.decoder = EnsembleDecoder(members * 4, [w * v for v in per_view for w in weights], dec.combine,
-                                  views=[v for v in range(4) for _ in range(m)])
+    cap.decoder = with_views(cap.decoder, ((1 - share) / 2, (1 - share) / 2, share / 2, share / 2))
 
 
 def _encode_views(cap, pixels: torch.Tensor, zoom: float | None) -> torch.Tensor:
@@ -85,7 +77,8 @@ def dump(args) -> None:
     from captionkit.inference.captioner import Captioner
 
     tune_allocator()
-    cap = Captioner.load(args.model, device="cpu", precision="fp32")
+    # with --zoom, the model's flip averaging is widened to four views here (--tta flip's two as they are)
+    cap = Captioner.load(args.model, device="cpu", precision="fp32", tta=None if args.zoom is None else "none")
     if args.zoom is not None:
         _zoom_views(cap, args.zoom_share)
     items = load_dataset(args.dataset).split("dev")
@@ -143,7 +136,7 @@ def score(args) -> None:
     if args.oracle:  # the ceiling of choosing among these lists: each photo's best by CIDEr-D against its references
         best = [max(range(len(c)), key=c.__getitem__) for c in _candidate_ciders(names, lists, refs)]
         print(f"{args.lists.name}: | BLEU-4 METEOR ROUGE-L CIDEr-D | vocabulary distinct length repeated")
-        row("the references' choice (CIDEr-D)", {n: cs[min(i, len(cs) - 1)][0] for n, cs, i in zip(names, lists, best)})
+        row("the references' choice (CIDEr-D)", {n: cs[i][0] for n, cs, i in zip(names, lists, best)})
         return
     if args.knn:
         disc, label = _knn_consensus(args, names, lists, torch.tensor(d["pooled"])), f"consensus of {args.knn} neighbours"
@@ -313,8 +306,8 @@ def main() -> None:
     a.add_argument("--model", help="a model name or folder, an ensemble's included (default: the shipped default)")
     a.add_argument("--beam-groups", type=int, default=1, help="diverse beam search's groups (each N a multiple)")
     a.add_argument("--diversity-strength", type=float, default=0.5)
-    a.add_argument("--zoom", type=float, help="two more views: the centre crop of this share of each side, "
-                   "and its mirror image (a model with --tta flip)")
+    a.add_argument("--zoom", type=float, help="four views: the photo, its mirror image, the centre crop of "
+                   "this share of each side, and the crop's mirror image")
     a.add_argument("--zoom-share", type=float, default=0.5, help="the crop's two views' share of the weight")
     a.add_argument("--rare-word-bonus", type=float, help="in place of the model's own")
     a.add_argument("--min-words", type=int, help="in place of the model's own")

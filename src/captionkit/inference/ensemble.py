@@ -228,14 +228,22 @@ def with_flip_views(decoder: nn.Module) -> EnsembleDecoder:
     model). Captions describe the scene, which a mirror image keeps (only "left" and "right"
     swap, and captions rarely use them), so the two views' errors partly cancel, as different
     members' do. The decoder then takes feats (B, 2, L, D); the attention shown is view 0's."""
+    return with_views(decoder, (0.5, 0.5))
+
+
+def with_views(decoder: nn.Module, shares: Sequence[float]) -> EnsembleDecoder:
+    """``decoder`` (one model or an ensemble) decoding len(``shares``) views of each image as an
+    ensemble of them: each member once per view v, at ``shares[v]`` of its weight (the shares
+    sum to 1), combined as the ensemble combines (log-linear for one model). The decoder then
+    takes feats (B, len(shares), L, D); the attention shown is view 0's."""
     if isinstance(decoder, EnsembleDecoder):
         if decoder.views is not None:
             raise ValueError("this decoder already reads several views")
         members, weights, combine = list(decoder.members), decoder.weights, decoder.combine
     else:
         members, weights, combine = [decoder], [1.0], "loglinear"
-    return EnsembleDecoder(members * 2, [w / 2 for w in weights] * 2, combine,
-                           views=[0] * len(members) + [1] * len(members))
+    return EnsembleDecoder(members * len(shares), [w * share for share in shares for w in weights], combine,
+                           views=[v for v in range(len(shares)) for _ in members])
 
 
 # ---- members: which checkpoints can be decoded together ------------------------------------
