@@ -12,6 +12,9 @@ match --matcher DIR --match-weight W` chooses (docs/decoding-controls.md).
     python benchmarks/rerank_dev.py dump --out DIR --nbest 6 --beam-groups 3 [--diversity-strength 0.5]
     python benchmarks/rerank_dev.py score --lists DIR/dev_nbest_3.json --knn 10 --weights 0.1,1
     python benchmarks/rerank_dev.py score --lists ... --matcher ... --weights 0.08 --captions-out DIR   # for score --compare
+    python benchmarks/rerank_dev.py score --lists ... --matcher ... --weights 0.06 --knn 20 --knn-weight 0.4 --rare-weight 0.1
+    python benchmarks/rerank_dev.py rescore --lists DIR/dev_nbest_3.json --model prefix-smollm2-lora-flickr8k --out FILE
+    python benchmarks/rerank_dev.py score --lists DIR/dev_nbest_3.json --matcher ... --second FILE --second-weight 0.3
 
 ``dump``: the shipped default, or ``--model`` (its rules, flips, beam N = n-best N, fp32,
 batches of 16 in the split's order, as `evaluate` forms them) on the dev photos; each photo's list (caption, log-
@@ -25,7 +28,12 @@ split's captions (every caption of every photo each epoch), kept at its best dev
 writes the discriminability of every listed caption, for ``score --disc``. ``dump --beam-groups
 G``: diverse beam search's lists (the N best of N beams in G groups). ``score --knn K``: consensus
 reranking, each caption's CIDEr-D against the captions of its photo's K nearest training photos
-in place of the discriminability. The test split is never touched.
+in place of the discriminability; with ``--matcher`` or ``--disc`` and ``--knn-weight B``, B times
+it beside the discriminability. ``score --rare-weight C``: C times each caption's rare-word gain
+(the gain ``--rare-word-bonus 1`` gives its words during the search, in the model's vocabulary)
+beside them. ``rescore``: each listed caption's log-probability under another captioner
+(teacher-forced, one view of the photo), for ``score --second FILE --second-weight L``: L times
+it over (its tokens + 1) ** that captioner's length penalty. The test split is never touched.
 """
 
 from __future__ import annotations
@@ -138,7 +146,7 @@ def score(args) -> None:
         print(f"{args.lists.name}: | BLEU-4 METEOR ROUGE-L CIDEr-D | vocabulary distinct length repeated")
         row("the references' choice (CIDEr-D)", {n: cs[i][0] for n, cs, i in zip(names, lists, best)})
         return
-    if args.knn:
+    if args.knn and not (args.matcher or args.disc):
         disc, label = _knn_consensus(args, names, lists, torch.tensor(d["pooled"])), f"consensus of {args.knn} neighbours"
     elif args.disc:
         disc = json.loads(args.disc.read_text())
@@ -151,10 +159,29 @@ def score(args) -> None:
             disc = m.list_discriminability(m.pooled_image(torch.tensor(d["pooled"])),
                                            [[c[0] for c in caps] for caps in lists])
         label = Path(args.matcher).name
+    # the terms beside the weighted discriminability, each (photos, candidates)
+    extra = [[0.0] * len(caps) for caps in lists]
+    terms = []
+    if args.knn_weight:
+        terms.append((args.knn_weight, _knn_consensus(args, names, lists, torch.tensor(d["pooled"]))))
+        label += f" + {args.knn_weight:g} x consensus of {args.knn}"
+    if args.rare_weight:
+        terms.append((args.rare_weight, _rare_gains(args.model, lists)))
+        label += f" + {args.rare_weight:g} x rare-word gain"
+    if args.second:
+        s = json.loads(args.second.read_text())
+        if s["lists"] != str(args.lists.resolve()):
+            sys.exit(f"{args.second}: rescored {s['lists']}, not {args.lists.resolve()}")
+        terms.append((args.second_weight, [[lp / (n + 1) ** s["length_penalty"] for lp, n in x] for x in s["scores"]]))
+        label += f" + {args.second_weight:g} x {s['model']}'s log-probability"
+    for weight, values in terms:
+        extra = [[e + weight * v for e, v in zip(es, vs, strict=True)] for es, vs in zip(extra, values, strict=True)]
     print(f"{args.lists.name}, {label}: weight | BLEU-4 METEOR ROUGE-L CIDEr-D | vocabulary distinct length repeated")
     for w in args.weights:
+        # match_choice's argmax of the beam's term + w * disc, with the other terms added to w * disc
+        total = [[w * x + e for x, e in zip(ds, es)] for ds, es in zip(disc, extra)]
         choice = match_choice([[c[1] for c in caps] for caps in lists], [[c[2] for c in caps] for caps in lists],
-                              disc, w, d["length_penalty"])
+                              total, 1.0, d["length_penalty"])
         chosen = {n: cs[i][0] for n, cs, i in zip(names, lists, choice)}
         row(f"{w:g}", chosen)
         if args.captions_out:  # {image: caption}, for `captionkit score --compare` (the paired bootstrap)
@@ -197,6 +224,62 @@ def _candidate_ciders(names: list[str], lists: list, refs: dict[str, list[str]])
             if k < len(cs):
                 out[i][k] = cider[n]
     return out
+
+
+def _rare_gains(model: str | None, lists: list) -> list[list[float]]:
+    """Each listed caption's rare-word gain: the sum over its words of what ``--rare-word-bonus 1``
+    adds to them in the search (captionkit.inference.shaping.rare_word_bonus, the ``model``'s
+    frequency-ordered vocabulary; a word outside it gains nothing)."""
+    from captionkit.data.items import normalize
+    from captionkit.inference.captioner import Captioner
+    from captionkit.inference.shaping import rare_word_bonus
+
+    vocab = Captioner.load(model, device="cpu", with_encoder=False).vocab
+    gain = rare_word_bonus(1.0, len(vocab), torch.device("cpu")).tolist()
+    return [[sum(gain[i] for i in vocab.encode(normalize(c[0]))) for c in caps] for caps in lists]
+
+
+def rescore(args) -> None:
+    """Each listed caption's log-probability under ``args.model`` (loaded without test-time
+    augmentation): its decoder teacher-forced on the caption's tokens, <end> included, on the
+    photo's features (one view), as the model's ``forward`` gives them to self-critical training."""
+    from captionkit.data.datasets import load_dataset
+    from captionkit.data.items import normalize
+    from captionkit.data.vocab import Vocab
+    from captionkit.encoders.image_batches import image_batches
+    from captionkit.inference.captioner import Captioner
+
+    d = _lists(args.lists)
+    cap = Captioner.load(args.model, device="cpu", precision="fp32", tta="none")
+    items = load_dataset(args.dataset).split("dev")
+    if d["names"] != [it.name for it in items]:
+        sys.exit(f"{args.lists}: not this dataset's dev split in its order")
+    scores, t0 = [], time.time()
+    for batch in image_batches([it.path for it in items], cap.encoder.preprocess, 16, 1, cap.device):
+        if len(batch.good) != len(batch.paths):
+            sys.exit("a dev photo did not read")
+        with torch.no_grad():
+            feats = cap.encoder.encode(batch.pixels).float()  # (U, L, D)
+        part = d["lists"][len(scores):len(scores) + len(feats)]
+        ids = [cap.vocab.encode(normalize(c[0])) for caps in part for c in caps]  # <start> ... <end>
+        owner = torch.tensor([u for u, caps in enumerate(part) for _ in caps])
+        T = max(map(len, ids)) - 1
+        inputs = torch.full((len(ids), T), Vocab.pad, dtype=torch.long)  # (B, T): <start> w_1 ..
+        targets = torch.full((len(ids), T), Vocab.pad, dtype=torch.long)  # (B, T): w_1 .. <end>
+        for b, x in enumerate(ids):
+            inputs[b, :len(x) - 1] = torch.tensor(x[:-1])
+            targets[b, :len(x) - 1] = torch.tensor(x[1:])
+        with torch.no_grad():
+            logp = torch.log_softmax(cap.decoder(feats, inputs, owner)[0].float(), -1)  # (B, T, V)
+        tok = logp.gather(2, targets.unsqueeze(2)).squeeze(2).masked_fill(targets == Vocab.pad, 0.0)  # (B, T)
+        flat = [[lp, len(x) - 2] for lp, x in zip(tok.sum(1).tolist(), ids)]  # (log-probability, tokens)
+        k = 0
+        for caps in part:
+            scores.append(flat[k:k + len(caps)])
+            k += len(caps)
+    args.out.write_text(json.dumps({"lists": str(args.lists.resolve()), "model": args.model,
+                                    "length_penalty": cap.length_penalty_or(None), "scores": scores}))
+    print(f"{args.out}: {len(scores)} photos rescored by {args.model} in {time.time() - t0:.0f} s")
 
 
 def minilm(args) -> None:
@@ -313,25 +396,45 @@ def main() -> None:
     a.add_argument("--min-words", type=int, help="in place of the model's own")
     s = sub.add_parser("score")
     s.add_argument("--lists", type=Path, required=True)
-    who = s.add_mutually_exclusive_group(required=True)
+    who = s.add_mutually_exclusive_group()
     who.add_argument("--matcher", help="a `captionkit matcher` checkpoint folder")
     who.add_argument("--disc", type=Path, help="a `minilm` file of discriminabilities")
     who.add_argument("--oracle", action="store_true", help="the references' choice instead: the ceiling")
     who.add_argument("--first", action="store_true", help="no rerank: each list's first, the beam's caption")
-    who.add_argument("--knn", type=int, help="consensus with the captions of this many nearest training photos")
+    s.add_argument("--knn", type=int, help="consensus with the captions of this many nearest training photos "
+                   "(alone: in place of the discriminability)")
+    s.add_argument("--knn-weight", type=float, default=0.0, help="with --matcher/--disc: the consensus's weight beside it")
+    s.add_argument("--rare-weight", type=float, default=0.0, help="the rare-word gain's weight beside the discriminability")
+    s.add_argument("--model", help="whose vocabulary --rare-weight reads (default: the shipped default)")
+    s.add_argument("--second", type=Path, help="a `rescore` file: another captioner's log-probabilities")
+    s.add_argument("--second-weight", type=float, default=0.0)
     s.add_argument("--weights", type=lambda v: [float(x) for x in v.split(",")], default=[0.0, 0.03])
     s.add_argument("--captions-out", type=Path, help="write each weight's chosen captions here, as {image: caption}")
+    r = sub.add_parser("rescore")
+    r.add_argument("--lists", type=Path, required=True)
+    r.add_argument("--model", required=True, help="the captioner whose log-probabilities to write")
+    r.add_argument("--out", type=Path, required=True)
     m = sub.add_parser("minilm")
     m.add_argument("--lists", type=Path, nargs="+", required=True)
     m.add_argument("--model-dir", required=True)
     m.add_argument("--out", type=Path, required=True)
     m.add_argument("--epochs", type=int, default=20)
     m.add_argument("--seed", type=int, default=0)
-    for p in (a, s, m):
+    for p in (a, s, r, m):
         p.add_argument("--dataset", default=str(FLICKR))
     args = ap.parse_args()
+    if args.what == "score":
+        chooser = args.matcher or args.disc
+        if not (chooser or args.oracle or args.first or args.knn):
+            ap.error("score: one of --matcher, --disc, --oracle, --first or --knn")
+        if args.knn and (args.oracle or args.first) or bool(args.knn_weight) != bool(args.knn and chooser):
+            ap.error("score: --knn with --matcher or --disc takes --knn-weight (and --knn-weight needs both)")
+        if (args.rare_weight or args.second) and not (chooser or args.knn):
+            ap.error("score: --rare-weight and --second add to a rerank (--matcher, --disc or --knn)")
+        if bool(args.second) != bool(args.second_weight):
+            ap.error("score: --second and --second-weight go together")
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    {"dump": dump, "score": score, "minilm": minilm}[args.what](args)
+    {"dump": dump, "score": score, "rescore": rescore, "minilm": minilm}[args.what](args)
 
 
 if __name__ == "__main__":
