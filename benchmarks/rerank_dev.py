@@ -12,7 +12,7 @@ match --matcher DIR --match-weight W` chooses (docs/decoding-controls.md).
     python benchmarks/rerank_dev.py dump --out DIR --nbest 6 --beam-groups 3 [--diversity-strength 0.5]
     python benchmarks/rerank_dev.py score --lists DIR/dev_nbest_3.json --knn 10 --weights 0.1,1
     python benchmarks/rerank_dev.py score --lists ... --matcher ... --weights 0.08 --captions-out DIR   # for score --compare
-    python benchmarks/rerank_dev.py score --lists ... --matcher ... --weights 0.06 --knn 20 --knn-weight 0.4 --rare-weight 0.1
+    python benchmarks/rerank_dev.py score --lists ... --matcher ... --weights 0.06 --knn 20 --knn-weight 0.4 --rare-weight 0.04
     python benchmarks/rerank_dev.py rescore --lists DIR/dev_nbest_3.json --model prefix-smollm2-lora-flickr8k --out FILE
     python benchmarks/rerank_dev.py score --lists DIR/dev_nbest_3.json --matcher ... --second FILE --second-weight 0.3
 
@@ -250,7 +250,11 @@ def rescore(args) -> None:
     from captionkit.inference.captioner import Captioner
 
     d = _lists(args.lists)
+    from captionkit.models.base import CaptionModel
+
     cap = Captioner.load(args.model, device="cpu", precision="fp32", tta="none")
+    if not isinstance(cap.decoder, CaptionModel):  # an ensemble has no teacher-forced forward
+        sys.exit(f"{args.model}: rescore takes one captioner, not an ensemble")
     items = load_dataset(args.dataset).split("dev")
     if d["names"] != [it.name for it in items]:
         sys.exit(f"{args.lists}: not this dataset's dev split in its order")
