@@ -2,7 +2,8 @@
 decoded once, then each matcher and weight is a rerank and a scoring (seconds), not a whole
 `captionkit evaluate` (minutes). The choice is the captioner's: ``match_choice`` over each
 photo's list, with the matcher's ``discriminability`` against its bank, as `evaluate --rerank
-match --matcher DIR --match-weight W` chooses (docs/decoding-controls.md).
+match --matcher DIR --match-weight W` chooses (docs/decoding-controls.md; the rows it gives:
+docs/variety-study.md).
 
     python benchmarks/rerank_dev.py dump --out DIR [--nbest 3 5] [--model NAME_OR_FOLDER]
     python benchmarks/rerank_dev.py score --lists DIR/dev_nbest_3.json --matcher runs/matcher --weights 0,0.03,0.08
