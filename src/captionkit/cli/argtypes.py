@@ -49,6 +49,16 @@ def positive_floats(text: str) -> list[float]:
     return values
 
 
+def mixing_weights(text: str) -> list[float]:
+    """A comma-separated list of finite numbers summing to 1 ("0.5,0.5", "-0.25,1.25"): the
+    weights of an average of checkpoints, where a negative one extrapolates."""
+    parse = _at_least(-math.inf, float, "a number")
+    values = [parse(part) for part in text.split(",")]
+    if abs(sum(values) - 1) > 1e-6:
+        raise argparse.ArgumentTypeError(f"must sum to 1, got {text!r} (sum {sum(values):g})")
+    return values
+
+
 def processes_count(text: str) -> int | None:
     """``--processes``: ``auto`` (None: chosen for the machine and the images) or a whole number >= 1."""
     if text == "auto":

@@ -21,7 +21,8 @@ from . import caption, experiments, export, hub, models, score, serve, training
 
 # the order of captionkit --help's commands: each function adds one command's parser and options
 COMMANDS = (caption.add_caption, caption.add_evaluate, score.add_score, training.add_train, training.add_features,
-            training.add_matcher, training.add_pack, export.add_merge_lora, caption.add_zero_shot, export.add_export,
+            training.add_matcher, training.add_pack, training.add_average, export.add_merge_lora, caption.add_zero_shot,
+            export.add_export,
             models.add_models, models.add_ensemble, models.add_rerank, hub.add_push, serve.add_serve,
             experiments.add_sweep, experiments.add_plot, experiments.add_report)
 

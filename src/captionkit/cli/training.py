@@ -1,13 +1,15 @@
 """The training commands: train (one process, or DDP under torchrun), features (the encoder
 feature cache, local or --engine ray), matcher (the image-caption matcher of --rerank match)
-and pack (a checkpoint for shipping); each one's options beside its code."""
+pack (a checkpoint for shipping) and average (checkpoints of one training path); each one's
+options beside its code."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from .argtypes import Setting, config_setting, device_name, float_at_least, int_at_least, positive_int
+from .argtypes import (Setting, config_setting, device_name, float_at_least, int_at_least, mixing_weights,
+                       positive_int)
 from .common import (UsageError, _add_csv_opts, _add_device_opts, _add_engine_opts, _add_overwrite, _device,
                      _load_dataset, _ray_options)
 
@@ -191,4 +193,35 @@ def cmd_pack(checkpoint: str, out: str, fp16: bool, overwrite: bool, int8: bool 
         raise UsageError("give --fp16 or --int8, not both")
     size = pack_checkpoint(checkpoint, out, fp16=fp16, int8=int8, overwrite=overwrite)
     print(f"wrote {out} ({size / 1e6:.1f} MB)")
+    return 0
+
+
+def add_average(sub: argparse._SubParsersAction) -> None:
+    a = sub.add_parser("average", help="average the weights of checkpoints of one model (a run's epochs, a "
+                                       "fine-tuning and its start)")
+    a.set_defaults(func=cmd_average)
+    a.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",
+                   help="two or more checkpoint folders of one model: same family, sizes, encoder, vocabulary")
+    a.add_argument("--out", required=True, help="the folder to write (a checkpoint: caption, evaluate, train.init)")
+    a.add_argument("--weights", type=mixing_weights, metavar="W1,W2,..",
+                   help="one per checkpoint, summing to 1 (default: equal); 1-a,a interpolates from the first "
+                        "to the second, a negative weight extrapolates (write --weights=-0.25,1.25)")
+    a.add_argument("--fp16", action="store_true", help="store the decoder's weights in float16, as pack --fp16")
+    a.add_argument("--int8", action="store_true", help="store the decoder's matrices in int8, as pack --int8")
+    _add_overwrite(a, "replace OUT if it is a checkpoint captionkit wrote")
+
+
+def cmd_average(checkpoints: list[str], out: str, weights: list[float] | None, fp16: bool, int8: bool,
+                overwrite: bool) -> int:
+    if fp16 and int8:
+        raise UsageError("give --fp16 or --int8, not both")
+    if len(checkpoints) < 2:
+        raise UsageError(f"average needs two checkpoints or more, got {len(checkpoints)}")
+    if weights is not None and len(weights) != len(checkpoints):
+        raise UsageError(f"--weights: {len(weights)} weights for {len(checkpoints)} checkpoints")
+    from ..core.checkpoint import average_checkpoints
+
+    size = average_checkpoints(checkpoints, out, weights, fp16=fp16, int8=int8, overwrite=overwrite)
+    mix = ", ".join(f"{w:g}" for w in weights) if weights else "equal weights"
+    print(f"wrote {out} ({size / 1e6:.1f} MB): the average of {len(checkpoints)} checkpoints ({mix})")
     return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -331,7 +332,12 @@ def pack_checkpoint(checkpoint: str | Path, out: str | Path, *, fp16: bool = Fal
     check_folder_target(out, overwrite=overwrite, kinds=("checkpoint",))
     cfg = read_config(checkpoint)
     cfg.pop("optimizer_groups", None)
-    weights = read_weights(checkpoint)
+    return _save_shipped(out, read_weights(checkpoint), cfg, fp16=fp16, int8=int8)
+
+
+def _save_shipped(out: str | Path, weights: dict[str, torch.Tensor], cfg: dict, *, fp16: bool, int8: bool) -> int:
+    """Save ``weights`` as ``pack`` stores them (the decoder's in float16, or its matrices in int8,
+    when asked); the size of the tensors written, in bytes."""
     if fp16:
         weights = {k: v.to(torch.float16) if v.is_floating_point() and not k.startswith(ENCODER_PREFIX) else v
                    for k, v in weights.items()}
@@ -339,3 +345,66 @@ def pack_checkpoint(checkpoint: str | Path, out: str | Path, *, fp16: bool = Fal
         weights = quantize_int8(weights)
     save_checkpoint(out, weights, cfg)
     return sum(v.numel() * v.element_size() for v in weights.values())
+
+
+# what must agree for two checkpoints' weights to mean the same thing (the vocabulary's words
+# index the embedding and output rows; the encoder gives the features the decoder was trained on)
+_SAME_MODEL = ("family", "model", "encoder", "vocab")
+
+
+def average_checkpoints(checkpoints: list[str | Path], out: str | Path, weights: list[float] | None = None, *,
+                        fp16: bool = False, int8: bool = False, overwrite: bool = False) -> int:
+    """Write the weighted average of checkpoints of one model (same family, sizes, encoder and
+    vocabulary) to ``out``; return the size of its tensors in bytes.
+
+    ``weights`` (default equal) must sum to 1; a negative one extrapolates (WiSE-FT's
+    interpolation between a run's start and its end is ``[1 - a, a]``). The average is only a
+    good model when the checkpoints lie on one training path (the epochs of a run, a fine-tuning
+    and its start), not for independently trained models. Float tensors are averaged in float32;
+    any other tensor must be equal in all of them. The config is the first checkpoint's without
+    its training state, plus ``averaged``: each checkpoint's folder and weight. Everything is
+    checked, one line naming the folder, before the tensors are read."""
+    from .outputs import check_folder_target
+
+    folders = [resolve(c) for c in checkpoints]
+    if len(folders) < 2:
+        raise CheckpointError(f"averaging needs two checkpoints or more, got {len(folders)}")
+    weights = [1 / len(folders)] * len(folders) if weights is None else list(weights)
+    if len(weights) != len(folders):
+        raise CheckpointError(f"{len(weights)} weights for {len(folders)} checkpoints; give one per checkpoint")
+    if not all(math.isfinite(w) for w in weights) or abs(sum(weights) - 1) > 1e-6:
+        raise CheckpointError(f"the weights {', '.join(f'{w:g}' for w in weights)} must be finite and sum to 1")
+    if any(Path(out).resolve() == f.resolve() for f in folders):
+        raise OutputError(f"{out}: is one of the checkpoints being averaged; choose another folder")
+    check_folder_target(out, overwrite=overwrite, kinds=("checkpoint",))
+    configs = [read_config(f) for f in folders]
+    for f, cfg in zip(folders[1:], configs[1:]):
+        for key in _SAME_MODEL:
+            if cfg.get(key) != configs[0].get(key):
+                raise CheckpointError(f"{f}/config.json: its {key!r} differs from {folders[0]}'s; only checkpoints "
+                                      f"of one model (family, sizes, encoder, vocabulary) can be averaged")
+    tensors = [read_weights(f) for f in folders]
+    for f, w in zip(folders, tensors):
+        lora = next((k for k in w if ".lora_A." in k or ".lora_B." in k), None)
+        if lora:
+            raise CheckpointError(f"{f}: holds LoRA factors ({lora}); averaging them is not averaging the "
+                                  f"fine-tunings (export the merged model first: captionkit export hf)")
+        if w.keys() != tensors[0].keys():
+            odd = sorted(w.keys() ^ tensors[0].keys())[:3]
+            raise CheckpointError(f"{f}: its tensors differ from {folders[0]}'s ({', '.join(odd)})")
+        shapes = [k for k in w if w[k].shape != tensors[0][k].shape]
+        if shapes:
+            raise CheckpointError(f"{f}: {shapes[0]} is {tuple(w[shapes[0]].shape)}, "
+                                  f"{tuple(tensors[0][shapes[0]].shape)} in {folders[0]}")
+    mean: dict[str, torch.Tensor] = {}
+    for k, first in tensors[0].items():
+        if first.is_floating_point():
+            mean[k] = sum(wt * t[k].float() for wt, t in zip(weights, tensors)).to(first.dtype)  # type: ignore[union-attr]
+        elif all(torch.equal(t[k], first) for t in tensors[1:]):
+            mean[k] = first
+        else:
+            f = next(f for f, t in zip(folders, tensors) if not torch.equal(t[k], first))
+            raise CheckpointError(f"{f}: its {k} ({first.dtype}) differs from {folders[0]}'s and cannot be averaged")
+    cfg = {k: v for k, v in configs[0].items() if k not in ("state", "optimizer_groups")}
+    cfg["averaged"] = [{"checkpoint": str(f), "weight": w} for f, w in zip(folders, weights)]
+    return _save_shipped(out, mean, cfg, fp16=fp16, int8=int8)
