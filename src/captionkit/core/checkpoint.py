@@ -362,8 +362,10 @@ def average_checkpoints(checkpoints: list[str | Path], out: str | Path, weights:
     good model when the checkpoints lie on one training path (the epochs of a run, a fine-tuning
     and its start), not for independently trained models. Float tensors are averaged in float32;
     any other tensor must be equal in all of them. The config is the first checkpoint's without
-    its training state, plus ``averaged``: each checkpoint's folder and weight. Everything is
-    checked, one line naming the folder, before the tensors are read."""
+    its training state, plus ``averaged``: each checkpoint's folder and weight. Each refusal is
+    one line naming the folder: the weights, the target and the configs before any tensor is
+    read, the tensors (names, shapes, LoRA factors, unequal whole-number ones) before anything
+    is written."""
     from .outputs import check_folder_target
 
     folders = [resolve(c) for c in checkpoints]
