@@ -44,6 +44,19 @@ def test_average_writes_the_weighted_sum(pair, tmp_path, weights):
         {k: read_config(a)[k] for k in ("family", "model", "vocab", "encoder")}
 
 
+def test_three_checkpoints_sum_one_at_a_time(pair, tmp_path):
+    """The sum runs over the checkpoints one after another: a third input (here the first again)
+    adds its share, 0.2 a + 0.3 b + 0.5 a = 0.7 a + 0.3 b."""
+    a, b = pair
+    out = tmp_path / "avg3"
+    assert main(["average", str(a), str(b), str(a), "--weights", "0.2,0.3,0.5", "--out", str(out)]) == 0
+    wa, wb, got = read_weights(a), read_weights(b), read_weights(out)
+    for k in wa:
+        want = 0.7 * wa[k] + 0.3 * wb[k] if wa[k].is_floating_point() else wa[k]
+        torch.testing.assert_close(got[k], want, rtol=1e-6, atol=1e-6)
+    assert [e["weight"] for e in read_config(out)["averaged"]] == [0.2, 0.3, 0.5]
+
+
 def test_weights_one_and_zero_give_the_first_model_back(pair, picky_data, tmp_path):
     """The written folder is a checkpoint the captioner loads: with all the weight on one input
     it captions as that input does, and the other weighting changes the captions."""
@@ -91,7 +104,7 @@ def _lora(a: Path, folder: Path) -> Path:
 
 
 @pytest.mark.parametrize("case, message", [
-    ("one", "average needs two checkpoints or more, got 1"),
+    ("one", "averaging needs two checkpoints or more, got 1"),
     ("sum", "argument --weights: must sum to 1, got '0.5,0.6' (sum 1.1)"),
     ("count", "--weights: 3 weights for 2 checkpoints"),
     ("both", "give --fp16 or --int8, not both"),

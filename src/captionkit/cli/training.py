@@ -216,7 +216,7 @@ def cmd_average(checkpoints: list[str], out: str, weights: list[float] | None, f
     if fp16 and int8:
         raise UsageError("give --fp16 or --int8, not both")
     if len(checkpoints) < 2:
-        raise UsageError(f"average needs two checkpoints or more, got {len(checkpoints)}")
+        raise UsageError(f"averaging needs two checkpoints or more, got {len(checkpoints)}")
     if weights is not None and len(weights) != len(checkpoints):
         raise UsageError(f"--weights: {len(weights)} weights for {len(checkpoints)} checkpoints")
     from ..core.checkpoint import average_checkpoints

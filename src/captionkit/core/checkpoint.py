@@ -385,28 +385,31 @@ def average_checkpoints(checkpoints: list[str | Path], out: str | Path, weights:
             if cfg.get(key) != configs[0].get(key):
                 raise CheckpointError(f"{f}/config.json: its {key!r} differs from {folders[0]}'s; only checkpoints "
                                       f"of one model (family, sizes, encoder, vocabulary) can be averaged")
-    tensors = [read_weights(f) for f in folders]
-    for f, w in zip(folders, tensors):
+    # A running sum, one checkpoint read at a time: memory is about three times one model's
+    # float32 size (the sum, the first's other tensors, the one being read), not N times.
+    acc: dict[str, torch.Tensor] = {}
+    first: dict[str, torch.Tensor] = {}  # the first's shapes and dtypes; its non-float tensors kept whole
+    for i, (f, wt) in enumerate(zip(folders, weights)):
+        w = read_weights(f)
         lora = next((k for k in w if ".lora_A." in k or ".lora_B." in k), None)
         if lora:
             raise CheckpointError(f"{f}: holds LoRA factors ({lora}); averaging them is not averaging the "
                                   f"fine-tunings (export the merged model first: captionkit export hf)")
-        if w.keys() != tensors[0].keys():
-            odd = sorted(w.keys() ^ tensors[0].keys())[:3]
+        if i == 0:
+            first = {k: t if not t.is_floating_point() else torch.empty(t.shape, dtype=t.dtype, device="meta")
+                     for k, t in w.items()}
+        elif w.keys() != first.keys():
+            odd = sorted(w.keys() ^ first.keys())[:3]
             raise CheckpointError(f"{f}: its tensors differ from {folders[0]}'s ({', '.join(odd)})")
-        shapes = [k for k in w if w[k].shape != tensors[0][k].shape]
-        if shapes:
-            raise CheckpointError(f"{f}: {shapes[0]} is {tuple(w[shapes[0]].shape)}, "
-                                  f"{tuple(tensors[0][shapes[0]].shape)} in {folders[0]}")
-    mean: dict[str, torch.Tensor] = {}
-    for k, first in tensors[0].items():
-        if first.is_floating_point():
-            mean[k] = sum(wt * t[k].float() for wt, t in zip(weights, tensors)).to(first.dtype)  # type: ignore[union-attr]
-        elif all(torch.equal(t[k], first) for t in tensors[1:]):
-            mean[k] = first
-        else:
-            f = next(f for f, t in zip(folders, tensors) if not torch.equal(t[k], first))
-            raise CheckpointError(f"{f}: its {k} ({first.dtype}) differs from {folders[0]}'s and cannot be averaged")
+        for k, t in w.items():
+            if t.shape != first[k].shape:
+                raise CheckpointError(f"{f}: {k} is {tuple(t.shape)}, {tuple(first[k].shape)} in {folders[0]}")
+            if first[k].is_floating_point():
+                acc[k] = wt * t.float() if i == 0 else acc[k].add_(t.float(), alpha=wt)
+            elif not torch.equal(t, first[k]):
+                raise CheckpointError(f"{f}: its {k} ({first[k].dtype}) differs from {folders[0]}'s and cannot be averaged")
+        del w
+    mean = {k: acc[k].to(t.dtype) if t.is_floating_point() else t for k, t in first.items()}
     cfg = {k: v for k, v in configs[0].items() if k not in ("state", "optimizer_groups")}
     cfg["averaged"] = [{"checkpoint": str(f), "weight": w} for f, w in zip(folders, weights)]
     return _save_shipped(out, mean, cfg, fp16=fp16, int8=int8)
