@@ -239,3 +239,37 @@ def test_every_recipe_in_configs_loads():
     assert recipes
     for path in recipes:
         RunConfig.load(path)  # raises, naming the file and field, on a bad recipe
+
+
+@pytest.mark.slow  # training runs
+def test_keep_epochs_keeps_the_last_n_epochs_to_average(tiny_config, tmp_path):
+    """train.keep_epochs = 2 of 3 epochs: epoch-2 and epoch-3 stay (epoch-3 is the last epoch's
+    weights), epoch-1 goes; resumed for two more epochs the run keeps epoch-4 and epoch-5 and leaves
+    alone a folder of the user's named like them. Without the field no epoch is kept."""
+    from captionkit.cli.main import main
+
+    kept = tmp_path / "kept.toml"
+    kept.write_text(tiny_config.read_text() + "keep_epochs = 2\n")  # (the [train] table is the last)
+    out = tmp_path / "run"
+    train(kept, out=out, progress=False)
+    assert sorted(p.name for p in out.glob("epoch-*")) == ["epoch-2", "epoch-3"]
+    last, third, second = (read_weights(out / n) for n in ("last", "epoch-3", "epoch-2"))
+    assert all(torch.equal(last[k], third[k]) for k in last)
+    assert any(not torch.equal(second[k], third[k]) for k in second)
+    assert not (out / "epoch-3" / "optimizer.safetensors").exists()
+    assert read_config(out / "epoch-2")["state"]["epoch"] == 2
+    # the kept epochs are checkpoints of one model: `average` takes them
+    assert main(["average", str(out / "epoch-2"), str(out / "epoch-3"), "--out", str(tmp_path / "soup")]) == 0
+    soup = read_weights(tmp_path / "soup")
+    k = next(k for k in soup if soup[k].is_floating_point() and not torch.equal(second[k], third[k]))
+    torch.testing.assert_close(soup[k], (second[k] + third[k]) / 2)
+    (out / "epoch-1").mkdir()  # the user's, before the run goes on
+    (out / "epoch-1" / "notes.txt").write_text("mine")
+    longer = tmp_path / "longer.toml"
+    longer.write_text(kept.read_text().replace("epochs = 3", "epochs = 5"))
+    train(longer, out=out, resume=True, progress=False)
+    assert sorted(p.name for p in out.glob("epoch-*")) == ["epoch-1", "epoch-4", "epoch-5"]
+    assert (out / "epoch-1" / "notes.txt").read_text() == "mine"
+    plain = tmp_path / "plain"
+    train(tiny_config, out=plain, max_steps=2, progress=False)
+    assert not list(plain.glob("epoch-*"))

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from .diskspace import check_free, dir_bytes, disk_errors, translate
 from .errors import CheckpointError, OutputError
-from .outputs import CHECKPOINT_FORMAT, write_marker
+from .outputs import CHECKPOINT_FORMAT, owner_kind, write_marker
 
 FORMAT, VERSION = CHECKPOINT_FORMAT, 1
 ENCODER_PREFIX = "encoder."  # fine-tuned encoder tensors, stored beside the decoder's
@@ -228,6 +228,18 @@ def remove_leftovers(folder: str | Path) -> None:
     if folder.is_dir():
         leftovers.append(folder.with_name(f".{folder.name}.old"))
     for path in leftovers:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_checkpoint(folder: str | Path) -> None:
+    """Remove a checkpoint folder that its run wrote and no longer keeps (train.keep_epochs'
+    older epochs), with what killed saves of it left. Refused for anything but a checkpoint."""
+    folder = Path(folder)
+    if folder.is_symlink() or owner_kind(folder) != "checkpoint":
+        raise CheckpointError(f"{folder}: not a checkpoint folder; not removed")
+    shutil.rmtree(folder)
+    for path in [*folder.parent.glob(f".{glob.escape(folder.name)}.????????"), folder.with_name(f".{folder.name}.old")]:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
 

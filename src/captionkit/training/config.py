@@ -133,6 +133,10 @@ class TrainConfig:
     train_max_images: train on the first N images of the train split only (0: all of them): a
         smaller budget, the same for every trial of a study, or a quick check.
     checkpoint_every: also save the resumable checkpoint every N steps.
+    keep_epochs: also keep the weights of the last N epochs, each as the checkpoint folder
+        ``epoch-K`` beside ``last`` and ``best`` (no optimizer state; older ones removed as new
+        ones come), to average them afterwards (``captionkit average run/epoch-8 run/epoch-9
+        run/epoch-10``, a "soup"). 0: none. Each costs one model's size on disk.
     length_penalties: after training, the best checkpoint's beam-search length normalisation
         is chosen among these on the dev split (by val_metric) and saved in its config.
     objective: "xe" (cross-entropy / the family's training loss) or "scst" (self-critical).
@@ -185,6 +189,7 @@ class TrainConfig:
     lr_decay: float = spec(0.5, gt=0, le=1)
     max_len: int = spec(20, ge=1)
     checkpoint_every: int = spec(1000, ge=0)  # 0: only at the end of each epoch
+    keep_epochs: int = spec(0, ge=0)
     length_penalties: list[float] = spec(default_factory=lambda: [0.0], min_len=1)
     objective: str = spec("xe", choices=("xe", "scst"))
     init: str = ""

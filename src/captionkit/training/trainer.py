@@ -35,6 +35,7 @@ from ..core.checkpoint import (
     optimizer_tensors,
     read_config,
     read_weights,
+    remove_checkpoint,
     remove_leftovers,
     restore_optimizer,
     save_checkpoint,
@@ -435,6 +436,7 @@ class Trainer:
                   f"lr {self.opt.param_groups[0]['lr']:.2e})", file=sys.stderr)
         self.log_history()
         self.save("last", with_optimizer=True)
+        self.keep_epoch()
         self.receive_state()
         if on_epoch:
             on_epoch(st.history[-1])
@@ -609,6 +611,20 @@ class Trainer:
         if name == "last":
             self.saved_step = self.state.step
 
+    def keep_epoch(self) -> None:
+        """train.keep_epochs = N: save this epoch's weights as ``epoch-K`` (after ``last``, so a
+        kill in between loses nothing resumable) and remove the run's ``epoch-J`` of J <= K - N.
+        Only ``epoch-`` folders holding a checkpoint are removed; they are this run's own."""
+        n = self.cfg.train.keep_epochs
+        if not n or not self.world.main:
+            return
+        k = self.state.epoch
+        self.save(f"epoch-{k}", with_optimizer=False)
+        for folder in self.out.glob("epoch-*"):
+            j = folder.name.removeprefix("epoch-")
+            if j.isdigit() and int(j) <= k - n and (folder / "config.json").is_file():
+                remove_checkpoint(folder)
+
     def load_weights(self, folder: Path) -> dict[str, torch.Tensor]:
         weights = read_weights(folder)
         load_into(self.model, decoder_weights(weights), folder)
@@ -638,7 +654,8 @@ class Trainer:
         # its next save) are run again, so their lines go rather than appear twice
         atomic_write_text(self.out / "history.jsonl", "".join(json.dumps(h) + "\n" for h in self.state.history))
         print(f"resuming from {folder} (epoch {self.state.epoch}, step {self.state.step})", file=sys.stderr)
-        for name in ("last", "best"):  # what killed saves left
+        kept = {p.name for p in self.out.glob("epoch-*")} | {p.name[1:].rsplit(".", 1)[0] for p in self.out.glob(".epoch-*")}
+        for name in ("last", "best", *sorted(kept)):  # what killed saves left
             remove_leftovers(self.out / name)
 
 
