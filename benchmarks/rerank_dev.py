@@ -138,14 +138,23 @@ def score(args) -> None:
               f"{100 * s['CIDEr']:.2f} | {v.vocabulary} {v.distinct_captions} {v.mean_length:.2f} {v.repeated_phrase}",
               flush=True)
 
+    def keep(tag: str, chosen: dict[str, str]) -> None:
+        if args.captions_out:  # {image: caption}, for `captionkit score --compare` (the paired bootstrap)
+            args.captions_out.mkdir(parents=True, exist_ok=True)
+            (args.captions_out / f"{args.lists.stem}_{tag}.json").write_text(json.dumps(chosen))
+
     if args.first:  # no rerank: the beam's own caption, as `evaluate` without --rerank writes it
         print(f"{args.lists.name}: | BLEU-4 METEOR ROUGE-L CIDEr-D | vocabulary distinct length repeated")
-        row("the beam's caption", {n: cs[0][0] for n, cs in zip(names, lists)})
+        chosen = {n: cs[0][0] for n, cs in zip(names, lists)}
+        row("the beam's caption", chosen)
+        keep("first", chosen)
         return
     if args.oracle:  # the ceiling of choosing among these lists: each photo's best by CIDEr-D against its references
         best = [max(range(len(c)), key=c.__getitem__) for c in _candidate_ciders(names, lists, refs)]
         print(f"{args.lists.name}: | BLEU-4 METEOR ROUGE-L CIDEr-D | vocabulary distinct length repeated")
-        row("the references' choice (CIDEr-D)", {n: cs[i][0] for n, cs, i in zip(names, lists, best)})
+        chosen = {n: cs[i][0] for n, cs, i in zip(names, lists, best)}
+        row("the references' choice (CIDEr-D)", chosen)
+        keep("oracle", chosen)
         return
     if args.knn and not (args.matcher or args.disc):
         disc, label = _knn_consensus(args, names, lists, torch.tensor(d["pooled"])), f"consensus of {args.knn} neighbours"
@@ -185,9 +194,7 @@ def score(args) -> None:
                               total, 1.0, d["length_penalty"])
         chosen = {n: cs[i][0] for n, cs, i in zip(names, lists, choice)}
         row(f"{w:g}", chosen)
-        if args.captions_out:  # {image: caption}, for `captionkit score --compare` (the paired bootstrap)
-            args.captions_out.mkdir(parents=True, exist_ok=True)
-            (args.captions_out / f"{args.lists.stem}_w{w:g}.json").write_text(json.dumps(chosen))
+        keep(f"w{w:g}", chosen)
 
 
 def _knn_consensus(args, names: list[str], lists: list, pooled: torch.Tensor) -> list[list[float]]:
@@ -414,7 +421,8 @@ def main() -> None:
     s.add_argument("--second", type=Path, help="a `rescore` file: another captioner's log-probabilities")
     s.add_argument("--second-weight", type=float, default=0.0)
     s.add_argument("--weights", type=lambda v: [float(x) for x in v.split(",")], default=[0.0, 0.03])
-    s.add_argument("--captions-out", type=Path, help="write each weight's chosen captions here, as {image: caption}")
+    s.add_argument("--captions-out", type=Path, help="write the chosen captions here, as {image: caption}: "
+                   "LISTS_wW.json for each weight, LISTS_first.json, LISTS_oracle.json")
     r = sub.add_parser("rescore")
     r.add_argument("--lists", type=Path, required=True)
     r.add_argument("--model", required=True, help="the captioner whose log-probabilities to write")
