@@ -273,3 +273,23 @@ def test_keep_epochs_keeps_the_last_n_epochs_to_average(tiny_config, tmp_path):
     plain = tmp_path / "plain"
     train(tiny_config, out=plain, max_steps=2, progress=False)
     assert not list(plain.glob("epoch-*"))
+
+
+def test_prune_epochs_removes_older_epoch_checkpoints_and_their_leftovers(tmp_path):
+    """What keep_epochs removes: epoch-J checkpoints of J below the cut, and what killed saves of
+    them left (a temporary folder, a .old); a later epoch, and a folder of the user's named like
+    an epoch, stay."""
+    from captionkit.core.checkpoint import epoch_names, prune_epochs
+
+    w = {"x": torch.ones(2)}
+    for k in (1, 3):
+        save_checkpoint(tmp_path / f"epoch-{k}", w, {"state": {"epoch": k}})
+    (tmp_path / ".epoch-1.abcd1234").mkdir()  # a killed save of epoch 1
+    (tmp_path / ".epoch-2.old").mkdir()  # a save of epoch 2 killed after its first rename
+    (tmp_path / "epoch-0").mkdir()
+    (tmp_path / "epoch-0" / "notes.txt").write_text("mine")
+    assert epoch_names(tmp_path) == ["epoch-0", "epoch-1", "epoch-2", "epoch-3"]
+    prune_epochs(tmp_path, keep_from=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-0", "epoch-3"]
+    assert (tmp_path / "epoch-0" / "notes.txt").read_text() == "mine"
+    assert torch.equal(read_weights(tmp_path / "epoch-3")["x"], w["x"])

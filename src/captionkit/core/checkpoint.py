@@ -232,16 +232,27 @@ def remove_leftovers(folder: str | Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def remove_checkpoint(folder: str | Path) -> None:
-    """Remove a checkpoint folder that its run wrote and no longer keeps (train.keep_epochs'
-    older epochs), with what killed saves of it left. Refused for anything but a checkpoint."""
-    folder = Path(folder)
-    if folder.is_symlink() or owner_kind(folder) != "checkpoint":
-        raise CheckpointError(f"{folder}: not a checkpoint folder; not removed")
-    shutil.rmtree(folder)
-    for path in [*folder.parent.glob(f".{glob.escape(folder.name)}.????????"), folder.with_name(f".{folder.name}.old")]:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
+def epoch_names(run: str | Path) -> list[str]:
+    """The ``epoch-K`` folders of a run (train.keep_epochs), with those only killed saves left."""
+    run = Path(run)
+    names = {p.name for p in run.glob("epoch-*")} | {p.name[1:].rsplit(".", 1)[0] for p in run.glob(".epoch-*")}
+    return sorted(names)
+
+
+def prune_epochs(run: str | Path, keep_from: int) -> None:
+    """Remove a run's ``epoch-J`` checkpoints of J < ``keep_from`` (train.keep_epochs' older
+    epochs), with what killed saves of them left. Only folders holding a captionkit checkpoint
+    go: a folder of the user's with such a name stays."""
+    for name in epoch_names(run):
+        folder = Path(run) / name
+        j = name.removeprefix("epoch-")
+        if not j.isdigit() or int(j) >= keep_from or folder.is_symlink():
+            continue
+        if folder.exists() and owner_kind(folder) != "checkpoint":
+            continue  # the user's
+        for path in [folder, folder.with_name(f".{name}.old"), *Path(run).glob(f".{glob.escape(name)}.????????")]:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def resolve(folder: str | Path) -> Path:

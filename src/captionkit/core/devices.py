@@ -84,3 +84,16 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     the stream orders it before any kernel that reads it); a non-blocking copy *to* the host
     returns before the data has arrived, and the CPU would read whatever the buffer held."""
     return t.to(device, non_blocking=t.device.type == "cpu" and device.type != "cpu")
+
+
+def forked_rng(device: torch.device):
+    """torch.random.fork_rng for the CPU's generator and ``device``'s (a GPU's own generator
+    is what sampling on it draws from; ``devices=[]`` alone would leave it to move)."""
+    import torch
+
+    if device.type in ("cpu", "meta"):
+        return torch.random.fork_rng(devices=[])
+    index = device.index
+    if index is None:  # "cuda" names the current GPU (MPS has one device)
+        index = torch.cuda.current_device() if device.type == "cuda" else 0
+    return torch.random.fork_rng(devices=[index], device_type=device.type)

@@ -30,16 +30,18 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..core.checkpoint import (
     ENCODER_PREFIX,
+    epoch_names,
     kill_point,
     load_into,
     optimizer_tensors,
+    prune_epochs,
     read_config,
     read_weights,
-    remove_checkpoint,
     remove_leftovers,
     restore_optimizer,
     save_checkpoint,
 )
+from ..core.devices import forked_rng
 from ..core.collectives import process_sum, summed_over
 from ..core.errors import TrainingDiverged
 from ..core.outputs import append_whole, atomic_write_text
@@ -436,7 +438,10 @@ class Trainer:
                   f"lr {self.opt.param_groups[0]['lr']:.2e})", file=sys.stderr)
         self.log_history()
         self.save("last", with_optimizer=True)
-        self.keep_epoch()
+        if tc.keep_epochs:  # this epoch's weights too (after last: a kill between loses nothing)
+            self.save(f"epoch-{st.epoch}", with_optimizer=False)
+            if self.world.main:
+                prune_epochs(self.out, keep_from=st.epoch - tc.keep_epochs + 1)
         self.receive_state()
         if on_epoch:
             on_epoch(st.history[-1])
@@ -611,20 +616,6 @@ class Trainer:
         if name == "last":
             self.saved_step = self.state.step
 
-    def keep_epoch(self) -> None:
-        """train.keep_epochs = N: save this epoch's weights as ``epoch-K`` (after ``last``, so a
-        kill in between loses nothing resumable) and remove the run's ``epoch-J`` of J <= K - N.
-        Only ``epoch-`` folders holding a checkpoint are removed; they are this run's own."""
-        n = self.cfg.train.keep_epochs
-        if not n or not self.world.main:
-            return
-        k = self.state.epoch
-        self.save(f"epoch-{k}", with_optimizer=False)
-        for folder in self.out.glob("epoch-*"):
-            j = folder.name.removeprefix("epoch-")
-            if j.isdigit() and int(j) <= k - n and (folder / "config.json").is_file():
-                remove_checkpoint(folder)
-
     def load_weights(self, folder: Path) -> dict[str, torch.Tensor]:
         weights = read_weights(folder)
         load_into(self.model, decoder_weights(weights), folder)
@@ -654,20 +645,8 @@ class Trainer:
         # its next save) are run again, so their lines go rather than appear twice
         atomic_write_text(self.out / "history.jsonl", "".join(json.dumps(h) + "\n" for h in self.state.history))
         print(f"resuming from {folder} (epoch {self.state.epoch}, step {self.state.step})", file=sys.stderr)
-        kept = {p.name for p in self.out.glob("epoch-*")} | {p.name[1:].rsplit(".", 1)[0] for p in self.out.glob(".epoch-*")}
-        for name in ("last", "best", *sorted(kept)):  # what killed saves left
+        for name in ("last", "best", *epoch_names(self.out)):  # what killed saves left
             remove_leftovers(self.out / name)
-
-
-def forked_rng(device: torch.device):
-    """torch.random.fork_rng for the CPU's generator and ``device``'s (a GPU's own generator
-    is what sampling on it draws from; ``devices=[]`` alone would leave it to move)."""
-    if device.type in ("cpu", "meta"):
-        return torch.random.fork_rng(devices=[])
-    index = device.index
-    if index is None:  # "cuda" names the current GPU (MPS has one device)
-        index = torch.cuda.current_device() if device.type == "cuda" else 0
-    return torch.random.fork_rng(devices=[index], device_type=device.type)
 
 
 class _StopInValidation(Exception):
