@@ -217,16 +217,19 @@ def _write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], config: di
         raise
 
 
-def remove_leftovers(folder: str | Path) -> None:
+def remove_leftovers(folder: str | Path, *, with_folder: bool = False) -> None:
     """Remove what killed saves of ``folder`` left beside it: temporary folders of saves killed
     before their rename (.NAME.XXXXXXXX, mkdtemp's eight characters), and .NAME.old once NAME
     is in place (a save killed just after its rename, with no save of NAME since; resolve needs
-    .NAME.old only while NAME is missing). Only for a folder that one process writes at a time:
-    a run's last and best."""
+    .NAME.old only while NAME is missing). ``with_folder``: NAME goes too (a checkpoint no longer
+    kept), and with it any .NAME.old. Only for a folder that one process writes at a time: a
+    run's last, best and epoch-K."""
     folder = Path(folder)
     leftovers = list(folder.parent.glob(f".{glob.escape(folder.name)}.????????"))
-    if folder.is_dir():
+    if folder.is_dir() or with_folder:
         leftovers.append(folder.with_name(f".{folder.name}.old"))
+    if with_folder:
+        leftovers.append(folder)
     for path in leftovers:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
@@ -250,9 +253,7 @@ def prune_epochs(run: str | Path, keep_from: int) -> None:
             continue
         if folder.exists() and owner_kind(folder) != "checkpoint":
             continue  # the user's
-        for path in [folder, folder.with_name(f".{name}.old"), *Path(run).glob(f".{glob.escape(name)}.????????")]:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
+        remove_leftovers(folder, with_folder=True)
 
 
 def resolve(folder: str | Path) -> Path:

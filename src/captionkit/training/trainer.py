@@ -41,8 +41,8 @@ from ..core.checkpoint import (
     restore_optimizer,
     save_checkpoint,
 )
-from ..core.devices import forked_rng
 from ..core.collectives import process_sum, summed_over
+from ..core.devices import forked_rng
 from ..core.errors import TrainingDiverged
 from ..core.outputs import append_whole, atomic_write_text
 from ..core.precision import autocast, grad_scaler, resolve_precision
