@@ -1,5 +1,6 @@
-"""Self-critical training's BLEU term (issue 32, item 3): each sampled caption's reward gains
-train.scst_bleu_weight times its sentence BLEU-4 (scoring.metrics.SentenceBleu)."""
+"""Self-critical training's BLEU and METEOR terms (issue 32, item 3): each sampled caption's
+reward gains train.scst_bleu_weight times its sentence BLEU-4 (scoring.metrics.SentenceBleu) and
+train.scst_meteor_weight times its METEOR 1.5 (the jar: scoring.evaluation.sentence_meteor)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import pytest
 
 from captionkit.core.errors import UserError
 from captionkit.data.vocab import Vocab
+from captionkit.scoring import evaluation as ev
 from captionkit.scoring.metrics import CiderD, SentenceBleu, bleu_stats
+from captionkit.scoring.ptb_tokenize import java_available
+from captionkit.training import config as config_module
 from captionkit.training.config import ConfigError, RunConfig
 from captionkit.training.run import build_trainer
 from captionkit.training.scst import SelfCritical
@@ -90,3 +94,46 @@ def test_the_run_config_sets_the_weight(tiny_config, tmp_path):
     with pytest.raises(ConfigError, match='train.scst_bleu_weight is a self-critical reward: it needs '
                                           'train.objective = "scst"'):
         config("scst_bleu_weight = 1.0")
+
+
+needs_java = pytest.mark.skipif(not java_available(), reason="Java not installed: the METEOR jar cannot run")
+
+
+@needs_java
+@pytest.mark.slow  # the METEOR jar
+def test_the_reward_is_cider_d_plus_the_weighted_meteor_of_the_jar():
+    vocab = Vocab(["<pad>", "<start>", "<end>", "<unk>"] + WORDS)
+    captions = ["a boat is riding in the water", "a boat in water", "a dog runs in the water", "dog water", ""]
+    keys, seqs = [0, 0, 1, 1, 1], [ids(vocab, c) for c in captions]
+    plain = SelfCritical(REFS, vocab, samples=2, baseline="mean").rewards(keys, seqs)
+    got = SelfCritical(REFS, vocab, samples=2, baseline="mean", meteor_weight=2.0).rewards(keys, seqs)
+    # each caption's METEOR is the jar's segment score of it against its own image's references
+    refs = {k: [" ".join(r) for r in rs] for k, rs in REFS.items()}
+    _, per, _ = ev.meteor_jar({str(i): c for i, c in enumerate(captions)},
+                              {str(i): refs[k] for i, k in enumerate(keys)})
+    assert got == pytest.approx([p + 2.0 * m for p, m in zip(plain, per)])
+    assert per[0] > per[1] > 0 and per[2] > per[3] > 0 and per[4] == 0.0  # an empty sample scores 0
+    assert list(ev.sentence_meteor(captions, [refs[k] for k in keys])) == list(per)
+    with pytest.raises(UserError, match="METEOR weight must be a finite number >= 0"):
+        SelfCritical(REFS, vocab, meteor_weight=float("nan"))
+
+
+def test_the_meteor_weight_is_checked_at_load_java_included(tiny_config, tmp_path, monkeypatch):
+    def config(lines: str) -> RunConfig:
+        path = tmp_path / "scst.toml"
+        path.write_text(tiny_config.read_text().replace("[train]", f"[train]\n{lines}\n", 1))
+        return RunConfig.load(path)
+
+    scst = 'objective = "scst"\nsamples = 2\nscst_baseline = "mean"\n'
+    monkeypatch.setattr(config_module, "java_available", lambda: True)
+    cfg = config(scst + "scst_meteor_weight = 1.5")
+    assert build_trainer(cfg, tmp_path / "run", prepare_data(cfg)).scst.meteor_weight == 1.5
+    assert config(scst).train.scst_meteor_weight == 0.0
+    with pytest.raises(ConfigError, match="train.scst_meteor_weight must be >= 0"):
+        config(scst + "scst_meteor_weight = -1")
+    with pytest.raises(ConfigError, match="train.scst_meteor_weight is a self-critical reward"):
+        config("scst_meteor_weight = 1.0")
+    monkeypatch.setattr(config_module, "java_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"train.scst_meteor_weight .*needs Java for the METEOR 1.5 jar"):
+        config(scst + "scst_meteor_weight = 1.5")
+    assert config(scst).train.scst_meteor_weight == 0.0  # no term, no Java needed

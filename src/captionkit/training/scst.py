@@ -22,6 +22,13 @@ how rare it is among the references, so a reward of CIDEr-D alone pays little fo
 common phrases of a caption in the order people write them, which is what BLEU-4's 4-gram
 precision counts (Rennie et al. 2017 and Liu et al. 2017, "SPIDEr", train on such mixtures).
 
+``meteor_weight`` M (issue 32): each caption's reward gains M times its METEOR 1.5 against its
+image's references (the coco-caption jar, scoring.evaluation.sentence_meteor; needs Java).
+METEOR aligns words through stems and synonyms and weighs recall nine times precision, so it
+pays a caption for naming more of what the references name, where CIDEr-D's consensus pays the
+short common caption; Liu et al. 2017 ("SPIDEr") and the METEOR rows of Rennie et al. 2017
+optimise such mixtures. One jar call per batch (a few hundred captions, ~0.3 s).
+
 ``matcher`` and ``match_weight`` W (issue 32): each caption's reward gains W times its
 discriminability for its photo under an image-caption matcher (captionkit.models.matcher: how
 much better the caption fits this photo than the matcher's bank of training photos). Luo et al.
@@ -51,6 +58,7 @@ from ..data.vocab import Vocab
 from ..inference.decoding import allowed_words, greedy, select_rows
 from ..models.matcher import PAD, Matcher
 from ..scoring.diversity import repeated_phrase
+from ..scoring.evaluation import sentence_meteor
 from ..scoring.metrics import CiderD, SentenceBleu
 
 
@@ -129,11 +137,12 @@ class SelfCritical:
     (the greedy caption's reward) or "mean" (the other samples' mean reward; samples >= 2).
     repeat_penalty: what a caption that repeats a content phrase loses of its reward (0: nothing).
     matcher, match_weight: the discriminability term (module docstring; no matcher: none).
-    bleu_weight: what each caption's reward gains per unit of its sentence BLEU-4 (0: nothing)."""
+    bleu_weight: what each caption's reward gains per unit of its sentence BLEU-4 (0: nothing).
+    meteor_weight: what each caption's reward gains per unit of its METEOR 1.5 (0: nothing)."""
 
     def __init__(self, refs: dict, vocab: Vocab, samples: int = 5, max_len: int = 20,
                  baseline: str = "greedy", repeat_penalty: float = 0.0, matcher: Matcher | None = None,
-                 match_weight: float = 0.0, bleu_weight: float = 0.0):
+                 match_weight: float = 0.0, bleu_weight: float = 0.0, meteor_weight: float = 0.0):
         if baseline not in BASELINES:
             raise UserError(f"self-critical baseline must be one of {', '.join(BASELINES)}, not {baseline!r}")
         if baseline == "mean" and samples < 2:
@@ -145,6 +154,8 @@ class SelfCritical:
         self.repeat_penalty = float(repeat_penalty)
         self.bleu_weight = _reward_weight(bleu_weight, "BLEU")
         self.bleu = SentenceBleu(refs) if bleu_weight else None
+        self.meteor_weight = _reward_weight(meteor_weight, "METEOR")
+        self.meteor_refs = {k: [" ".join(r) for r in rs] for k, rs in refs.items()} if meteor_weight else None
         self.matcher, self.match_weight = matcher, _reward_weight(match_weight, "match")
         if matcher is not None:
             matcher.eval().requires_grad_(False)
@@ -166,21 +177,25 @@ class SelfCritical:
 
     def rewards(self, keys: list, seqs: list[list[int]], mirrored: list[bool] | None = None) -> list[float]:
         """CIDEr-D of each word-id sequence (without <start>/<end>) for its image key, plus
-        ``bleu_weight`` times its sentence BLEU-4, less ``repeat_penalty`` where it repeats a
-        content phrase; scored on the CPU. ``mirrored``:
+        ``bleu_weight`` times its sentence BLEU-4 and ``meteor_weight`` times its METEOR, less
+        ``repeat_penalty`` where it repeats a content phrase; scored on the CPU. ``mirrored``:
         per sequence, whether it describes its image mirrored (train.flip): its "left" and
         "right" are swapped back before it meets the references."""
-        out = []
+        out, captions = [], []
         for j, (k, s) in enumerate(zip(keys, seqs)):
             words = self.vocab.decode(s)
             if mirrored is not None and mirrored[j]:
                 words = mirror_words(words)
+            captions.append(" ".join(words))
             r = self.cider.score(k, words)
             if self.bleu is not None:
                 r += self.bleu_weight * self.bleu.score(k, words)
             if self.repeat_penalty and repeated_phrase(words) is not None:
                 r -= self.repeat_penalty
             out.append(r)
+        if self.meteor_refs is not None:  # the batch's captions in one call of the jar
+            meteor = sentence_meteor(captions, [self.meteor_refs[k] for k in keys])
+            out = [r + self.meteor_weight * float(m) for r, m in zip(out, meteor)]
         return out
 
     def loss(self, model, feats: torch.Tensor, keys: list, mirrored: list[bool] | None = None

@@ -122,7 +122,7 @@ class Trainer:
             refs = {row: [t for t in it.words(cfg.data.words) if t] for row, it in enumerate(data.train_items)}
             self.scst = SelfCritical(refs, vocab, tc.samples, tc.max_len, tc.scst_baseline,
                                      tc.scst_repeat_penalty, _scst_matcher(tc.scst_matcher, data, device),
-                                     tc.scst_match_weight, tc.scst_bleu_weight)
+                                     tc.scst_match_weight, tc.scst_bleu_weight, tc.scst_meteor_weight)
 
     # ---- features and batches ----
     def features(self, feats: torch.Tensor) -> torch.Tensor:
