@@ -24,10 +24,11 @@ precision counts (Rennie et al. 2017 and Liu et al. 2017, "SPIDEr", train on suc
 
 ``meteor_weight`` M (issue 32): each caption's reward gains M times its METEOR 1.5 against its
 image's references (the coco-caption jar, scoring.evaluation.sentence_meteor; needs Java).
-METEOR aligns words through stems and synonyms and weighs recall nine times precision, so it
-pays a caption for naming more of what the references name, where CIDEr-D's consensus pays the
-short common caption; Liu et al. 2017 ("SPIDEr") and the METEOR rows of Rennie et al. 2017
-optimise such mixtures. One jar call per batch (a few hundred captions, ~0.3 s).
+METEOR aligns words through stems and synonyms and weighs recall well above precision (its
+harmonic mean's alpha is 0.85 in METEOR 1.5's English parameters), so it pays a caption for
+naming more of what the references name, where CIDEr-D's consensus pays the short common
+caption. Rennie et al. 2017 also trained on METEOR alone; Liu et al. 2017 ("SPIDEr") mix
+CIDEr-D with a second metric, as this does. One jar call per batch (a few hundred captions, ~0.3 s).
 
 ``matcher`` and ``match_weight`` W (issue 32): each caption's reward gains W times its
 discriminability for its photo under an image-caption matcher (captionkit.models.matcher: how
