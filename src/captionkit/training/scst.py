@@ -187,7 +187,8 @@ class SelfCritical:
             words = self.vocab.decode(s)
             if mirrored is not None and mirrored[j]:
                 words = mirror_words(words)
-            captions.append(" ".join(words))
+            if self.meteor_refs is not None:
+                captions.append(" ".join(words))
             r = self.cider.score(k, words)
             if self.bleu is not None:
                 r += self.bleu_weight * self.bleu.score(k, words)
