@@ -15,8 +15,13 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageDraw
 
+from captionkit.scoring.ptb_tokenize import java_available
+
 # Flickr8k as the shared data folder holds it, beside the clone (tests that need it skip without it)
 FLICKR8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "flickr8k"
+
+# the coco-caption jars (the PTB tokenizer, METEOR 1.5) run only where Java is installed
+needs_java = pytest.mark.skipif(not java_available(), reason="Java not installed: the coco-caption jars cannot run")
 
 SHAPES = [
     ("red", (220, 30, 30), "circle"),

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FLICKR8K
+from helpers import FLICKR8K, needs_java
 
 from captionkit.scoring import metrics as M
 from captionkit.scoring.evaluation import bootstrap, paired_bootstrap, score_captions
-from captionkit.scoring.ptb_tokenize import java_available, tokenize_java, tokenize_python
+from captionkit.scoring.ptb_tokenize import tokenize_java, tokenize_python
 
 MODEL_CAPTIONS = Path(__file__).parent / "data" / "flickr8k_test_sat_lite2.json"
-needs_java = pytest.mark.skipif(not java_available(), reason="Java not installed: the coco-caption jars cannot run")
 needs_flickr = pytest.mark.skipif(not (FLICKR8K / "Flickr8k.token.txt").is_file(),
                                   reason=f"Flickr8k not found at {FLICKR8K}")
 

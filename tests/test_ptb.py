@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import FLICKR8K
+from helpers import FLICKR8K, needs_java
 from ptb_fuzz import random_lines
 
 from captionkit.scoring import ptb
@@ -23,7 +23,6 @@ from captionkit.scoring.ptb_tokenize import (
 )
 
 CASES = json.loads((Path(__file__).parent / "data" / "ptb_cases.json").read_text())
-needs_java = pytest.mark.skipif(not java_available(), reason="Java not installed: the PTBTokenizer jar cannot run")
 
 
 def python_tokens(lines: list[str], dispatch: bool = True) -> list[str]:

@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from helpers import needs_java
 
 from captionkit.cli.main import main
 from captionkit.core.errors import DatasetError
 from captionkit.scoring.evaluation import METEOR_MAX_WORDS, _cut_for_meteor, score_captions
-from captionkit.scoring.ptb_tokenize import java_available
 from captionkit.scoring.score_inputs import read_captions, read_references
 
-needs_java = pytest.mark.skipif(not java_available(), reason="Java not installed: the coco-caption jars cannot run")
 TOKENIZERS = ["python", pytest.param("java", marks=needs_java)]
 REFS = {"1.jpg": ["a dog sitting on a couch", "a dog on a couch"], "2.jpg": ["a cat lying on a bed", "a cat on a bed"]}
 CAPS = {"1.jpg": "a dog on a couch", "2.jpg": "a cat on a bed"}

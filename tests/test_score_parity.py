@@ -7,14 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import needs_java
 
 from captionkit.scoring.evaluation import score_captions
-from captionkit.scoring.ptb_tokenize import java_available, tokenize_java, tokenize_python
+from captionkit.scoring.ptb_tokenize import tokenize_java, tokenize_python
 
 COCO = Path(__file__).resolve().parents[2] / "shared" / "data" / "parity" / "coco_magic"
 needs_coco = pytest.mark.skipif(not (COCO / "reference_scores.json").is_file(),
                                 reason=f"the coco_magic parity set is not at {COCO}")
-needs_java = pytest.mark.skipif(not java_available(), reason="Java not installed: the coco-caption jars cannot run")
 TOKENIZERS = ["python", pytest.param("java", marks=needs_java)]
 
 

@@ -8,12 +8,12 @@ import math
 import random
 
 import pytest
+from helpers import needs_java
 
 from captionkit.core.errors import UserError
 from captionkit.data.vocab import Vocab
 from captionkit.scoring import evaluation as ev
 from captionkit.scoring.metrics import CiderD, SentenceBleu, bleu_stats
-from captionkit.scoring.ptb_tokenize import java_available
 from captionkit.training import config as config_module
 from captionkit.training.config import ConfigError, RunConfig
 from captionkit.training.run import build_trainer
@@ -94,9 +94,6 @@ def test_the_run_config_sets_the_weight(tiny_config, tmp_path):
     with pytest.raises(ConfigError, match='train.scst_bleu_weight is a self-critical reward: it needs '
                                           'train.objective = "scst"'):
         config("scst_bleu_weight = 1.0")
-
-
-needs_java = pytest.mark.skipif(not java_available(), reason="Java not installed: the METEOR jar cannot run")
 
 
 @needs_java
