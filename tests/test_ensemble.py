@@ -19,11 +19,16 @@ from captionkit.inference.captioner import Captioner
 from captionkit.inference.decoding import beam_nbest, beam_search, greedy
 from captionkit.inference.ensemble import (
     ENSEMBLE_FILE,
+    TTA,
+    TTA_OFF,
+    ZOOM,
     EnsembleDecoder,
     combine_logprobs,
     normalised_weights,
     read_ensemble,
+    tta_pixels,
     with_flip_views,
+    with_tta_views,
 )
 from captionkit.inference.rerank import consensus_utilities, mbr_choice, rerank_files
 from captionkit.models import create_model
@@ -424,6 +429,83 @@ def test_evaluate_takes_tta(picky_models, picky_data, tmp_path, capsys):
     assert evaluate("--model", str(tmp_path / "ens"))["captions"] == flip
     doc = evaluate("--model", str(tmp_path / "ens"), "--tta", "none")
     assert doc["captions"] == plain and doc["tta"] is None
+
+
+# ---- four views: the photo, its mirror image, a centre crop and the crop's mirror image ------------
+def test_tta_pixels_are_the_photo_its_mirror_and_the_centre_crop_of_zoom():
+    S = 40
+    ramp = torch.arange(S, dtype=torch.float32).expand(2, 3, S, S).clone()  # (B, 3, S, S): x across
+    ramp[1] *= -1  # a second photo, its own numbers
+    views = tta_pixels(ramp, "flip-zoom")
+    assert views.shape == (2, 4, 3, S, S)
+    torch.testing.assert_close(views[:, 0], ramp)
+    torch.testing.assert_close(views[:, 1], ramp.flip(-1))
+    torch.testing.assert_close(views[:, 3], views[:, 2].flip(-1))
+    # the crop: columns o .. o + side - 1 of the photo spread over S columns (bilinear, pixel
+    # centres), so a ramp stays a ramp from about o to o + side - 1; exact away from the borders
+    side = round(S * ZOOM)
+    o = (S - side) // 2
+    j = torch.arange(2, S - 2, dtype=torch.float32)
+    want = o - 0.5 + (j + 0.5) * side / S
+    torch.testing.assert_close(views[0, 2, :, 5, 2:S - 2], want.expand(3, -1))
+    torch.testing.assert_close(views[1, 2, :, 5, 2:S - 2], -want.expand(3, -1))
+    assert torch.equal(tta_pixels(ramp, "flip"), views[:, :2])
+    with pytest.raises(ValueError, match="unknown test-time augmentation 'rotate'"):
+        tta_pixels(ramp, "rotate")
+
+
+def test_four_views_of_identical_views_are_the_model_and_each_holds_a_quarter():
+    m, x, y = transformer(), feats(seed=1), feats(seed=2)
+    four = with_tta_views(m, "flip-zoom")
+    assert four.views == [0, 1, 2, 3] and four.weights == [0.25] * 4
+    same_captions(beam_search(four, torch.stack([x] * 4, 1), beam=3, max_len=6, length_penalty=1.0),
+                  beam_search(m, x, beam=3, max_len=6, length_penalty=1.0))
+    mem = four.prepare(torch.stack([x, y, y, x], 1))
+    tokens = torch.full((x.shape[0],), 1)
+    logp, _, _ = four.step(tokens, four.init_state(mem), mem)
+    lx, _, _ = m.step(tokens, m.init_state(m.prepare(x)), m.prepare(x))
+    ly, _, _ = m.step(tokens, m.init_state(m.prepare(y)), m.prepare(y))
+    mixed = 0.5 * lx + 0.5 * ly  # two views of each: a quarter each
+    torch.testing.assert_close(logp, mixed - mixed.logsumexp(1, keepdim=True))
+    with pytest.raises(ValueError, match="4 views"):
+        four.prepare(torch.stack([x, y], 1))  # two views where four are read
+
+
+def test_flip_zoom_encodes_four_views_and_changes_captions(picky_models, picky_data, tmp_path, capsys):
+    """--tta flip-zoom: the encoder's rows of the four views, in order; captions as the API's,
+    not flip's; an ensemble folder records it; evaluate records it."""
+    from captionkit.data.images import load_rgb, to_tensor
+    a, b = picky_models
+    photos = sorted((picky_data / "Flicker8k_Dataset").iterdir())
+    cap = Captioner.load(a, tta="flip-zoom", device="cpu", precision="fp32")
+    assert cap.tta == "flip-zoom" and cap.decoder.views == [0, 1, 2, 3]
+    images = [to_tensor(load_rgb(p), cap.encoder.preprocess) for p in photos[:3]]
+    got = cap.encode_batch(images)  # (B, 4, L, D)
+    assert got.shape[:2] == (3, 4) and got.dtype == torch.float32
+    want = cap.encoder.encode(tta_pixels(torch.stack(images), "flip-zoom").flatten(0, 1)).unflatten(0, (3, 4))
+    torch.testing.assert_close(got, want.float())
+    torch.testing.assert_close(got[:, 0], cap.encoder.encode_batch(images).float())
+    zoom = direct_captions(cap, photos)
+    flip = direct_captions(Captioner.load(a, tta="flip"), photos)
+    assert zoom != flip  # what makes the test mean something: the crop's views change some captions
+    assert cli_captions(tmp_path, ["caption", *map(str, photos), "--model", str(a), "--tta", "flip-zoom"]) == zoom
+    ens = tmp_path / "ens"
+    assert main(["ensemble", "--model", str(a), "--model", str(b), "--tta", "flip-zoom", "--out", str(ens)]) == 0
+    assert read_ensemble(ens).tta == "flip-zoom"
+    assert Captioner.load(ens, with_encoder=False).decoder.views == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert cli_captions(tmp_path, ["caption", *map(str, photos), "--model", str(ens)]) == \
+        direct_captions(Captioner.load_ensemble([a, b], tta="flip-zoom"), photos)
+    out = tmp_path / "eval.json"
+    assert main(["evaluate", "--model", str(a), "--tta", "flip-zoom", "--dataset", str(picky_data), "--split", "dev",
+                 "--metrics", "bleu", "--tokenizer", "python", "--meteor", "none", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["tta"] == "flip-zoom" and "test-time flip-zoom" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [["caption"], ["evaluate", "--dataset", "d"], ["ensemble", "--out", "e", "--model", "m"]])
+def test_the_command_line_offers_every_test_time_augmentation(command):
+    from captionkit.cli.main import build_parser
+    for tta in (*TTA, TTA_OFF):  # (the command line names them without importing torch)
+        assert build_parser().parse_args([*command, "--tta", tta]).tta == tta
 
 
 def test_mirror_image_features_are_cached_apart(tmp_path):

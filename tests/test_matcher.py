@@ -9,12 +9,12 @@ import json
 
 import pytest
 import torch
-from helpers import cli_captions, direct_captions
+from helpers import cli_captions, direct_captions, write_picky_decoder
 
 from captionkit.cli.main import main
 from captionkit.core.errors import CheckpointError, UserError
 from captionkit.inference.captioner import Captioner
-from captionkit.inference.rerank import match_choice
+from captionkit.inference.rerank import match_choice, rare_word_gains
 from captionkit.models.matcher import Matcher, MatcherConfig, load_matcher
 from captionkit.training.matcher import build_words, fit
 
@@ -84,6 +84,25 @@ def test_match_choice_weight_zero_is_the_beam_s_ranking_and_a_weight_moves_it():
     assert match_choice([[-1.0, -1.0]], [[3, 3]], [[0.5, 0.5]], 1.0, 1.0) == [0]  # a tie: the earlier
     with pytest.raises(ValueError, match="for one list"):
         match_choice([[-1.0]], [[3, 4]], [[0.0]], 1.0, 1.0)
+
+
+def test_the_rare_word_gain_adds_its_weight_times_the_words_gains():
+    logprobs, lengths, disc = [[-3.0, -3.2, -6.0]], [[4, 5, 9]], [[0.0, 1.0, 9.0]]
+    gains = [[0.0, 0.5, 0.1]]
+    assert match_choice(logprobs, lengths, disc, 0.0, 1.0, gains, 0.0) == [1]  # weight 0: as without
+    assert match_choice(logprobs, lengths, disc, 0.0, 0.0, gains, 0.5) == [1]  # -3.2 + 0.25 > -3.0
+    assert match_choice(logprobs, lengths, disc, 0.0, 0.0, gains, 0.3) == [0]  # -3.2 + 0.15 < -3.0
+    assert match_choice(logprobs, lengths, disc, 1.0, 1.0, [[0.0, 0.0, -10.0]], 1.0) == [1]  # the terms add
+    with pytest.raises(ValueError, match="needs the candidates' gains"):
+        match_choice(logprobs, lengths, disc, 0.0, 1.0, None, 0.5)
+    with pytest.raises(ValueError, match="2 gains for one list"):
+        match_choice(logprobs, lengths, disc, 0.0, 1.0, [[0.0, 1.0]], 0.5)
+    # a caption's gain: the sum of what --rare-word-bonus 1 gives each of its words
+    from captionkit.inference.shaping import rare_word_bonus
+    bonus = rare_word_bonus(1.0, 200, torch.device("cpu"))
+    assert rare_word_gains([[4, 150, 190], [], [5]], 200) == pytest.approx(
+        [float(bonus[150] + bonus[190]), 0.0, 0.0])
+    assert float(bonus[150]) > 0 and float(bonus[5]) == 0
 
 
 # ---- the command, the checkpoint and --rerank match on the picky photos --------------------------------
@@ -176,6 +195,7 @@ def cap_pixels(cap, path):
     (["--rerank", "match"], "--rerank match needs --matcher"),
     (["--matcher", "M"], "--matcher is for --rerank match"),
     (["--match-weight", "0.1"], "--match-weight is for --rerank match"),
+    (["--match-rare-weight", "0.1"], "--match-rare-weight is for --rerank match"),
     (["--rerank", "match", "--matcher", "nowhere"], "--matcher nowhere: not a checkpoint folder"),
 ])
 def test_rerank_match_options_that_do_not_fit_are_one_line_before_loading(argv, message, picky_data, capsys,
@@ -219,3 +239,54 @@ def test_evaluate_reranks_by_the_matcher_and_records_it(picky_models, picky_data
     cap = Captioner.load(a).use_matcher(picky_matcher, 1000)
     assert doc["captions"] == direct_captions(cap, dev, nbest=3, rerank="match")
     assert doc["captions"] != direct_captions(Captioner.load(a), dev)  # (on these photos the matcher moves some)
+
+
+# ---- the rare-word gain beside the matcher (--match-rare-weight) --------------------------------------
+RARE_WORDS = tuple(f"rare{i}" for i in range(40))  # ranks 9..48 after the picky words: gains past rank 30
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """A picky checkpoint (captions that follow the pixels) whose vocabulary ends in 40 rarer words."""
+    return write_picky_decoder(tmp_path_factory.mktemp("wide") / "m", 0, RARE_WORDS)
+
+
+def test_match_rare_weight_chooses_each_list_s_rarest_caption(wide_model, picky_data, picky_matcher, tmp_path):
+    from captionkit.data.items import normalize
+    photos = sorted((picky_data / "Flicker8k_Dataset").iterdir())
+    args = ["caption", *map(str, photos), "--model", str(wide_model), "--beam", "3", "--rerank", "match",
+            "--matcher", str(picky_matcher), "--nbest", "3", "--match-weight", "0"]
+    plain = cli_captions(tmp_path, args)
+    cands = tmp_path / "cands.json"
+    rare = cli_captions(tmp_path, [*args, "--match-rare-weight", "1000", "--candidates", str(cands)])
+    lists = json.loads(cands.read_text())
+    cap = Captioner.load(wide_model)
+
+    def gain(text: str) -> float:
+        return rare_word_gains([cap.vocab.encode(normalize(text))], len(cap.vocab))[0]
+
+    for p in photos:  # at this weight the gain decides: the chosen caption is its list's rarest
+        assert gain(rare[p.name]) == max(gain(t) for t in lists[p.name])
+    assert rare != plain  # what makes the test mean something: the gain changes some captions
+    # the Python API: the same choice; evaluate: the same captions, and the weight recorded
+    cap.use_matcher(picky_matcher, 0.0, 1000)
+    assert direct_captions(cap, photos, nbest=3, rerank="match", beam=3) == rare
+    out = tmp_path / "eval.json"
+    assert main(["evaluate", "--model", str(wide_model), "--dataset", str(picky_data), "--split", "dev",
+                 "--metrics", "bleu", "--tokenizer", "python", "--meteor", "none", "--rerank", "match",
+                 "--matcher", str(picky_matcher), "--match-weight", "0", "--match-rare-weight", "1000",
+                 "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["match_rare_weight"] == 1000.0
+    assert doc["captions"] == {k: rare[k] for k in doc["captions"]}
+
+
+def test_match_rare_weight_is_refused_for_tokens_in_no_frequency_order(wide_model, picky_matcher):
+    from captionkit.data.tokenizers import build_tokenizer
+    cap = Captioner.load(wide_model)
+    char = Captioner(cap.decoder, build_tokenizer("char", [["a", "b"]]), cap.config, encoder=cap.encoder)
+    with pytest.raises(UserError, match="--match-rare-weight .* this model's tokens are 'char' tokens"):
+        char.use_matcher(picky_matcher, 0.1, 0.5)
+    char.use_matcher(picky_matcher, 0.1)  # without the gain: nothing to refuse
+    with pytest.raises(UserError, match="rare-word gain's weight must be a finite number >= 0"):
+        cap.use_matcher(picky_matcher, 0.1, float("nan"))

@@ -72,10 +72,11 @@ def _check_model_folders(models: list[str] | None) -> None:
 
 def _load_captioner(models: list[str] | None, weights: list[float] | None, tta: str | None = None,
                     device=None, precision: str = "auto", matcher: str | None = None,
-                    match_weight: float | None = None):
+                    match_weight: float | None = None, match_rare_weight: float | None = None):
     """One --model (or the default), or an ensemble of several (captionkit.inference.ensemble), on
     ``device`` (None: the CPU); ``tta``: --tta (None: none, or what an ensemble folder says);
-    ``matcher``: --rerank match's, at ``match_weight`` (None: MATCH_WEIGHT)."""
+    ``matcher``: --rerank match's, at ``match_weight`` (None: MATCH_WEIGHT), with the rare-word
+    gain at ``match_rare_weight`` (None: 0)."""
     from ..inference.captioner import Captioner
 
     place = {"tta": tta, "device": device or "cpu", "precision": precision}
@@ -84,7 +85,7 @@ def _load_captioner(models: list[str] | None, weights: list[float] | None, tta: 
     else:
         cap = Captioner.load(models[0] if models else None, **place)
     if matcher:
-        cap.use_matcher(matcher, _match_weight(match_weight))
+        cap.use_matcher(matcher, _match_weight(match_weight), match_rare_weight or 0.0)
     return cap
 
 
@@ -101,13 +102,13 @@ def _nbest(rerank: str | None, nbest: int | None) -> int | None:
 def _check_caption_sources(model: list[str] | None, onnx: str | None, weights: list[float] | None,
                            rerank: str | None, nbest: int | None, candidates: str | None,
                            tta: str | None = None, matcher: str | None = None,
-                           match_weight: float | None = None) -> None:
+                           match_weight: float | None = None, match_rare_weight: float | None = None) -> None:
     """caption's model options that do not fit together, refused before anything loads."""
     if onnx and model:
         raise UsageError("give either --model or --onnx")
     if onnx and tta:
         raise UsageError("--tta needs a PyTorch model (--model), not --onnx")
-    _check_models(model, weights, rerank, nbest, candidates, matcher, match_weight)
+    _check_models(model, weights, rerank, nbest, candidates, matcher, match_weight, match_rare_weight)
     if onnx and (rerank or nbest):
         raise UsageError("--rerank, --nbest and --candidates need a PyTorch model (--model), not --onnx")
 
@@ -127,7 +128,8 @@ def _check_controls_fit(given: dict, rerank: str | None, nbest: int | None, cand
 
 def _caption_settings(model: list[str] | None, weights: list[float] | None, onnx: str | None, beam: int,
                       length_penalty: float | None, rerank: str | None, nbest: int | None,
-                      tta: str | None = None, matcher: str | None = None, match_weight: float | None = None) -> dict:
+                      tta: str | None = None, matcher: str | None = None, match_weight: float | None = None,
+                      match_rare_weight: float | None = None) -> dict:
     """What decides caption's captions, recorded beside resumable outputs (captionkit.inference.writer)."""
     settings = {"model": None if onnx else _models_setting(model, weights),
                 "onnx": str(Path(onnx).resolve()) if onnx else None,
@@ -137,6 +139,8 @@ def _caption_settings(model: list[str] | None, weights: list[float] | None, onnx
     if matcher:  # likewise
         settings.update(matcher=str(Path(matcher).resolve()),
                         match_weight=_match_weight(match_weight))
+        if match_rare_weight:  # (recorded only when used, as above)
+            settings.update(match_rare_weight=match_rare_weight)
     if tta:  # likewise
         settings.update(tta=tta)
     return settings
@@ -304,6 +308,9 @@ def _add_ensemble_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--match-weight", type=float_at_least(0), metavar="W",
                    help=f"--rerank match: the weight of the matcher's score against the caption's length-normalised "
                         f"log-probability (default {MATCH_WEIGHT}; 0: the probability alone)")
+    p.add_argument("--match-rare-weight", type=float_at_least(0), metavar="C",
+                   help="--rerank match: also add C times each caption's rare-word gain (what --rare-word-bonus 1 "
+                        "gives its words; word vocabularies only; default 0)")
     _add_tta_opt(p)
 
 
@@ -354,7 +361,8 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
                 address: str | None = None, replicas: int | None = None, shard_size: int | None = None,
                 gpus_per_replica: float = 0, paths_from: str | None = None, tta: str | None = None,
                 device: str = "auto", precision: str = "auto", fast: bool = False, processes: int | None = None,
-                matcher: str | None = None, match_weight: float | None = None, **controls) -> int:
+                matcher: str | None = None, match_weight: float | None = None,
+                match_rare_weight: float | None = None, **controls) -> int:
     """``controls``: the caption controls' options (cli/common.py: _add_control_opts), None where not given."""
     from ..core.outputs import check_file_target
 
@@ -373,7 +381,8 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
                            candidates=candidates, tta=tta, processes=processes)
     if onnx and processes not in (None, 1):
         raise UsageError("--processes runs PyTorch models (--model); --onnx runs in onnxruntime's own threads")
-    _check_caption_sources(model, onnx, weights, rerank, nbest, candidates, tta, matcher, match_weight)
+    _check_caption_sources(model, onnx, weights, rerank, nbest, candidates, tta, matcher, match_weight,
+                           match_rare_weight)
     given, beam_used = _controls(controls, beam)
     _check_controls_fit(given, rerank, nbest, candidates, engine)
     if onnx and (device not in ("auto", "cpu") or precision != "auto"):
@@ -383,7 +392,7 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
         read_manifest(onnx)
         check_onnx_extra("--onnx", ("onnxruntime",))
     settings = _caption_settings(model, weights, onnx, beam_used, length_penalty, rerank, nbest, tta, matcher,
-                                 match_weight)
+                                 match_weight, match_rare_weight)
     settings.update(given)  # recorded only when given: other runs' settings stay as they were
     candidates_path = check_file_target(candidates, overwrite=overwrite) if candidates else None
     writer = _caption_writer("caption", paths, settings, json_out=json_out, jsonl=jsonl, csv_out=csv_out,
@@ -414,7 +423,8 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
             cap = load_onnx_captioner(onnx)
             yield from cap.caption_files(files, controls=cap.controls_for(None, beam, **given), **options)
         return writer.run(onnx_results)
-    load = partial(_load_captioner, model, weights, tta, where, precision, matcher, match_weight)
+    load = partial(_load_captioner, model, weights, tta, where, precision, matcher, match_weight,
+                   match_rare_weight)
     return _caption_with_candidates(writer, load, candidates_path, given, processes, where,
                                     nbest=_nbest(rerank, nbest), rerank=rerank, **options)
 
@@ -498,12 +508,13 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
                  weights: list[float] | None = None, rerank: str | None = None, nbest: int | None = None,
                  tta: str | None = None, device: str = "auto", precision: str = "auto", workers: int = 2,
                  max_images: int | None = None, processes: int | None = None, matcher: str | None = None,
-                 match_weight: float | None = None, **controls) -> int:
+                 match_weight: float | None = None, match_rare_weight: float | None = None, **controls) -> int:
     _check_targets(out, overwrite=overwrite)  # before torch, the dataset and the model load
     from ..scoring.diversity import diversity_rows
     from ..scoring.evaluation import score_captions
 
-    _check_models(model, weights, rerank, nbest, matcher=matcher, match_weight=match_weight)
+    _check_models(model, weights, rerank, nbest, matcher=matcher, match_weight=match_weight,
+                  match_rare_weight=match_rare_weight)
     given, beam = _controls(controls, beam)  # the caption controls given, and the beam width used
     _check_controls_fit(given, rerank, nbest, None)
     _check_model_folders(model)
@@ -512,7 +523,8 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     items = data.split(split)
     split_size = len(items)
     items = items[:max_images] if max_images else items  # the split's order: the same N every time
-    load = partial(_load_captioner, model, weights, tta, where, precision, matcher, match_weight)
+    load = partial(_load_captioner, model, weights, tta, where, precision, matcher, match_weight,
+                   match_rare_weight)
     lists: dict[str, list[str]] = {}
     cap, results = _caption_files(load, [it.path for it in items], processes, where, given, beam=beam,
                                   batch_size=batch_size, length_penalty=length_penalty,
@@ -531,7 +543,9 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     rules, own = _caption_rules(cap, beam, given)
     print(f"{split} split, {scored}, beam {beam}, length penalty {lp:g}"
           + (f", MBR over the {mbr} best beams" if mbr else "")
-          + (f", matcher over the {n_best} best beams (weight {cap.match_weight:g})" if rerank == "match" else "")
+          + (f", matcher over the {n_best} best beams (weight {cap.match_weight:g}"
+             + (f", rare-word gain {cap.match_rare_weight:g}" if cap.match_rare_weight else "") + ")"
+             if rerank == "match" else "")
           + (f", test-time {cap.tta}" if cap.tta else "")
           + "".join(f", {k.replace('_', ' ')} {v}" for k, v in given.items())
           + "".join(f", {k.replace('_', ' ')} {v} (the model's)" for k, v in own.items()))
@@ -541,7 +555,8 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
         _write_json(out, {"model": _models_setting(model, weights), "dataset": dataset, "split": split,
                           "beam": beam, "length_penalty": lp, "mbr_nbest": mbr, "tta": cap.tta, "scale": "x100",
                           **({"rerank": "match", "nbest": n_best, "matcher": str(Path(matcher).resolve()),
-                              "match_weight": cap.match_weight} if rerank == "match" else {}),
+                              "match_weight": cap.match_weight, "match_rare_weight": cap.match_rare_weight}
+                             if rerank == "match" else {}),
                           "scores": {k: round(100 * v, 4) for k, v in rep.scores.items()},
                           "implementation": rep.implementation, "tokenizer": rep.tokenizer,
                           "empty_captions": len(rep.empty), "notes": rep.notes, "captions": captions,

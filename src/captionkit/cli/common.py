@@ -256,13 +256,15 @@ def _controls(options: dict, beam: int | None) -> tuple[dict, int]:
 
 def _check_models(models: list[str] | None, weights: list[float] | None, rerank: str | None = None,
                   nbest: int | None = None, candidates: str | None = None, matcher: str | None = None,
-                  match_weight: float | None = None) -> None:
+                  match_weight: float | None = None, match_rare_weight: float | None = None) -> None:
     """--model/--weights/--rerank/--nbest/--matcher that do not fit together, refused before
     anything loads."""
     if rerank == "match" and not matcher:
         raise UsageError("--rerank match needs --matcher DIR (captionkit matcher trains one)")
-    if (matcher or match_weight is not None) and rerank != "match":
-        raise UsageError(f"{'--matcher' if matcher else '--match-weight'} is for --rerank match: give it too")
+    for flag, given in (("--matcher", matcher), ("--match-weight", match_weight is not None),
+                        ("--match-rare-weight", match_rare_weight is not None)):
+        if given and rerank != "match":
+            raise UsageError(f"{flag} is for --rerank match: give it too")
     if matcher and not (Path(matcher) / "config.json").is_file():
         raise UsageError(f"--matcher {matcher}: not a checkpoint folder (no config.json)")
     if weights and len(weights) != len(models or []):
@@ -276,7 +278,8 @@ def _check_models(models: list[str] | None, weights: list[float] | None, rerank:
 
 
 def _add_tta_opt(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tta", choices=("flip", "none"),  # captionkit.inference.ensemble.TTA and TTA_OFF, without torch
+    p.add_argument("--tta", choices=("flip", "flip-zoom", "none"),  # ensemble.TTA and TTA_OFF, without torch
                    help="test-time augmentation: flip decodes each photo and its mirror image as one ensemble "
-                        "(a second encoder pass); none: no augmentation, even where an ensemble folder asks "
-                        "for one (default: none, or what an ensemble folder says)")
+                        "(a second encoder pass); flip-zoom four views, those two and the centre crop of 0.85 "
+                        "of each side and its mirror image (four passes); none: no augmentation, even where an "
+                        "ensemble folder asks for one (default: none, or what an ensemble folder says)")

@@ -23,7 +23,7 @@ from ..encoders import Encoder, create_encoder, load_finetuned
 from ..encoders.image_batches import PixelBatch, image_batches
 from ..models import CaptionModel, create_model
 from ..models.base import pack_products, view_attention
-from .controls import MODEL_DEFAULTS, Controls, model_controls
+from .controls import MODEL_DEFAULTS, RANKED_TOKENS, Controls, model_controls
 from .decoding import Caption, beam_nbest, decode_lists
 from .ensemble import (
     COMBINE,
@@ -37,10 +37,11 @@ from .ensemble import (
     is_ensemble_folder,
     normalised_weights,
     read_ensemble,
-    with_flip_views,
+    tta_pixels,
+    with_tta_views,
 )
 from .hf_models import hf_parts, hf_source
-from .rerank import RERANKERS, match_choice, mbr_choice
+from .rerank import RERANKERS, match_choice, mbr_choice, rare_word_gains
 from .shaping import image_keys
 from .shipped import SHIPPED, existing_model_folder
 
@@ -124,14 +125,15 @@ class Captioner:
                  tta: str | None = None):
         """``tta="flip"``: test-time flip averaging -- every image is encoded twice, as it is and
         mirrored, and the decoder decodes both views as one ensemble (ensemble.with_flip_views);
-        features given to ``decode_features`` are then (B, 2, L, D). ``"none"``: none (what
-        ``--tta none`` asks for over an ensemble folder's own)."""
+        features given to ``decode_features`` are then (B, 2, L, D). ``"flip-zoom"``: four views,
+        those two and a centre crop and its mirror image (ensemble.tta_pixels), (B, 4, L, D).
+        ``"none"``: none (what ``--tta none`` asks for over an ensemble folder's own)."""
         tta = None if tta == TTA_OFF else tta
         if tta not in (None, *TTA):
             raise ValueError(f"unknown test-time augmentation {tta!r} (known: {', '.join(TTA)})")
         self.tta = tta
-        if tta == "flip":
-            decoder = with_flip_views(decoder)
+        if tta is not None:
+            decoder = with_tta_views(decoder, tta)
             config = {**config, "tta": tta}
         self.decoder = decoder.eval()
         self.vocab = vocab
@@ -155,6 +157,7 @@ class Captioner:
         self.asked_precision = "auto"  # as asked, re-resolved for each device placed on
         self.precision = resolve_precision(self.asked_precision, self.device)
         self.matcher, self.match_weight, self._matcher_folder = None, 0.0, None  # --rerank match's (use_matcher)
+        self.match_rare_weight = 0.0
 
     def place(self, device: str | torch.device = "cpu", precision: str | None = None) -> "Captioner":
         """Move the decoder and encoder to ``device`` (a name as ``--device`` takes it, or a
@@ -323,20 +326,26 @@ class Captioner:
         choice = mbr_choice({i: [self.text(c) for c in caps] for i, caps in enumerate(lists)})
         return [caps[choice[i]] for i, caps in enumerate(lists)]
 
-    def use_matcher(self, folder: str | Path, weight: float) -> "Captioner":
+    def use_matcher(self, folder: str | Path, weight: float, rare_weight: float = 0.0) -> "Captioner":
         """Rerank n-best lists with the matcher checkpoint ``folder`` (``rerank="match"``,
-        captionkit.inference.rerank.match_choice) at ``weight``. The matcher must read this
-        captioner's encoder rows (one line naming the folder otherwise); it stays on the CPU
-        (a few small matmuls a photo), whatever device the captioner is on."""
+        captionkit.inference.rerank.match_choice) at ``weight``, and the captions' rare-word gain
+        at ``rare_weight`` (a word vocabulary's only: its ids are frequency ranks). The matcher
+        must read this captioner's encoder rows (one line naming the folder otherwise); it stays
+        on the CPU (a few small matmuls a photo), whatever device the captioner is on."""
         from ..models.matcher import load_matcher
 
-        if not (weight >= 0 and weight < float("inf")):
-            raise UserError(f"the matcher's weight must be a finite number >= 0, got {weight}")
+        for name, w in (("matcher's weight", weight), ("rare-word gain's weight", rare_weight)):
+            if not (w >= 0 and w < float("inf")):
+                raise UserError(f"the {name} must be a finite number >= 0, got {w}")
+        if rare_weight and self.vocab.kind not in RANKED_TOKENS:
+            raise UserError(f"--match-rare-weight ranks words by their frequency in a word vocabulary; this "
+                            f"model's tokens are {self.vocab.kind!r} tokens, in no such order")
         m = load_matcher(folder)
         if self.encoder is not None and m.cfg.encoder != self.encoder.cache_key():
             raise UserError(f"{folder}: a matcher of {m.cfg.encoder} rows, but this captioner's encoder is "
                             f"{self.encoder.cache_key()}")
         self.matcher, self.match_weight, self._matcher_folder = m, float(weight), folder
+        self.match_rare_weight = float(rare_weight)
         return self
 
     def _need_matcher(self) -> None:
@@ -348,7 +357,7 @@ class Captioner:
               length_penalty: float | None = None) -> list[Caption]:
         """Each n-best list's choice by the matcher (:meth:`use_matcher`), its log-probabilities
         normalised by ``length_penalty`` (None: the model's own) as the beam ranked them; feats:
-        the photos' rows as :meth:`encode` gives them, (B, L, D), or (B, 2, L, D) with flips (the
+        the photos' rows as :meth:`encode` gives them, (B, L, D), or (B, V, L, D) with views (the
         photo's view is scored)."""
         self._need_matcher()
         photo = feats[:, 0] if feats.dim() == 4 else feats  # (B, L, D)
@@ -357,9 +366,12 @@ class Captioner:
                             f"captioner's are {photo.shape[-1]} wide")
         images = self.matcher.image(photo.float().cpu())  # (B, E)
         parts = self.matcher.list_discriminability(images, [[self.text(c) for c in caps] for caps in lists])
+        gains = [rare_word_gains([c.ids for c in caps], len(self.vocab)) for caps in lists] \
+            if self.match_rare_weight else None
         choice = match_choice([[c.logprob for c in caps] for caps in lists],
                               [[len(c.ids) for c in caps] for caps in lists],  # tokens: as the beam normalised
-                              parts, self.match_weight, self.length_penalty_or(length_penalty))
+                              parts, self.match_weight, self.length_penalty_or(length_penalty),
+                              gains, self.match_rare_weight)
         return [caps[i] for caps, i in zip(lists, choice)]
 
     @torch.no_grad()
@@ -393,27 +405,28 @@ class Captioner:
 
     def encode_batch(self, images: list[torch.Tensor]) -> torch.Tensor:
         """Preprocessed images, each (3, S, S) -> the encoder's rows (B, L, D), without autograd
-        (with flip averaging (B, 2, L, D), see :meth:`encode`)."""
+        (with test-time augmentation (B, V, L, D), see :meth:`encode`)."""
         return self.encode(torch.stack(images))
 
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         """Preprocessed pixels (B, 3, S, S) on any device -> the encoder's rows (B, L, D) on this
-        captioner's device, computed under its precision, without autograd; with flip averaging
-        (B, 2, L, D): the images' rows and their mirror images' (a second encoder pass).
+        captioner's device, computed under its precision, without autograd; with test-time
+        augmentation (B, V, L, D): the views of ensemble.tta_pixels, view 0 the images' own rows
+        (flip: and their mirror images', a second encoder pass; flip-zoom: four passes).
         float32 whatever the precision (the decoders take float32 features; bf16 autocast
         would otherwise hand back bf16 rows on some CPUs and float32 on others)."""
         if self.encoder is None:
             raise RuntimeError("this Captioner was loaded without its encoder")
         with autocast(self.device, self.precision):
-            if self.tta != "flip":
+            if self.tta is None:
                 return self.encoder.encode(pixels).float()
-            # both views in one encoder call (one call per layer for twice the images), image-
-            # major: rows 2b and 2b + 1 are image b and its mirror image, so the result is
-            # (B, 2, L, D) without a copy (an image's rows do not depend on the other images of
-            # its batch, up to float32 rounding: bit for bit the same with two threads here)
-            both = torch.stack([pixels, pixels.flip(-1)], 1).flatten(0, 1)  # (2B, 3, S, S)
-            feats = self.encoder.encode(both)  # (2B, L, D)
-        return feats.unflatten(0, (-1, 2)).float()  # (B, 2, L, D)
+            # every view in one encoder call (one call per layer for V times the images), image-
+            # major: rows V b .. V b + V - 1 are image b's views, so the result is (B, V, L, D)
+            # without a copy (an image's rows do not depend on the other images of its batch, up
+            # to float32 rounding: bit for bit the same with two threads here)
+            views = tta_pixels(pixels, self.tta)  # (B, V, 3, S, S)
+            feats = self.encoder.encode(views.flatten(0, 1))  # (B V, L, D)
+        return feats.unflatten(0, views.shape[:2]).float()  # (B, V, L, D)
 
     def encode_keys(self, pixels: torch.Tensor) -> torch.Tensor | None:
         """Preprocessed pixels (B, 3, S, S) -> the images' sampling keys (B,) on this captioner's

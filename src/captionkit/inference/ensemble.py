@@ -216,9 +216,42 @@ class EnsembleDecoder(nn.Module):
         return combine_logprobs(logprobs, weights, self.combine), tuple(new_state), attentions[0]
 
 
-# ---- test-time augmentation: the photo and its mirror image --------------------------------
-TTA = ("flip",)
+# ---- test-time augmentation: the photo, its mirror image, a centre crop ---------------------
+# each augmentation's views of the photo and their shares of every member's weight (tta_pixels
+# makes the views): "flip", the photo and its mirror image; "flip-zoom", those and the centre
+# crop of ZOOM of each side and its mirror image, a quarter each (the crop's side and its share
+# chosen on the Flickr8k dev split: docs/variety-study.md, "Four views")
+TTA_SHARES = {"flip": (0.5, 0.5), "flip-zoom": (0.25, 0.25, 0.25, 0.25)}
+TTA = tuple(TTA_SHARES)
 TTA_OFF = "none"  # --tta none: no augmentation, not even an ensemble folder's own
+ZOOM = 0.85
+
+
+def tta_pixels(pixels: torch.Tensor, tta: str) -> torch.Tensor:
+    """Preprocessed pixels (B, 3, S, S) -> the views ``tta`` decodes (B, V, 3, S, S), view 0 the
+    photo itself: "flip" adds its mirror image; "flip-zoom" also the centre crop of ZOOM of each
+    side, scaled back to S x S (bilinear, antialiased), and the crop's mirror image. The crop is
+    taken of the preprocessed pixels: the encoders' normalisation is per channel and affine, so
+    it commutes with the crop's averaging."""
+    if tta not in TTA_SHARES:
+        raise ValueError(f"unknown test-time augmentation {tta!r} (known: {', '.join(TTA)})")
+    views = [pixels, pixels.flip(-1)]
+    if tta == "flip-zoom":
+        S = pixels.shape[-1]
+        side = int(round(S * ZOOM))
+        o = (S - side) // 2
+        crop = nn.functional.interpolate(pixels[..., o:o + side, o:o + side], size=(S, S), mode="bilinear",
+                                         antialias=True, align_corners=False)  # (B, 3, S, S)
+        views += [crop, crop.flip(-1)]
+    return torch.stack(views, 1)  # (B, V, 3, S, S)
+
+
+def with_tta_views(decoder: nn.Module, tta: str) -> EnsembleDecoder:
+    """``decoder`` decoding the views of ``tta`` (:func:`tta_pixels`) at their shares
+    (:func:`with_views`); feats then (B, V, L, D)."""
+    if tta not in TTA_SHARES:
+        raise ValueError(f"unknown test-time augmentation {tta!r} (known: {', '.join(TTA)})")
+    return with_views(decoder, TTA_SHARES[tta])
 
 
 def with_flip_views(decoder: nn.Module) -> EnsembleDecoder:
@@ -291,7 +324,7 @@ class EnsembleSpec:
     combine: str = "loglinear"
     length_penalty: float = 0.0
     max_len: int | None = None
-    tta: str | None = None  # test-time augmentation ("flip": see with_flip_views)
+    tta: str | None = None  # test-time augmentation (TTA_SHARES: "flip", "flip-zoom")
     # the caption controls' rules the ensemble decodes with by default (controls.MODEL_DEFAULTS:
     # no_repeat_ngram, repetition_penalty, rare_word_bonus, min_words, max_words); a rule not named: the first member's
     rules: dict = field(default_factory=dict)

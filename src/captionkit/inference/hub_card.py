@@ -184,11 +184,16 @@ def _table(rows: list[tuple[str, str]], header: tuple[str, str] = ("", "")) -> s
     return "\n".join(lines + [f"| {a} | {b} |" for a, b in rows])
 
 
+# what a model card says of each test-time augmentation (captionkit.inference.ensemble.TTA)
+TTA_WORDS = {"flip": ", each photo also decoded mirrored",
+             "flip-zoom": ", each photo also decoded mirrored, centre-cropped and both"}
+
+
 def _model_rows(f: CardFacts) -> list[tuple[str, str]]:
     family = " + ".join(dict.fromkeys(f.families)) + (" ensemble" if f.kind == "ensemble" else "")
     d = f.decoding
     decoding = f"beam 3 (`--beam`), at most {d['max_len']} tokens, beams ranked by log-probability / " \
-               f"(length + 1) ^ {d['length_penalty']:g}" + (", each photo also decoded mirrored" if d["tta"] else "")
+               f"(length + 1) ^ {d['length_penalty']:g}" + TTA_WORDS.get(d["tta"], "")
     rows = [("family", f"`{family}` ({f.parameters:,} decoder parameters)"),
             ("encoder", f"`{f.encoder}`: a {f.grid[0]}x{f.grid[1]} grid of {f.feat_dim}-d vectors"),
             ("vocabulary", f"{f.vocab_size:,} tokens"), ("decoding", decoding)]

@@ -17,8 +17,11 @@ and every candidate scores 0, so the first (the model's best) is kept.
 
 ``match``: each candidate's length-normalised log-probability under the captioner plus
 ``weight`` times its discriminability under a matcher (captionkit.models.matcher: how much
-better the caption fits this photo than the matcher's bank of other photos). It needs the
-photo, so it runs where the captioner has the encoder's rows (``caption`` and ``evaluate``),
+better the caption fits this photo than the matcher's bank of other photos), plus, with a
+``rare_weight`` C, C times its rare-word gain: the sum over its words of what
+``--rare-word-bonus 1`` gives them during the search (captionkit.inference.shaping.rare_word_bonus),
+so that among captions the matcher finds about as fitting, the one in rarer words wins. It needs
+the photo, so it runs where the captioner has the encoder's rows (``caption`` and ``evaluate``),
 photo by photo: a caption's choice does not depend on the other photos of the run.
 """
 
@@ -135,15 +138,35 @@ def rerank_files(paths: Sequence[str], out: str | None, overwrite: bool) -> dict
 
 
 def match_choice(logprobs: Sequence[Sequence[float]], lengths: Sequence[Sequence[int]],
-                 disc: Sequence[Sequence[float]], weight: float, length_penalty: float) -> list[int]:
+                 disc: Sequence[Sequence[float]], weight: float, length_penalty: float,
+                 gains: Sequence[Sequence[float]] | None = None, rare_weight: float = 0.0) -> list[int]:
     """Each n-best list's choice under ``--rerank match``: the argmax of
-    logprob / (length + 1) ** length_penalty + weight * disc (the beam's own ranking when
-    ``weight`` is 0 and no rule shaped the beam); ties go to the earlier candidate."""
+    logprob / (length + 1) ** length_penalty + weight * disc [+ rare_weight * gain] (the beam's
+    own ranking when both weights are 0 and no rule shaped the beam); ties go to the earlier
+    candidate. ``gains``: each candidate's rare-word gain (:func:`rare_word_gains`), needed
+    when ``rare_weight`` is not 0."""
+    if rare_weight and gains is None:
+        raise ValueError("a rare_weight needs the candidates' gains")
     out = []
-    for lp, n, d in zip(logprobs, lengths, disc, strict=True):
+    for i, (lp, n, d) in enumerate(zip(logprobs, lengths, disc, strict=True)):
         lp, n, d = (np.asarray(x, dtype=np.float64) for x in (lp, n, d))
-        if not (lp.shape == n.shape == d.shape):
-            raise ValueError(f"{len(lp)} log-probabilities, {len(n)} lengths and {len(d)} scores for one list")
+        g = np.asarray(gains[i], dtype=np.float64) if rare_weight else np.zeros_like(lp)
+        if not (lp.shape == n.shape == d.shape == g.shape):
+            raise ValueError(f"{len(lp)} log-probabilities, {len(n)} lengths, {len(d)} scores and {len(g)} "
+                             f"gains for one list")
         norm = lp / (n + 1) ** length_penalty if length_penalty else lp
-        out.append(int(np.argmax(norm + weight * d)) if len(lp) else -1)
+        # (the terms added in the order benchmarks/rerank_dev.py adds them, so its dev rows hold here)
+        out.append(int(np.argmax(norm + (weight * d + rare_weight * g))) if len(lp) else -1)
     return out
+
+
+def rare_word_gains(ids: Sequence[Sequence[int]], vocab_size: int) -> list[float]:
+    """Each caption's rare-word gain (``ids``: its word ids in a frequency-ordered vocabulary,
+    controls.RANKED_TOKENS): the sum over its words of what ``--rare-word-bonus 1`` adds to them
+    in the search (shaping.rare_word_bonus)."""
+    import torch
+
+    from .shaping import rare_word_bonus
+
+    gain = rare_word_bonus(1.0, vocab_size, torch.device("cpu")).tolist()
+    return [sum(gain[i] for i in c) for c in ids]

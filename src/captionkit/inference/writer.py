@@ -93,8 +93,8 @@ def figure_names(keys: Iterable[str]) -> dict[str, str]:
 
 # the order in which a resume refusal looks for the setting that differs: the options a user
 # types before the ones they imply (--rerank mbr implies --nbest 5; --model or --onnx, one of them)
-SETTINGS_ORDER = ("command", "model", "rerank", "nbest", "matcher", "match_weight", "tta", "beam", "length_penalty",
-                  "prompt", "max_new_tokens", "dtype")
+SETTINGS_ORDER = ("command", "model", "rerank", "nbest", "matcher", "match_weight", "match_rare_weight", "tta", "beam",
+                  "length_penalty", "prompt", "max_new_tokens", "dtype")
 # what a setting's absence means, said as the user would (None recorded: the option was not given)
 ABSENT = {"length_penalty": "the model's length penalty (no --length-penalty)",
           "precision": "--precision fp32"}  # recorded only when not fp32 (cli/caption.py)
