@@ -290,3 +290,103 @@ def test_match_rare_weight_is_refused_for_tokens_in_no_frequency_order(wide_mode
     char.use_matcher(picky_matcher, 0.1)  # without the gain: nothing to refuse
     with pytest.raises(UserError, match="rare-word gain's weight must be a finite number >= 0"):
         cap.use_matcher(picky_matcher, 0.1, float("nan"))
+
+
+# ---- an ensemble folder's own reranker ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reranked_folder(picky_models, picky_matcher, tmp_path_factory):
+    """The two picky models as an ensemble folder that reranks by the picky matcher at weight
+    1000 (so that its choices differ from the beam's on these photos)."""
+    a, b = picky_models
+    out = tmp_path_factory.mktemp("own") / "ens"
+    assert main(["ensemble", "--model", str(a), "--model", str(b), "--rerank", "match", "--matcher",
+                 str(picky_matcher), "--match-weight", "1000", "--match-rare-weight", "0", "--out", str(out)]) == 0
+    return out
+
+
+def test_an_ensemble_folder_keeps_its_reranker_and_a_copy_of_the_matcher(reranked_folder, picky_matcher):
+    from captionkit.inference.ensemble import read_ensemble
+    doc = json.loads((reranked_folder / "ensemble.json").read_text())
+    assert doc["rerank"] == {"method": "match", "matcher": "matcher", "nbest": 3, "weight": 1000.0, "rare_weight": 0.0}
+    for name in ("config.json", "model.safetensors"):  # a copy: the folder stands alone
+        assert (reranked_folder / "matcher" / name).read_bytes() == (picky_matcher / name).read_bytes()
+    own = read_ensemble(reranked_folder).rerank
+    assert own.matcher == reranked_folder / "matcher" and (own.nbest, own.weight) == (3, 1000.0)
+
+
+def test_a_folder_s_reranker_chooses_its_captions_unless_told_otherwise(reranked_folder, picky_models, picky_data,
+                                                                       picky_matcher, tmp_path, capsys):
+    a, b = picky_models
+    photos = sorted((picky_data / "Flicker8k_Dataset").iterdir())
+    paths = list(map(str, photos))
+    own = cli_captions(tmp_path, ["caption", *paths, "--model", str(reranked_folder)])
+    explicit = cli_captions(tmp_path, ["caption", *paths, "--model", str(a), "--model", str(b), "--rerank", "match",
+                                       "--matcher", str(picky_matcher), "--match-weight", "1000", "--nbest", "3"])
+    off = cli_captions(tmp_path, ["caption", *paths, "--model", str(reranked_folder), "--rerank", "none"])
+    assert own == explicit
+    assert off == direct_captions(Captioner.load_ensemble([a, b]), photos) != own  # the reranker moves some
+    # a flag replaces the folder's value: weight 0 is the beam's own choice (no rules shape it)
+    assert cli_captions(tmp_path, ["caption", *paths, "--model", str(reranked_folder), "--match-weight", "0"]) == off
+    # greedy asks for one caption: the reranker steps aside
+    assert cli_captions(tmp_path, ["caption", *paths, "--model", str(reranked_folder), "--beam", "1"]) == \
+        cli_captions(tmp_path, ["caption", *paths, "--model", str(reranked_folder), "--rerank", "none", "--beam", "1"])
+    # the Python API: the same captions, and rerank="none" the beam's
+    cap = Captioner.load(reranked_folder)
+    assert {p.name: r.text for p, r in zip(photos, cap(paths))} == own
+    assert {p.name: r.text for p, r in zip(photos, cap(paths, rerank="none"))} == off
+    assert direct_captions(cap, photos) == own
+    # evaluate: the folder's reranker, recorded
+    out = tmp_path / "eval.json"
+    assert main(["evaluate", "--model", str(reranked_folder), "--dataset", str(picky_data), "--split", "dev",
+                 "--metrics", "bleu", "--tokenizer", "python", "--meteor", "none", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert (doc["rerank"], doc["nbest"], doc["match_weight"]) == ("match", 3, 1000.0)
+    assert doc["matcher"] == str((reranked_folder / "matcher").resolve())
+    assert doc["captions"] == {k: own[k] for k in doc["captions"]}
+    assert "matcher over the 3 best beams (weight 1000)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("table, message", [
+    ({"method": "mbr", "matcher": "matcher", "nbest": 3, "weight": 0.1}, "rerank.method must be 'match'"),
+    ({"method": "match", "matcher": "matcher", "nbest": 1, "weight": 0.1}, "rerank.nbest must be a whole number"),
+    ({"method": "match", "matcher": "matcher", "nbest": 3, "weight": -1}, "rerank.weight must be a number >= 0"),
+    ({"method": "match", "matcher": "../m", "nbest": 3, "weight": 0.1}, "rerank.matcher must be a folder inside"),
+    ({"method": "match", "matcher": "nowhere", "nbest": 3, "weight": 0.1}, "is not a checkpoint folder"),
+    ({"method": "match", "nbest": 3, "weight": 0.1}, "'rerank' must be a table of"),
+])
+def test_a_wrong_rerank_table_is_one_line_naming_the_file(reranked_folder, tmp_path, table, message):
+    import shutil
+
+    from captionkit.inference.ensemble import read_ensemble
+    from captionkit.inference.rerank import read_folder_rerank
+    folder = tmp_path / "ens"
+    shutil.copytree(reranked_folder, folder)
+    doc = json.loads((folder / "ensemble.json").read_text())
+    (folder / "ensemble.json").write_text(json.dumps({**doc, "rerank": table}))
+    for read in (read_ensemble, read_folder_rerank):
+        with pytest.raises(CheckpointError, match=f"{folder / 'ensemble.json'}: .*{message}"):
+            read(folder)
+
+
+def test_the_ensemble_command_s_reranker_options_are_checked_before_loading(picky_models, tmp_path, capsys,
+                                                                           no_expensive_work):
+    a, b = picky_models
+    for argv, message in ((["--matcher", "m"], "--matcher is for --rerank match"),
+                          (["--rerank", "match"], "--rerank match needs --matcher")):
+        assert main(["ensemble", "--model", str(a), "--model", str(b), *argv, "--out", str(tmp_path / "e")]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_a_folder_with_its_reranker_is_pushed_with_its_matcher(reranked_folder, picky_data, tmp_path):
+    from helpers import place_in_cache
+    repo, commit = "captionkit-tests/reranked", "c" * 40
+    photos = sorted((picky_data / "Flicker8k_Dataset").iterdir())
+    out = tmp_path / "upload"
+    assert main(["push", str(reranked_folder), repo, "--dry-run", str(out), "--samples", str(photos[0])]) == 0
+    assert (out / "matcher" / "model.safetensors").read_bytes() == \
+        (reranked_folder / "matcher" / "model.safetensors").read_bytes()
+    assert "chosen among the 3 best by its matcher (weight 1000" in (out / "README.md").read_text()
+    place_in_cache(out, tmp_path / "cache", repo, commit)
+    hub = Captioner.from_pretrained(f"hub:{repo}", cache_dir=tmp_path / "cache", local_files_only=True)
+    assert hub.own_rerank is not None
+    assert direct_captions(hub, photos) == direct_captions(Captioner.load(reranked_folder), photos)

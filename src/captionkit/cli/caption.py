@@ -16,12 +16,10 @@ from .argtypes import float_at_least, int_at_least, positive_floats, positive_in
 from .common import (UsageError, _add_control_opts, _add_csv_opts, _add_device_opts, _add_engine_opts, _add_overwrite,
                      _add_processes_opt, _add_score_opts, _add_tta_opt, _check_models, _check_targets, _controls,
                      _device, _load_dataset, _print_report, _processes, _ray_options, _score_opts, _write_json)
-from .common import _diversity_doc, _print_diversity
+from .common import MATCH_NBEST, MATCH_WEIGHT, _diversity_doc, _print_diversity
 
 
 DEFAULT_NBEST = 5  # beams --rerank mbr chooses among when --nbest is not given
-MATCH_NBEST = 3  # beams --rerank match chooses among when --nbest is not given (chosen on Flickr8k dev)
-MATCH_WEIGHT = 0.03  # --match-weight's default (chosen on Flickr8k dev, docs/decoding-controls.md)
 
 
 def _caption_writer(command: str, paths: list[str], settings: dict, **outputs):
@@ -87,6 +85,36 @@ def _load_captioner(models: list[str] | None, weights: list[float] | None, tta: 
     if matcher:
         cap.use_matcher(matcher, _match_weight(match_weight), match_rare_weight or 0.0)
     return cap
+
+
+def _run_rerank(models: list[str] | None, rerank: str | None, nbest: int | None, matcher: str | None,
+                match_weight: float | None, match_rare_weight: float | None, given: dict, beam: int) -> tuple:
+    """(rerank, nbest, matcher, match_weight, match_rare_weight) as a run uses them, rerank None
+    or a reranker: as given (--rerank none: none); when no --rerank is given, the one --model's
+    (or the default's) own reranker if its ensemble folder has one (Captioner.rerank_plan): its
+    matcher, n-best size and weights, each replaced by the flag that gives it -- wherever the
+    decoding is the beam's one caption (not --beam 1, sampling, several captions or beam
+    groups). Read before anything loads (captionkit.inference.rerank.read_folder_rerank)."""
+    from ..inference.folders import is_ensemble
+    from ..inference.hf_models import hf_source
+    from ..inference.rerank import RERANK_OFF, read_folder_rerank
+    from ..inference.shipped import existing_model_folder
+
+    asked = (rerank, nbest, matcher, match_weight, match_rare_weight)
+    if rerank == RERANK_OFF:
+        return None, *asked[1:]
+    several = any(given.get(k) not in (None, False, 1) for k in ("num_captions", "sample", "beam_groups"))
+    if rerank is not None or (models and len(models) > 1) or several or beam == 1:
+        return asked
+    if models and hf_source(models[0]) is not None:
+        return asked
+    folder = existing_model_folder(models[0] if models else None)
+    own = read_folder_rerank(folder) if is_ensemble(folder) else None
+    if own is None:
+        return asked
+    return (own.method, nbest or own.nbest, matcher or str(own.matcher),
+            own.weight if match_weight is None else match_weight,
+            own.rare_weight if match_rare_weight is None else match_rare_weight)
 
 
 def _match_weight(given: float | None) -> float:
@@ -298,9 +326,11 @@ def _add_ensemble_opts(p: argparse.ArgumentParser) -> None:
     """Ensembles and consensus reranking (docs/ensembles.md), for caption and evaluate."""
     p.add_argument("--weights", type=positive_floats, metavar="W1,W2,..",
                    help="the ensemble members' weights, one per --model (default: equal)")
-    p.add_argument("--rerank", choices=("mbr", "match"),
+    p.add_argument("--rerank", choices=("mbr", "match", "none"),  # rerank.RERANKERS and RERANK_OFF
                    help="mbr: choose each caption among the best beams by consensus (expected CIDEr-D); match: "
-                        "by probability plus how much better it fits the photo than other photos (--matcher)")
+                        "by probability plus how much better it fits the photo than other photos (--matcher); "
+                        "none: the beam's best, even where an ensemble folder has its own reranker (default: "
+                        "none, or the folder's own)")
     p.add_argument("--nbest", type=int_at_least(2), metavar="N",
                    help=f"beams --rerank chooses among (default {DEFAULT_NBEST} for mbr, {MATCH_NBEST} for match; "
                         f"the beam widens to N)")
@@ -381,9 +411,12 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
                            candidates=candidates, tta=tta, processes=processes)
     if onnx and processes not in (None, 1):
         raise UsageError("--processes runs PyTorch models (--model); --onnx runs in onnxruntime's own threads")
+    given, beam_used = _controls(controls, beam)
+    if not onnx and engine == "local":  # (Ray's replicas decode as their model says: caption_files)
+        rerank, nbest, matcher, match_weight, match_rare_weight = _run_rerank(
+            model, rerank, nbest, matcher, match_weight, match_rare_weight, given, beam_used)
     _check_caption_sources(model, onnx, weights, rerank, nbest, candidates, tta, matcher, match_weight,
                            match_rare_weight)
-    given, beam_used = _controls(controls, beam)
     _check_controls_fit(given, rerank, nbest, candidates, engine)
     if onnx and (device not in ("auto", "cpu") or precision != "auto"):
         raise UsageError("--device and --precision apply to PyTorch models; --onnx runs on onnxruntime's CPU")
@@ -425,8 +458,10 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
         return writer.run(onnx_results)
     load = partial(_load_captioner, model, weights, tta, where, precision, matcher, match_weight,
                    match_rare_weight)
+    from ..inference.rerank import RERANK_OFF  # (the folder's own reranker is read above: not again)
+
     return _caption_with_candidates(writer, load, candidates_path, given, processes, where,
-                                    nbest=_nbest(rerank, nbest), rerank=rerank, **options)
+                                    nbest=_nbest(rerank, nbest), rerank=rerank or RERANK_OFF, **options)
 
 
 def _caption_files(load, files: list[Path], processes: int | None, device, controls: dict | None = None,
@@ -510,12 +545,15 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
                  max_images: int | None = None, processes: int | None = None, matcher: str | None = None,
                  match_weight: float | None = None, match_rare_weight: float | None = None, **controls) -> int:
     _check_targets(out, overwrite=overwrite)  # before torch, the dataset and the model load
+    from ..inference.rerank import RERANK_OFF
     from ..scoring.diversity import diversity_rows
     from ..scoring.evaluation import score_captions
 
+    given, beam = _controls(controls, beam)  # the caption controls given, and the beam width used
+    rerank, nbest, matcher, match_weight, match_rare_weight = _run_rerank(
+        model, rerank, nbest, matcher, match_weight, match_rare_weight, given, beam)
     _check_models(model, weights, rerank, nbest, matcher=matcher, match_weight=match_weight,
                   match_rare_weight=match_rare_weight)
-    given, beam = _controls(controls, beam)  # the caption controls given, and the beam width used
     _check_controls_fit(given, rerank, nbest, None)
     _check_model_folders(model)
     where, precision = _device(device, precision)
@@ -528,7 +566,7 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     lists: dict[str, list[str]] = {}
     cap, results = _caption_files(load, [it.path for it in items], processes, where, given, beam=beam,
                                   batch_size=batch_size, length_penalty=length_penalty,
-                                  nbest=_nbest(rerank, nbest), rerank=rerank, workers=workers)
+                                  nbest=_nbest(rerank, nbest), rerank=rerank or RERANK_OFF, workers=workers)
     captions = _caption_split(results, items, split, lists)
     rep = score_captions(captions, {it.name: it.raw for it in items}, source="the model's captions",
                          refs_source=f"{dataset} ({split} split)",

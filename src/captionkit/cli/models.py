@@ -8,8 +8,8 @@ import argparse
 from pathlib import Path
 
 from ..inference.shipped import list_shipped_models
-from .argtypes import float_at_least, positive_floats
-from .common import _add_overwrite, _add_rule_opts, _add_tta_opt, _check_models
+from .argtypes import float_at_least, int_at_least, positive_floats
+from .common import MATCH_NBEST, MATCH_WEIGHT, _add_overwrite, _add_rule_opts, _add_tta_opt, _check_models
 
 
 def add_models(sub: argparse._SubParsersAction) -> None:
@@ -55,29 +55,53 @@ def add_ensemble(sub: argparse._SubParsersAction) -> None:
     _add_tta_opt(n)
     _add_rule_opts(n.add_argument_group("caption rules the ensemble decodes with unless told otherwise "
                                         "(docs/decoding-controls.md)"), default="the first member's")
+    r = n.add_argument_group("the folder's own reranker: its captions chosen among the beam's n best by a matcher "
+                             "unless told otherwise (--rerank none; docs/decoding-controls.md)")
+    r.add_argument("--rerank", choices=("match",), help="match: by probability, the matcher's score and the "
+                                                        "rare-word gain, as caption --rerank match chooses")
+    r.add_argument("--matcher", metavar="DIR", help="the matcher checkpoint (captionkit matcher); copied into "
+                                                    "the folder")
+    r.add_argument("--match-weight", type=float_at_least(0), metavar="W",
+                   help=f"the matcher's weight (default {MATCH_WEIGHT})")
+    r.add_argument("--match-rare-weight", type=float_at_least(0), metavar="C",
+                   help="the rare-word gain's weight (default 0)")
+    r.add_argument("--nbest", type=int_at_least(2), metavar="N",
+                   help=f"beams the reranker chooses among (default {MATCH_NBEST})")
     n.add_argument("--out", required=True, help="the ensemble folder to write")
-    _add_overwrite(n, "replace the ensemble.json of an existing ensemble folder")
+    _add_overwrite(n, "replace the ensemble.json of an existing ensemble folder (and its matcher)")
 
 
 def cmd_ensemble(model: list[str], weights: list[float] | None, length_penalty: float | None, combine: str,
-                 out: str, overwrite: bool, tta: str | None = None, **rule_options) -> int:
+                 out: str, overwrite: bool, tta: str | None = None, rerank: str | None = None,
+                 matcher: str | None = None, match_weight: float | None = None,
+                 match_rare_weight: float | None = None, nbest: int | None = None, **rule_options) -> int:
     """Write an ensemble folder (captionkit.inference.ensemble) naming the members, after loading them
-    together once, so a folder that is written is one that loads."""
+    together once (with the matcher, when it has its own reranker), so a folder that is written
+    is one that loads."""
     from ..core.outputs import check_folder_target
     from ..inference.captioner import Captioner
-    from ..inference.shipped import SHIPPED
     from ..inference.ensemble import KIND, member_entry, write_ensemble
+    from ..inference.rerank import FolderRerank
+    from ..inference.shipped import SHIPPED
 
-    _check_models(model, weights)
+    _check_models(model, weights, rerank, nbest, None, matcher, match_weight, match_rare_weight)
     rules = {k: v for k, v in rule_options.items() if v is not None}  # the rule options given
     target = check_folder_target(out, overwrite=overwrite, kinds=(KIND,))
+    own = FolderRerank(Path(matcher), nbest or MATCH_NBEST, MATCH_WEIGHT if match_weight is None else match_weight,
+                       match_rare_weight or 0.0) if rerank else None
+    # loaded only to check the members fit (and the matcher them: its encoder, the vocabulary's kind)
     cap = Captioner.load_ensemble(model, weights, length_penalty=length_penalty, rules=rules, combine=combine,
-                                  with_encoder=False, device="cpu")  # loaded only to check the members fit
+                                  with_encoder=own is not None, device="cpu")
+    if own:
+        cap.use_matcher(own.matcher, own.weight, own.rare_weight)
     members = [member_entry(Path(p), target, SHIPPED) for p in cap.config["ensemble"]["members"]]
-    path = write_ensemble(target, members, cap.decoder.weights, cap.length_penalty, cap.max_len, combine, tta, rules)
+    path = write_ensemble(target, members, cap.decoder.weights, cap.length_penalty, cap.max_len, combine, tta, rules,
+                          own)
     print(f"wrote {path}: {len(members)} members, weights "
           + ", ".join(f"{w:.3g}" for w in cap.decoder.weights) + f", length penalty {cap.length_penalty:g}"
-          + (f", test-time {tta}" if tta else "") + "".join(f", {k} {v:g}" for k, v in rules.items()))
+          + (f", test-time {tta}" if tta else "") + "".join(f", {k} {v:g}" for k, v in rules.items())
+          + (f", reranked by its matcher over the {own.nbest} best beams (weight {own.weight:g}, rare-word gain "
+             f"{own.rare_weight:g})" if own else ""))
     return 0
 
 

@@ -41,7 +41,7 @@ from .ensemble import (
     with_tta_views,
 )
 from .hf_models import hf_parts, hf_source
-from .rerank import RERANKERS, match_choice, mbr_choice, rare_word_gains
+from .rerank import RERANK_OFF, RERANKERS, FolderRerank, match_choice, mbr_choice, rare_word_gains
 from .shaping import image_keys
 from .shipped import SHIPPED, existing_model_folder
 
@@ -158,6 +158,7 @@ class Captioner:
         self.precision = resolve_precision(self.asked_precision, self.device)
         self.matcher, self.match_weight, self._matcher_folder = None, 0.0, None  # --rerank match's (use_matcher)
         self.match_rare_weight = 0.0
+        self.own_rerank: FolderRerank | None = None  # an ensemble folder's own reranker (load, rerank_plan)
 
     def place(self, device: str | torch.device = "cpu", precision: str | None = None) -> "Captioner":
         """Move the decoder and encoder to ``device`` (a name as ``--device`` takes it, or a
@@ -193,11 +194,15 @@ class Captioner:
         path = existing_model_folder(path)
         if is_ensemble_folder(path):
             spec = read_ensemble(path)
-            return cls.load_ensemble(spec.member_folders(SHIPPED), spec.weights, length_penalty=spec.length_penalty,
-                                     max_len=spec.max_len, rules=spec.rules, combine=spec.combine,
-                                     with_encoder=with_encoder,
-                                     encoder_weights=encoder_weights, source=path, tta=tta or spec.tta,
-                                     device=device, precision=precision)
+            cap = cls.load_ensemble(spec.member_folders(SHIPPED), spec.weights, length_penalty=spec.length_penalty,
+                                    max_len=spec.max_len, rules=spec.rules, combine=spec.combine,
+                                    with_encoder=with_encoder,
+                                    encoder_weights=encoder_weights, source=path, tta=tta or spec.tta,
+                                    device=device, precision=precision)
+            if spec.rerank:  # the folder's own reranker: its captions unless told otherwise (rerank_plan)
+                r = spec.rerank
+                cap.use_matcher(r.matcher, r.weight, r.rare_weight).own_rerank = r
+            return cap
         member = load_member(path)
         cap = cls._with_encoder(member.decoder, member, member.config, with_encoder, encoder_weights, tta)
         return cap.place(device, precision)
@@ -434,6 +439,44 @@ class Captioner:
         seed and the options only, not on its batch or its place there."""
         return image_keys(to_device(pixels, self.device))
 
+    def rerank_plan(self, rerank: str | None, nbest: int | None, c: Controls,
+                    beam: int | None) -> tuple[str | None, int | None]:
+        """The reranker and n-best size a decode under controls ``c`` uses, checked (one
+        UserError line): as asked (``rerank="none"``: none); when none is asked, the model's own
+        (an ensemble folder's ``rerank``, at its n-best size unless ``nbest`` says) wherever the
+        decoding is the beam's one caption -- not greedy, sampling, several captions or beam
+        groups, which ask for other captions than the reranker chooses among."""
+        if rerank not in (None, RERANK_OFF, *RERANKERS):
+            raise UserError(f"unknown reranker {rerank!r} (known: {', '.join(RERANKERS)}, {RERANK_OFF})")
+        plain_beam = c.num_captions == 1 and not c.sample and c.beam_groups == 1 and c.beam(beam) > 1
+        if rerank is None and self.own_rerank is not None and plain_beam:
+            rerank, nbest = self.own_rerank.method, nbest or self.own_rerank.nbest
+        rerank = None if rerank == RERANK_OFF else rerank
+        if rerank and not nbest:
+            raise UserError("reranking chooses among the n best beams: give nbest")
+        if rerank == "match":
+            self._need_matcher()  # before any photo is decoded
+        if nbest and (c.num_captions > 1 or c.sample or c.beam_groups > 1):
+            raise UserError("n-best lists and reranking take the beam's best: not with num_captions, sampling "
+                            "or beam groups")
+        return rerank, nbest
+
+    def _decode(self, feats: torch.Tensor, beam: int | None, length_penalty: float | None, c: Controls,
+                keys: torch.Tensor | None, rerank: str | None,
+                nbest: int | None) -> tuple[list[Caption], list[list[Caption]]]:
+        """A batch's rows as :meth:`encode` gives them -> each image's caption and its list: the
+        n best beams when ``nbest`` (the caption: the reranker's choice among them, else the
+        best), else the controls' captions (the caption: the first); as :meth:`rerank_plan` planned."""
+        if nbest:
+            found = self.nbest_features(feats, nbest, c.beam(beam), length_penalty, c)
+            if rerank == "mbr":
+                return self.mbr(found), found
+            if rerank == "match":
+                return self.match(found, feats, length_penalty), found
+            return [best[0] for best in found], found
+        found = self.decode_lists(feats, beam, length_penalty, c, keys)
+        return [caps[0] for caps in found], found
+
     def caption_files(self, paths: list[Path], beam: int | None = None, batch_size: int = 16,
                       length_penalty: float | None = None, workers: int = 1, nbest: int | None = None,
                       rerank: str | None = None,
@@ -444,8 +487,10 @@ class Captioner:
         when the device is a GPU.
         ``nbest``: keep each image's ``nbest`` best beams as the Result's ``candidates``;
         ``rerank="mbr"``: choose the caption among them by consensus (:meth:`mbr`), batch by
-        batch. ``controls``: the caption controls (None: the model's own); with
-        ``num_captions`` K > 1 each Result's ``captions`` holds the K."""
+        batch; ``"match"``: by the matcher (:meth:`use_matcher`); None: the model's own reranker
+        if it has one (:meth:`rerank_plan`), ``"none"``: none. ``controls``: the caption
+        controls (None: the model's own); with ``num_captions`` K > 1 each Result's
+        ``captions`` holds the K."""
         if self.encoder is None:
             raise RuntimeError("this Captioner was loaded without its encoder")
         yield from self.caption_batches(image_batches(paths, self.encoder.preprocess, batch_size, workers, self.device),
@@ -456,36 +501,18 @@ class Captioner:
                         controls: Controls | None = None) -> Iterator[tuple[Path, Result | ImageError]]:
         """:meth:`caption_files` of batches already read (captionkit.encoders.image_batches: this
         captioner's preprocessing, on its device): each batch's images in order."""
-        if rerank not in (None, *RERANKERS):
-            raise UserError(f"unknown reranker {rerank!r} (known: {', '.join(RERANKERS)})")
-        if rerank and not nbest:
-            raise UserError("reranking chooses among the n best beams: give nbest")
-        if rerank == "match":
-            self._need_matcher()  # before any photo is decoded
         c = self.controls_for(controls, beam)
-        if nbest and (c.num_captions > 1 or c.sample or c.beam_groups > 1):
-            raise UserError("n-best lists and reranking take the beam's best: not with num_captions, sampling "
-                            "or beam groups")
+        rerank, nbest = self.rerank_plan(rerank, nbest, c, beam)
         for batch in batches:
             caps: dict[int, Caption] = {}
             lists: dict[int, list[Caption]] = {}
             several: dict[int, list[Caption]] = {}
             if batch.good:
-                feats = self.encode(batch.pixels)  # (B, L, D)
-                if nbest:
-                    lists = dict(zip(batch.good, self.nbest_features(feats, nbest, c.beam(beam), length_penalty, c)))
-                    found = list(lists.values())
-                    if rerank == "mbr":
-                        chosen = self.mbr(found)
-                    elif rerank == "match":
-                        chosen = self.match(found, feats, length_penalty)
-                    else:
-                        chosen = [best[0] for best in found]
-                    caps = dict(zip(batch.good, chosen))
-                else:
-                    keys = self.encode_keys(batch.pixels) if c.sample else None
-                    several = dict(zip(batch.good, self.decode_lists(feats, beam, length_penalty, c, keys)))
-                    caps = {i: found[0] for i, found in several.items()}
+                keys = self.encode_keys(batch.pixels) if c.sample else None
+                chosen, found = self._decode(self.encode(batch.pixels), beam, length_penalty, c, keys, rerank, nbest)
+                caps = dict(zip(batch.good, chosen))
+                lists = dict(zip(batch.good, found)) if nbest else {}
+                several = dict(zip(batch.good, found))
             for i, p in enumerate(batch.paths):
                 if i not in caps:
                     yield p, batch.errors[i]
@@ -499,8 +526,8 @@ class Captioner:
 
     def __call__(self, images, *, beam: int | None = None, batch_size: int = 16, attention: bool = False,
                  length_penalty: float | None = None, workers: int = 2, url_max_bytes: int | None = None,
-                 url_timeout: float | None = None, controls: Controls | None = None,
-                 **options) -> CaptionResult | list[CaptionResult]:
+                 url_timeout: float | None = None, controls: Controls | None = None, rerank: str | None = None,
+                 nbest: int | None = None, **options) -> CaptionResult | list[CaptionResult]:
         """Caption ``images``: one input, or a list (or tuple) of them. An input is a path (str
         or Path), an http(s) URL, a PIL image, a numpy array (H, W, 3) of uint8 (also (H, W)
         grey, (H, W, 4) RGBA) or the bytes of an image file (captionkit.data.inputs). One input
@@ -517,12 +544,15 @@ class Captioner:
         ``top_k``, ``top_p``, ``seed``, ``no_repeat_ngram``, ``repetition_penalty``,
         ``rare_word_bonus``, ``min_words``, ``max_words``, ``beam_groups``, ``diversity_strength`` -- or as a
         :class:`~captionkit.inference.controls.Controls` (``controls``; the keywords replace its
-        values); a value that does not fit is one UserError before anything is read."""
+        values); a value that does not fit is one UserError before anything is read.
+        ``rerank``, ``nbest``: as :meth:`caption_files` (None: the model's own reranker, if
+        its ensemble folder has one; "none": none)."""
         if self.encoder is None:
             raise RuntimeError("this Captioner was loaded without its encoder")
         if batch_size < 1 or workers < 1:
             raise UserError(f"batch_size and workers must be at least 1, not {batch_size} and {workers}")
         c = self.controls_for(controls, beam, **options)
+        rerank, nbest = self.rerank_plan(rerank, nbest, c, beam)
         single = not isinstance(images, (list, tuple))
         items = [images] if single else list(images)
         labels = [input_label(x, None if single else i) for i, x in enumerate(items)]
@@ -550,7 +580,9 @@ class Captioner:
                 if good:
                     x = torch.stack([read[k] for k in good])  # (G, 3, S, S)
                     keys = self.encode_keys(x) if c.sample else None
-                    caps = dict(zip(good, self.decode_lists(self.encode(x), beam, length_penalty, c, keys)))
+                    chosen, found = self._decode(self.encode(x), beam, length_penalty, c, keys, rerank, nbest)
+                    # (the chosen caption first: with a reranker it may be any of the list's)
+                    caps = dict(zip(good, ([a, *(b for b in f if b is not a)] for a, f in zip(chosen, found))))
                 for k, x in enumerate(read):
                     out.append(self._call_result(labels[start + k], caps.get(k), x, attention, c.num_captions > 1))
         return out[0] if single else out

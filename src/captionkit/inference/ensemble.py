@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -44,6 +45,7 @@ from ..core.checkpoint import atomic_folder
 from ..core.errors import CheckpointError, UserError
 from ..core.outputs import atomic_write_text, owner_kind, write_marker
 from .controls import MODEL_DEFAULTS, model_controls
+from .rerank import MATCHER_DIR, FolderRerank, folder_rerank
 from .shipped import ENSEMBLE_FILE
 
 FORMAT, VERSION = "captionkit-ensemble", 1
@@ -328,9 +330,25 @@ class EnsembleSpec:
     # the caption controls' rules the ensemble decodes with by default (controls.MODEL_DEFAULTS:
     # no_repeat_ngram, repetition_penalty, rare_word_bonus, min_words, max_words); a rule not named: the first member's
     rules: dict = field(default_factory=dict)
+    # the reranker its captions are chosen by unless told otherwise (FolderRerank), or None
+    rerank: FolderRerank | None = None
 
     def member_folders(self, shipped_root: Path) -> list[Path]:
         return [shipped_root / m["shipped"] if "shipped" in m else self.folder / m["path"] for m in self.members]
+
+
+def _copy_matcher(source: Path, folder: Path) -> None:
+    """The matcher checkpoint ``source`` copied to ``folder/MATCHER_DIR`` (replacing what was
+    there, the ensemble being overwritten), unless it is that folder already."""
+    target = folder / MATCHER_DIR
+    if target.exists() and target.resolve() == source.resolve():
+        return
+    tmp = folder / f".{MATCHER_DIR}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    if target.exists():  # (an ensemble written before: --overwrite replaces its matcher with the new one)
+        shutil.rmtree(target)
+    os.replace(tmp, target)
 
 
 def is_ensemble_folder(folder: Path) -> bool:
@@ -408,17 +426,18 @@ def read_ensemble(folder: Path) -> EnsembleSpec:
         model_controls(rules, str(path))
     except UserError as e:
         raise CheckpointError(str(e)) from None
-    return EnsembleSpec(folder, members, weights, combine, float(lp), max_len, tta, rules)
+    return EnsembleSpec(folder, members, weights, combine, float(lp), max_len, tta, rules, folder_rerank(path, doc))
 
 
 def write_ensemble(out: Path, members: list[dict], weights: Sequence[float], length_penalty: float,
                    max_len: int | None = None, combine: str = "loglinear", tta: str | None = None,
-                   rules: dict | None = None) -> Path:
+                   rules: dict | None = None, rerank: FolderRerank | None = None) -> Path:
     """Write ``out/ensemble.json`` (members as :func:`member_entry` names them) and mark ``out``
     as a captionkit ensemble. The caller has checked ``out`` (outputs.check_folder_target: it is
     missing, empty, or an ensemble to overwrite) and the members; an existing ensemble keeps its
     other files (member checkpoints kept there). ``rules``: caption-control rules
-    (controls.MODEL_DEFAULTS) the ensemble decodes with unless told otherwise."""
+    (controls.MODEL_DEFAULTS) the ensemble decodes with unless told otherwise. ``rerank``: its
+    own reranker, whose matcher is copied into the folder (MATCHER_DIR)."""
     weights = normalised_weights(weights, len(members))
     decoding: dict = {"length_penalty": float(length_penalty)}
     if max_len is not None:
@@ -428,12 +447,16 @@ def write_ensemble(out: Path, members: list[dict], weights: Sequence[float], len
     decoding.update(rules or {})
     doc = {"format": FORMAT, "version": VERSION,
            "members": [{**m, "weight": round(w, 6)} for m, w in zip(members, weights)],
-           "combine": combine, "decoding": decoding}
+           "combine": combine, "decoding": decoding, **({"rerank": rerank.entry()} if rerank else {})}
     text = json.dumps(doc, indent=1) + "\n"
     if owner_kind(out) == KIND:  # --overwrite of an ensemble: its ensemble.json is replaced, atomically
+        if rerank:
+            _copy_matcher(rerank.matcher, out)
         atomic_write_text(out / ENSEMBLE_FILE, text)
     else:  # a new folder appears whole, or not at all
         with atomic_folder(out) as tmp:
+            if rerank:
+                _copy_matcher(rerank.matcher, tmp)
             (tmp / ENSEMBLE_FILE).write_text(text)
             write_marker(tmp, KIND)
     return out / ENSEMBLE_FILE

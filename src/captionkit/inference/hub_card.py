@@ -133,7 +133,8 @@ def card_facts(folder: Path, cap, plan, samples: list[tuple[str, str | None]]) -
         families=[cfg["family"] for _, cfg in configs], encoder=first["encoder"]["name"],
         grid=list(first["encoder"]["grid"]), feat_dim=int(first["model"].get("feat_dim", 0)),
         vocab_size=len(cap.vocab), parameters=sum(p.numel() for p in cap.decoder.parameters()),
-        decoding={"max_len": cap.max_len, "length_penalty": cap.length_penalty, "tta": cap.tta},
+        decoding={"max_len": cap.max_len, "length_penalty": cap.length_penalty, "tta": cap.tta,
+                  "rerank": cap.own_rerank.entry() if cap.own_rerank else None},
         members=members, training=training, files=files, scores=scores, samples=samples,
         license=plan.license, dataset_ids=list(plan.dataset_ids or trained_on),
         warnings=[w for where, cfg in configs for w in _local_paths(cfg, where)])
@@ -193,7 +194,9 @@ def _model_rows(f: CardFacts) -> list[tuple[str, str]]:
     family = " + ".join(dict.fromkeys(f.families)) + (" ensemble" if f.kind == "ensemble" else "")
     d = f.decoding
     decoding = f"beam 3 (`--beam`), at most {d['max_len']} tokens, beams ranked by log-probability / " \
-               f"(length + 1) ^ {d['length_penalty']:g}" + TTA_WORDS.get(d["tta"], "")
+               f"(length + 1) ^ {d['length_penalty']:g}" + TTA_WORDS.get(d["tta"], "") \
+        + (f"; the caption chosen among the {r['nbest']} best by its matcher (weight {r['weight']:g}, "
+           f"rare-word gain {r['rare_weight']:g}; `--rerank none`: the beam's best)" if (r := d.get("rerank")) else "")
     rows = [("family", f"`{family}` ({f.parameters:,} decoder parameters)"),
             ("encoder", f"`{f.encoder}`: a {f.grid[0]}x{f.grid[1]} grid of {f.feat_dim}-d vectors"),
             ("vocabulary", f"{f.vocab_size:,} tokens"), ("decoding", decoding)]

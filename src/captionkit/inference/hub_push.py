@@ -140,6 +140,7 @@ def stage_push(plan: PushPlan, out: str | Path, overwrite: bool = False) -> Stag
     from ..core.outputs import check_folder_target, write_marker
     from .captioner import Captioner
     from .hub_card import card_facts, render_card
+    from .rerank import read_folder_rerank
 
     check_folder_target(out, overwrite=overwrite, kinds=("checkpoint", "ensemble"))
     folder = plan.folder
@@ -155,6 +156,9 @@ def stage_push(plan: PushPlan, out: str | Path, overwrite: bool = False) -> Stag
             members, rewritten = _members(folder)
             for source, dest in members:
                 _copy_checkpoint(source, tmp / dest, str(folder))
+            own = read_folder_rerank(folder)
+            if own is not None:  # its own reranker's matcher, inside the folder: at the same place
+                shutil.copytree(own.matcher, tmp / own.matcher.relative_to(folder))
             if rewritten is None:
                 shutil.copyfile(folder / ENSEMBLE_FILE, tmp / ENSEMBLE_FILE)
             else:

@@ -28,16 +28,21 @@ photo by photo: a caption's choice does not depend on the other photos of the ru
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Hashable, Sequence
 
 import numpy as np
 
-from ..core.errors import UserError
+from ..core.errors import CheckpointError, UserError
 from ..scoring import metrics as M
 from ..scoring.ptb_tokenize import tokenize_python
+from .folders import ENSEMBLE_FILE
 
 RERANKERS = ("mbr", "match")
+RERANK_OFF = "none"  # --rerank none: no reranking, not even an ensemble folder's own
+MATCHER_DIR = "matcher"  # where an ensemble folder written with a reranker keeps its matcher
 
 
 def consensus_utilities(candidates: dict[Hashable, Sequence[str]],
@@ -170,3 +175,62 @@ def rare_word_gains(ids: Sequence[Sequence[int]], vocab_size: int) -> list[float
 
     gain = rare_word_bonus(1.0, vocab_size, torch.device("cpu")).tolist()
     return [sum(gain[i] for i in c) for c in ids]
+
+
+# ---- an ensemble folder's own reranker -------------------------------------------------------
+@dataclass(frozen=True)
+class FolderRerank:
+    """An ensemble folder's own ``--rerank match``: ``ensemble.json``'s ``rerank`` table
+    ``{"method": "match", "matcher": PATH, "nbest": N, "weight": W, "rare_weight": C}``, the
+    matcher a checkpoint folder inside the ensemble folder (PATH relative to it), chosen among
+    the beam's N best by captionkit.inference.rerank.match_choice at W and C. ``matcher`` here:
+    the matcher folder's path (for :func:`write_ensemble`: the one to copy in)."""
+
+    matcher: Path
+    nbest: int
+    weight: float
+    rare_weight: float = 0.0
+    method: str = "match"
+
+    def entry(self) -> dict:
+        """The ``rerank`` table :func:`write_ensemble` writes (the matcher copied to MATCHER_DIR)."""
+        return {"method": self.method, "matcher": MATCHER_DIR, "nbest": self.nbest, "weight": self.weight,
+                "rare_weight": self.rare_weight}
+
+
+def folder_rerank(path: Path, doc: dict) -> FolderRerank | None:
+    """The ``rerank`` table of ``doc``, the ensemble.json at ``path``, checked (one
+    CheckpointError naming the field), or None."""
+    r = doc.get("rerank")
+    if r is None:
+        return None
+    fields = ("method", "matcher", "nbest", "weight", "rare_weight")
+    if not isinstance(r, dict) or set(r) - set(fields) or not {"method", "matcher", "nbest", "weight"} <= set(r):
+        raise CheckpointError(f"{path}: 'rerank' must be a table of {', '.join(fields)} (rare_weight optional)")
+    if r["method"] != "match":
+        raise CheckpointError(f"{path}: rerank.method must be 'match', not {r['method']!r}")
+    nbest, weight, rare = r["nbest"], r["weight"], r.get("rare_weight", 0.0)
+    if isinstance(nbest, bool) or not isinstance(nbest, int) or nbest < 2:
+        raise CheckpointError(f"{path}: rerank.nbest must be a whole number >= 2, not {nbest!r}")
+    for name, w in (("weight", weight), ("rare_weight", rare)):
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+            raise CheckpointError(f"{path}: rerank.{name} must be a number >= 0, not {w!r}")
+    rel = r["matcher"]
+    if not isinstance(rel, str) or Path(rel).is_absolute() or ".." in Path(rel).parts:
+        raise CheckpointError(f"{path}: rerank.matcher must be a folder inside the ensemble folder, not {rel!r}")
+    if not (path.parent / rel / "config.json").is_file():
+        raise CheckpointError(f"{path}: rerank.matcher: {path.parent / rel} is not a checkpoint folder "
+                              f"(no config.json)")
+    return FolderRerank(path.parent / rel, nbest, float(weight), float(rare))
+
+
+def read_folder_rerank(folder: Path) -> FolderRerank | None:
+    """An ensemble folder's own reranker (its ``ensemble.json``'s ``rerank``), or None; read
+    without torch, for the command line's checks before anything loads (the folder's other
+    fields are checked when it loads: captionkit.inference.ensemble.read_ensemble)."""
+    path = folder / ENSEMBLE_FILE
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    return folder_rerank(path, doc) if isinstance(doc, dict) else None
