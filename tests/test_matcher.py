@@ -308,8 +308,14 @@ def test_an_ensemble_folder_keeps_its_reranker_and_a_copy_of_the_matcher(reranke
     from captionkit.inference.ensemble import read_ensemble
     doc = json.loads((reranked_folder / "ensemble.json").read_text())
     assert doc["rerank"] == {"method": "match", "matcher": "matcher", "nbest": 3, "weight": 1000.0, "rare_weight": 0.0}
-    for name in ("config.json", "model.safetensors"):  # a copy: the folder stands alone
-        assert (reranked_folder / "matcher" / name).read_bytes() == (picky_matcher / name).read_bytes()
+    # a copy (the folder stands alone), of the words the members can write: the same scores
+    kept, source = load_matcher(reranked_folder / "matcher"), load_matcher(picky_matcher)
+    vocab = Captioner.load(reranked_folder, with_encoder=False).vocab
+    assert set(kept.cfg.words) <= set(vocab.words) | {"<pad>", "<unk>"} and kept.cfg.words[:2] == ["<pad>", "<unk>"]
+    texts = ["a red circle on the white", "the blue square", ""]
+    x = torch.randn(3, source.cfg.feat_dim, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(kept.discriminability(kept.pooled_image(x), kept.text(texts)),
+                               source.discriminability(source.pooled_image(x), source.text(texts)))
     own = read_ensemble(reranked_folder).rerank
     assert own.matcher == reranked_folder / "matcher" and (own.nbest, own.weight) == (3, 1000.0)
 
@@ -384,9 +390,50 @@ def test_a_folder_with_its_reranker_is_pushed_with_its_matcher(reranked_folder, 
     out = tmp_path / "upload"
     assert main(["push", str(reranked_folder), repo, "--dry-run", str(out), "--samples", str(photos[0])]) == 0
     assert (out / "matcher" / "model.safetensors").read_bytes() == \
-        (reranked_folder / "matcher" / "model.safetensors").read_bytes()
+        (reranked_folder / "matcher" / "model.safetensors").read_bytes()  # the folder's, as it is
     assert "chosen among the 3 best by its matcher (weight 1000" in (out / "README.md").read_text()
     place_in_cache(out, tmp_path / "cache", repo, commit)
     hub = Captioner.from_pretrained(f"hub:{repo}", cache_dir=tmp_path / "cache", local_files_only=True)
     assert hub.own_rerank is not None
     assert direct_captions(hub, photos) == direct_captions(Captioner.load(reranked_folder), photos)
+
+
+def test_a_matcher_narrowed_to_some_words_scores_their_captions_as_before(picky_matcher, tmp_path):
+    from captionkit.core.checkpoint import save_checkpoint
+    from captionkit.models.matcher import matcher_of_words
+    source = load_matcher(picky_matcher)
+    words = set(source.cfg.words[2:]) - {"red"}
+    assert "red" in source.cfg.words  # (what makes the test mean something: a word goes)
+    save_checkpoint(tmp_path / "narrow", *matcher_of_words(picky_matcher, words))
+    narrow = load_matcher(tmp_path / "narrow")
+    assert narrow.cfg.words == [w for w in source.cfg.words if w != "red"]
+    assert narrow.embed.weight.shape[0] == source.embed.weight.shape[0] - 1
+    x = torch.randn(2, source.cfg.feat_dim, generator=torch.Generator().manual_seed(0))
+    without, withred = ["a blue circle on the white", "the square"], ["a red circle", "red red"]
+    torch.testing.assert_close(narrow.discriminability(narrow.pooled_image(x), narrow.text(without)),
+                               source.discriminability(source.pooled_image(x), source.text(without)))
+    unk = ["a <unk> circle", "<unk> <unk>"]  # "red" is now a word it does not know
+    torch.testing.assert_close(narrow.discriminability(narrow.pooled_image(x), narrow.text(withred)),
+                               source.discriminability(source.pooled_image(x), source.text(unk)))
+
+def test_an_int8_matcher_narrowed_stays_int8_bit_for_bit(tmp_path):
+    """``captionkit pack --int8`` of a matcher (matrices of >= 4096 entries as int8), narrowed:
+    the kept embedding rows and every other tensor as they were."""
+    from dataclasses import asdict
+
+    from safetensors.torch import load_file
+
+    from captionkit.core.checkpoint import save_checkpoint
+    from captionkit.models.matcher import KIND, matcher_of_words
+    words = ["<pad>", "<unk>", *(f"w{i}" for i in range(80))]
+    torch.manual_seed(0)
+    m = Matcher(MatcherConfig(words=words, feat_dim=64, embed_dim=64, word_dim=64, bank_size=8))
+    m.bank.copy_(torch.nn.functional.normalize(torch.randn(8, 64), dim=1))
+    save_checkpoint(tmp_path / "m", m.state_dict(), {"kind": KIND, "matcher": asdict(m.cfg)})
+    assert main(["pack", str(tmp_path / "m"), str(tmp_path / "m8"), "--int8"]) == 0
+    save_checkpoint(tmp_path / "narrow8", *matcher_of_words(tmp_path / "m8", {"w3", "w50", "other"}))
+    a, b = load_file(tmp_path / "m8" / "model.safetensors"), load_file(tmp_path / "narrow8" / "model.safetensors")
+    assert a.keys() == b.keys() and b["embed.weight"].dtype == torch.int8
+    for k in a:
+        assert torch.equal(b[k], a[k][[0, 1, 5, 52]] if k.startswith("embed.weight") else a[k]), k
+    assert load_matcher(tmp_path / "narrow8").cfg.words == ["<pad>", "<unk>", "w3", "w50"]

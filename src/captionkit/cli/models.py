@@ -95,8 +95,9 @@ def cmd_ensemble(model: list[str], weights: list[float] | None, length_penalty: 
     if own:
         cap.use_matcher(own.matcher, own.weight, own.rare_weight)
     members = [member_entry(Path(p), target, SHIPPED) for p in cap.config["ensemble"]["members"]]
+    words = set(cap.vocab.words) if own and cap.vocab.kind == "word" else None  # what its captions can say
     path = write_ensemble(target, members, cap.decoder.weights, cap.length_penalty, cap.max_len, combine, tta, rules,
-                          own)
+                          own, words)
     print(f"wrote {path}: {len(members)} members, weights "
           + ", ".join(f"{w:.3g}" for w in cap.decoder.weights) + f", length penalty {cap.length_penalty:g}"
           + (f", test-time {tta}" if tta else "") + "".join(f", {k} {v:g}" for k, v in rules.items())

@@ -312,9 +312,11 @@ def verify(folder: str | Path, name: str) -> None:
                               f"from the one {folder / 'config.json'} records)")
 
 
-def read_weights(folder: str | Path, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
+def read_weights(folder: str | Path, name: str = "model.safetensors", *,
+                 as_stored: bool = False) -> dict[str, torch.Tensor]:
     """A checkpoint's tensor file, verified against its recorded digest (int8 matrices of
-    ``pack --int8`` given back as float32)."""
+    ``pack --int8`` given back as float32; ``as_stored``: as the file holds them, each int8
+    matrix and its scales under NAME + INT8_SCALE)."""
     path = resolve(folder) / name
     if not path.is_file():
         raise CheckpointError(f"{path}: missing")
@@ -323,7 +325,7 @@ def read_weights(folder: str | Path, name: str = "model.safetensors") -> dict[st
         weights = load_file(path)
     except Exception as e:  # safetensors raises its own error types for corrupt headers
         raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
-    return dequantize_int8(weights)
+    return weights if as_stored else dequantize_int8(weights)
 
 
 def load_into(module: torch.nn.Module, weights: dict[str, torch.Tensor], where: str | Path) -> None:

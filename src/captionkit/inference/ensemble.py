@@ -337,10 +337,18 @@ class EnsembleSpec:
         return [shipped_root / m["shipped"] if "shipped" in m else self.folder / m["path"] for m in self.members]
 
 
-def _copy_matcher(source: Path, folder: Path) -> None:
-    """The matcher checkpoint ``source`` copied to ``folder/MATCHER_DIR`` (replacing what was
-    there, the ensemble being overwritten), unless it is that folder already."""
+def _copy_matcher(source: Path, folder: Path, words: set[str] | None) -> None:
+    """The matcher checkpoint ``source`` saved as ``folder/MATCHER_DIR`` (replacing what was
+    there, the ensemble being overwritten): narrowed to ``words``, the members' word vocabulary
+    (models.matcher.matcher_of_words: the same scores for every caption they can write, a
+    smaller file), or copied as it is (None: tokens that are no words)."""
+    from ..core.checkpoint import save_checkpoint
+    from ..models.matcher import matcher_of_words
+
     target = folder / MATCHER_DIR
+    if words is not None:
+        save_checkpoint(target, *matcher_of_words(source, words))  # (read whole before the atomic write)
+        return
     if target.exists() and target.resolve() == source.resolve():
         return
     tmp = folder / f".{MATCHER_DIR}.tmp-{os.getpid()}"
@@ -431,13 +439,15 @@ def read_ensemble(folder: Path) -> EnsembleSpec:
 
 def write_ensemble(out: Path, members: list[dict], weights: Sequence[float], length_penalty: float,
                    max_len: int | None = None, combine: str = "loglinear", tta: str | None = None,
-                   rules: dict | None = None, rerank: FolderRerank | None = None) -> Path:
+                   rules: dict | None = None, rerank: FolderRerank | None = None,
+                   matcher_words: set[str] | None = None) -> Path:
     """Write ``out/ensemble.json`` (members as :func:`member_entry` names them) and mark ``out``
     as a captionkit ensemble. The caller has checked ``out`` (outputs.check_folder_target: it is
     missing, empty, or an ensemble to overwrite) and the members; an existing ensemble keeps its
     other files (member checkpoints kept there). ``rules``: caption-control rules
     (controls.MODEL_DEFAULTS) the ensemble decodes with unless told otherwise. ``rerank``: its
-    own reranker, whose matcher is copied into the folder (MATCHER_DIR)."""
+    own reranker, whose matcher is kept in the folder (MATCHER_DIR), narrowed to ``matcher_words``
+    (the members' word vocabulary; None: copied as it is)."""
     weights = normalised_weights(weights, len(members))
     decoding: dict = {"length_penalty": float(length_penalty)}
     if max_len is not None:
@@ -451,12 +461,12 @@ def write_ensemble(out: Path, members: list[dict], weights: Sequence[float], len
     text = json.dumps(doc, indent=1) + "\n"
     if owner_kind(out) == KIND:  # --overwrite of an ensemble: its ensemble.json is replaced, atomically
         if rerank:
-            _copy_matcher(rerank.matcher, out)
+            _copy_matcher(rerank.matcher, out, matcher_words)
         atomic_write_text(out / ENSEMBLE_FILE, text)
     else:  # a new folder appears whole, or not at all
         with atomic_folder(out) as tmp:
             if rerank:
-                _copy_matcher(rerank.matcher, tmp)
+                _copy_matcher(rerank.matcher, tmp, matcher_words)
             (tmp / ENSEMBLE_FILE).write_text(text)
             write_marker(tmp, KIND)
     return out / ENSEMBLE_FILE

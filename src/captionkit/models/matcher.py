@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.checkpoint import load_into, read_config, read_weights, resolve
+from ..core.checkpoint import INT8_SCALE, load_into, read_config, read_weights, resolve
 from ..core.errors import CheckpointError
 from ..core.fields import check_fields, field_error, spec
 from ..data.items import normalize
@@ -208,3 +208,20 @@ def load_matcher(folder: str | Path) -> Matcher:
         m = Matcher(cfg)
     load_into(m, read_weights(folder), folder)
     return m.eval()
+
+
+def matcher_of_words(folder: str | Path, words: set[str]) -> tuple[dict[str, torch.Tensor], dict]:
+    """The matcher checkpoint ``folder`` narrowed to the words of ``words`` it knows (and its
+    specials): (its weights, its config) as save_checkpoint takes them. Every caption written in
+    those words gets the scores it got before (a word outside the matcher was <unk>, and is),
+    from a smaller embedding table: an ensemble folder keeps its matcher so (its captions are in
+    its members' words). int8 matrices (``captionkit pack --int8``) stay int8, bit for bit."""
+    folder = resolve(folder)
+    cfg = check_matcher_folder(folder)
+    doc = read_config(folder)
+    keep = [i for i, w in enumerate(cfg.words) if i < len(SPECIAL) or w in words]
+    weights = read_weights(folder, as_stored=True)  # (verified; an int8 matrix stays int8, with its scales)
+    for k in ("embed.weight", "embed.weight" + INT8_SCALE):
+        if k in weights:
+            weights[k] = weights[k][keep]  # (V', W) rows, or their (V', 1) scales
+    return weights, {**doc, "matcher": {**doc["matcher"], "words": [cfg.words[i] for i in keep]}}
