@@ -64,18 +64,14 @@ def _zoom_views(cap, share: float) -> None:
 
 def _encode_views(cap, pixels: torch.Tensor, zoom: float | None) -> torch.Tensor:
     """(B, 3, S, S) -> (B, 2, L, D) as the captioner encodes them, or with ``zoom`` (B, 4, L, D):
-    the two views and the two of the centre crop (:func:`_zoom_views`)."""
-    import torch.nn.functional as F
+    the two views and the two of the centre crop (:func:`_zoom_views`; ``--tta flip-zoom``'s
+    views, captionkit.inference.ensemble.tta_pixels, with this crop)."""
+    from captionkit.inference.ensemble import tta_pixels
 
     if zoom is None:
         return cap.encode(pixels)
-    S = pixels.shape[-1]
-    side = int(round(S * zoom))
-    o = (S - side) // 2
-    crop = F.interpolate(pixels[..., o:o + side, o:o + side], size=(S, S), mode="bilinear", antialias=True,
-                         align_corners=False)  # (B, 3, S, S)
     with torch.no_grad():
-        views = torch.stack([pixels, pixels.flip(-1), crop, crop.flip(-1)], 1).flatten(0, 1)  # (4B, 3, S, S)
+        views = tta_pixels(pixels, "flip-zoom", zoom).flatten(0, 1)  # (4B, 3, S, S)
         return cap.encoder.encode(views).float().unflatten(0, (-1, 4))  # (B, 4, L, D)
 
 

@@ -229,18 +229,18 @@ TTA_OFF = "none"  # --tta none: no augmentation, not even an ensemble folder's o
 ZOOM = 0.85
 
 
-def tta_pixels(pixels: torch.Tensor, tta: str) -> torch.Tensor:
+def tta_pixels(pixels: torch.Tensor, tta: str, zoom: float = ZOOM) -> torch.Tensor:
     """Preprocessed pixels (B, 3, S, S) -> the views ``tta`` decodes (B, V, 3, S, S), view 0 the
-    photo itself: "flip" adds its mirror image; "flip-zoom" also the centre crop of ZOOM of each
-    side, scaled back to S x S (bilinear, antialiased), and the crop's mirror image. The crop is
-    taken of the preprocessed pixels: the encoders' normalisation is per channel and affine, so
-    it commutes with the crop's averaging."""
+    photo itself: "flip" adds its mirror image; "flip-zoom" also the centre crop of ``zoom`` of
+    each side (the command's: ZOOM), scaled back to S x S (bilinear, antialiased), and the crop's
+    mirror image. The crop is taken of the preprocessed pixels: the encoders' normalisation is
+    per channel and affine, so it commutes with the crop's averaging."""
     if tta not in TTA_SHARES:
         raise ValueError(f"unknown test-time augmentation {tta!r} (known: {', '.join(TTA)})")
     views = [pixels, pixels.flip(-1)]
     if tta == "flip-zoom":
         S = pixels.shape[-1]
-        side = int(round(S * ZOOM))
+        side = int(round(S * zoom))
         o = (S - side) // 2
         crop = nn.functional.interpolate(pixels[..., o:o + side, o:o + side], size=(S, S), mode="bilinear",
                                          antialias=True, align_corners=False)  # (B, 3, S, S)
