@@ -395,6 +395,7 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
                 match_rare_weight: float | None = None, **controls) -> int:
     """``controls``: the caption controls' options (cli/common.py: _add_control_opts), None where not given."""
     from ..core.outputs import check_file_target
+    from ..inference.rerank import RERANK_OFF
 
     if fast:  # one flag for the fast single model: recorded, checked and loaded as --model NAME is
         if model or onnx:
@@ -458,8 +459,6 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
         return writer.run(onnx_results)
     load = partial(_load_captioner, model, weights, tta, where, precision, matcher, match_weight,
                    match_rare_weight)
-    from ..inference.rerank import RERANK_OFF  # (the folder's own reranker is read above: not again)
-
     return _caption_with_candidates(writer, load, candidates_path, given, processes, where,
                                     nbest=_nbest(rerank, nbest), rerank=rerank or RERANK_OFF, **options)
 

@@ -21,6 +21,7 @@ class UsageError(UserError):
 MATCH_NBEST = 3  # beams --rerank match chooses among when --nbest is not given (chosen on Flickr8k dev)
 MATCH_WEIGHT = 0.03  # --match-weight's default (chosen on Flickr8k dev, docs/decoding-controls.md)
 
+
 def _write_json(path: str | Path, obj) -> None:
     from ..core.outputs import atomic_write_text
 
