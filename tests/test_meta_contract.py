@@ -35,7 +35,7 @@ from captionkit.encoders import create_encoder, list_encoders
 from captionkit.inference.captioner import Captioner
 from captionkit.inference.controls import Controls
 from captionkit.inference.decoding import Caption, beam_nbest, decode_lists, greedy
-from captionkit.inference.ensemble import EnsembleDecoder, with_flip_views
+from captionkit.inference.ensemble import TTA, TTA_SHARES, EnsembleDecoder, with_flip_views
 from captionkit.models import create_model, list_models
 from captionkit.training.scst import SelfCritical, sample
 
@@ -126,7 +126,7 @@ def test_greedy_and_beam_on_meta(family, request):
         assert [len(n) for n in beam_nbest(model, feats, 2, 3, MAX_LEN)] == [2, 2, 2]
 
 
-@pytest.mark.parametrize("tta", [None, "flip"])
+@pytest.mark.parametrize("tta", [None, *TTA])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_captioner_decodes_on_meta(family, tta, request):
     """A captioner placed on a device knows it, and decodes features given on the CPU or there."""
@@ -135,10 +135,10 @@ def test_captioner_decodes_on_meta(family, tta, request):
     cap = Captioner(model, tiny_tokenizer(model), config, tta=tta).place(META)
     assert cap.device == META
     assert all(p.device == META for p in cap.decoder.parameters())
-    views = (2,) if tta == "flip" else ()
+    views = len(TTA_SHARES[tta]) if tta else 0
     for device in (torch.device("cpu"), META):
         feats = features(model, 2, device)
-        feats = torch.stack([feats, feats], 1) if views else feats  # (B, 2, L, D) with flip views
+        feats = torch.stack([feats] * views, 1) if views else feats  # (B, V, L, D) with views
         for beam in (1, 3):
             with strict_devices(decoding_answers(MAX_LEN)):
                 caps = cap.decode_features(feats, beam=beam)
@@ -223,7 +223,7 @@ def test_encoder_encode_does_not_sync(name):
     assert syncs.total == 0, syncs.report()
 
 
-@pytest.mark.parametrize("tta", [None, "flip"])
+@pytest.mark.parametrize("tta", [None, *TTA])
 @pytest.mark.parametrize("name", ENCODER_PARAMS)
 def test_captioner_encodes_on_meta(name, tta):
     """Placement invariant: after place(), the captioner, its decoder and its encoder agree on
@@ -244,7 +244,7 @@ def test_captioner_encodes_on_meta(name, tta):
             feats = cap.encode(torch.rand(2, 3, size, size, device=device))
             assert_on(META, feats)
             L = grid[0] * grid[1]
-            assert feats.shape == ((2, 2, L, enc.dim) if tta else (2, L, enc.dim))  # flip: (B, views, L, D)
+            assert feats.shape == ((2, len(TTA_SHARES[tta]), L, enc.dim) if tta else (2, L, enc.dim))  # (B, V, L, D)
         assert_captions(cap.decode_features(feats, beam=3), 2)
 
 

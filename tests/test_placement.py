@@ -19,6 +19,7 @@ from captionkit.encoders import create_encoder
 from captionkit.encoders.base import module_device
 from captionkit.inference import ray_engine
 from captionkit.inference.captioner import Captioner
+from captionkit.inference.ensemble import TTA
 
 META, CPU = torch.device("meta"), torch.device("cpu")
 
@@ -70,7 +71,7 @@ def test_device_features_decoded_on_the_cpu_are_copied_with_blocking(picky_model
     assert not non_blocking_host_copies(syncs) and [op for _, op in syncs.sites] == ["to(cpu)"]
 
 
-@pytest.mark.parametrize("tta", [None, "flip"])
+@pytest.mark.parametrize("tta", [None, *TTA])
 def test_a_placed_captioner_its_decoder_and_encoder_agree(picky_models, tta):
     cap = Captioner.load(picky_models[0], tta=tta)
     assert_placed(cap, CPU)
