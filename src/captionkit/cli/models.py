@@ -59,8 +59,8 @@ def add_ensemble(sub: argparse._SubParsersAction) -> None:
                              "unless told otherwise (--rerank none; docs/decoding-controls.md)")
     r.add_argument("--rerank", choices=("match",), help="match: by probability, the matcher's score and the "
                                                         "rare-word gain, as caption --rerank match chooses")
-    r.add_argument("--matcher", metavar="DIR", help="the matcher checkpoint (captionkit matcher); copied into "
-                                                    "the folder")
+    r.add_argument("--matcher", metavar="DIR", help="the matcher checkpoint (captionkit matcher); a copy is kept "
+                                                    "in the folder, narrowed to the members' words")
     r.add_argument("--match-weight", type=float_at_least(0), metavar="W",
                    help=f"the matcher's weight (default {MATCH_WEIGHT})")
     r.add_argument("--match-rare-weight", type=float_at_least(0), metavar="C",
