@@ -94,11 +94,15 @@ def _run_rerank(models: list[str] | None, rerank: str | None, nbest: int | None,
     (or the default's) own reranker if its ensemble folder has one (Captioner.rerank_plan): its
     matcher, n-best size and weights, each replaced by the flag that gives it -- wherever the
     decoding is the beam's one caption (not --beam 1, sampling, several captions or beam
-    groups). Read before anything loads (captionkit.inference.rerank.read_folder_rerank)."""
+    groups). Read before anything loads (captionkit.inference.rerank.read_folder_rerank), and
+    before the outputs are checked: a folder that is not there, or one on the Hub (fetched only
+    after the outputs are checked), is left to the loader (its own reranker then applies there,
+    unrecorded) and to the checks that name it."""
     from ..inference.folders import is_ensemble
     from ..inference.hf_models import hf_source
+    from ..inference.hub import HUB_PREFIX
     from ..inference.rerank import RERANK_OFF, read_folder_rerank
-    from ..inference.shipped import existing_model_folder
+    from ..inference.shipped import model_folder
 
     asked = (rerank, nbest, matcher, match_weight, match_rare_weight)
     if rerank == RERANK_OFF:
@@ -106,9 +110,9 @@ def _run_rerank(models: list[str] | None, rerank: str | None, nbest: int | None,
     several = any(given.get(k) not in (None, False, 1) for k in ("num_captions", "sample", "beam_groups"))
     if rerank is not None or (models and len(models) > 1) or several or beam == 1:
         return asked
-    if models and hf_source(models[0]) is not None:
+    if models and (hf_source(models[0]) is not None or str(models[0]).startswith(HUB_PREFIX)):
         return asked
-    folder = existing_model_folder(models[0] if models else None)
+    folder = model_folder(models[0] if models else None)
     own = read_folder_rerank(folder) if is_ensemble(folder) else None
     if own is None:
         return asked
@@ -413,6 +417,7 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
     if onnx and processes not in (None, 1):
         raise UsageError("--processes runs PyTorch models (--model); --onnx runs in onnxruntime's own threads")
     given, beam_used = _controls(controls, beam)
+    off = rerank == RERANK_OFF  # (--rerank none: not even the model's own, below)
     if not onnx and engine == "local":  # (Ray's replicas decode as their model says: caption_files)
         rerank, nbest, matcher, match_weight, match_rare_weight = _run_rerank(
             model, rerank, nbest, matcher, match_weight, match_rare_weight, given, beam_used)
@@ -460,7 +465,7 @@ def cmd_caption(paths: list[str], model: list[str] | None, beam: int | None, jso
     load = partial(_load_captioner, model, weights, tta, where, precision, matcher, match_weight,
                    match_rare_weight)
     return _caption_with_candidates(writer, load, candidates_path, given, processes, where,
-                                    nbest=_nbest(rerank, nbest), rerank=rerank or RERANK_OFF, **options)
+                                    nbest=_nbest(rerank, nbest), rerank=RERANK_OFF if off else rerank, **options)
 
 
 def _caption_files(load, files: list[Path], processes: int | None, device, controls: dict | None = None,
@@ -549,6 +554,7 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     from ..scoring.evaluation import score_captions
 
     given, beam = _controls(controls, beam)  # the caption controls given, and the beam width used
+    off = rerank == RERANK_OFF  # (--rerank none: not even the model's own, below)
     rerank, nbest, matcher, match_weight, match_rare_weight = _run_rerank(
         model, rerank, nbest, matcher, match_weight, match_rare_weight, given, beam)
     _check_models(model, weights, rerank, nbest, matcher=matcher, match_weight=match_weight,
@@ -565,7 +571,7 @@ def cmd_evaluate(model: list[str] | None, dataset: str, images: str | None, spli
     lists: dict[str, list[str]] = {}
     cap, results = _caption_files(load, [it.path for it in items], processes, where, given, beam=beam,
                                   batch_size=batch_size, length_penalty=length_penalty,
-                                  nbest=_nbest(rerank, nbest), rerank=rerank or RERANK_OFF, workers=workers)
+                                  nbest=_nbest(rerank, nbest), rerank=RERANK_OFF if off else rerank, workers=workers)
     captions = _caption_split(results, items, split, lists)
     rep = score_captions(captions, {it.name: it.raw for it in items}, source="the model's captions",
                          refs_source=f"{dataset} ({split} split)",
