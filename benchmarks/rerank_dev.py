@@ -232,15 +232,14 @@ def _candidate_ciders(names: list[str], lists: list, refs: dict[str, list[str]])
 
 def _rare_gains(model: str | None, lists: list) -> list[list[float]]:
     """Each listed caption's rare-word gain: the sum over its words of what ``--rare-word-bonus 1``
-    adds to them in the search (captionkit.inference.shaping.rare_word_bonus, the ``model``'s
+    adds to them in the search (captionkit.inference.rerank.rare_word_gains, the ``model``'s
     frequency-ordered vocabulary; a word outside it gains nothing)."""
     from captionkit.data.items import normalize
     from captionkit.inference.captioner import Captioner
-    from captionkit.inference.shaping import rare_word_bonus
+    from captionkit.inference.rerank import rare_word_gains
 
     vocab = Captioner.load(model, device="cpu", with_encoder=False).vocab
-    gain = rare_word_bonus(1.0, len(vocab), torch.device("cpu")).tolist()
-    return [[sum(gain[i] for i in vocab.encode(normalize(c[0]))) for c in caps] for caps in lists]
+    return rare_word_gains([[vocab.encode(normalize(c[0])) for c in caps] for caps in lists], len(vocab))
 
 
 def rescore(args) -> None:

@@ -100,8 +100,9 @@ def test_the_rare_word_gain_adds_its_weight_times_the_words_gains():
     # a caption's gain: the sum of what --rare-word-bonus 1 gives each of its words
     from captionkit.inference.shaping import rare_word_bonus
     bonus = rare_word_bonus(1.0, 200, torch.device("cpu"))
-    assert rare_word_gains([[4, 150, 190], [], [5]], 200) == pytest.approx(
-        [float(bonus[150] + bonus[190]), 0.0, 0.0])
+    got = rare_word_gains([[[4, 150, 190], [], [5]], [[190]]], 200)  # two lists
+    assert got[0] == pytest.approx([float(bonus[150] + bonus[190]), 0.0, 0.0])
+    assert got[1] == pytest.approx([float(bonus[190])])
     assert float(bonus[150]) > 0 and float(bonus[5]) == 0
 
 
@@ -263,7 +264,7 @@ def test_match_rare_weight_chooses_each_list_s_rarest_caption(wide_model, picky_
     cap = Captioner.load(wide_model)
 
     def gain(text: str) -> float:
-        return rare_word_gains([cap.vocab.encode(normalize(text))], len(cap.vocab))[0]
+        return rare_word_gains([[cap.vocab.encode(normalize(text))]], len(cap.vocab))[0][0]
 
     for p in photos:  # at this weight the gain decides: the chosen caption is its list's rarest
         assert gain(rare[p.name]) == max(gain(t) for t in lists[p.name])

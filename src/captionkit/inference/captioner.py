@@ -345,7 +345,10 @@ class Captioner:
         if rare_weight and self.vocab.kind not in RANKED_TOKENS:
             raise UserError(f"--match-rare-weight ranks words by their frequency in a word vocabulary; this "
                             f"model's tokens are {self.vocab.kind!r} tokens, in no such order")
-        m = load_matcher(folder)
+        # (the matcher in use already when it is this folder's: an ensemble folder's own, which
+        # the command line names again to set its weights)
+        same = self._matcher_folder is not None and Path(self._matcher_folder).resolve() == Path(folder).resolve()
+        m = self.matcher if same else load_matcher(folder)
         if self.encoder is not None and m.cfg.encoder != self.encoder.cache_key():
             raise UserError(f"{folder}: a matcher of {m.cfg.encoder} rows, but this captioner's encoder is "
                             f"{self.encoder.cache_key()}")
@@ -371,7 +374,7 @@ class Captioner:
                             f"captioner's are {photo.shape[-1]} wide")
         images = self.matcher.image(photo.float().cpu())  # (B, E)
         parts = self.matcher.list_discriminability(images, [[self.text(c) for c in caps] for caps in lists])
-        gains = [rare_word_gains([c.ids for c in caps], len(self.vocab)) for caps in lists] \
+        gains = rare_word_gains([[c.ids for c in caps] for caps in lists], len(self.vocab)) \
             if self.match_rare_weight else None
         choice = match_choice([[c.logprob for c in caps] for caps in lists],
                               [[len(c.ids) for c in caps] for caps in lists],  # tokens: as the beam normalised

@@ -46,6 +46,7 @@ from ..core.errors import CheckpointError, UserError
 from ..core.outputs import atomic_write_text, owner_kind, write_marker
 from .controls import MODEL_DEFAULTS, model_controls
 from .rerank import MATCHER_DIR, FolderRerank, folder_rerank
+from .folders import read_ensemble_doc
 from .shipped import ENSEMBLE_FILE
 
 FORMAT, VERSION = "captionkit-ensemble", 1
@@ -382,10 +383,7 @@ def read_ensemble(folder: Path) -> EnsembleSpec:
     """Read and check ``folder/ensemble.json``; a mistake is one CheckpointError naming the file
     and the field."""
     path = folder / ENSEMBLE_FILE
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    doc = read_ensemble_doc(folder)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         found = doc.get("format") if isinstance(doc, dict) else None
         raise CheckpointError(f"{path}: not a captionkit ensemble (format {found!r})")

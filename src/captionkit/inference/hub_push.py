@@ -10,12 +10,16 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 from ..core.errors import CheckpointError, UserError
 from .folders import ENSEMBLE_FILE, SCORES_FILE, is_ensemble
 from .hub import (CARD_FILE, REPO_SAMPLES, _is_network_error, check_repo_id, checkpoint_files, model_files,
                   require_hub, write_digest)
 from .shipped import SHIPPED, existing_model_folder
+
+if TYPE_CHECKING:
+    from .rerank import FolderRerank
 
 
 @dataclass
@@ -28,10 +32,11 @@ class Staged:
     notes: list[str] = field(default_factory=list)
 
 
-def _members(folder: Path) -> tuple[list[tuple[Path, str]], dict | None]:
-    """An ensemble's members as (source folder, path in the pushed folder), and its ensemble.json
-    rewritten to name those paths (None when it already does): a member inside the folder keeps
-    its path, a shipped or outside one is copied in under its folder's name."""
+def _members(folder: Path) -> tuple[list[tuple[Path, str]], dict | None, FolderRerank | None]:
+    """An ensemble's members as (source folder, path in the pushed folder), its ensemble.json
+    rewritten to name those paths (None when it already does), and its own reranker (None: none):
+    a member inside the folder keeps its path, a shipped or outside one is copied in under its
+    folder's name."""
     from .ensemble import read_ensemble
 
     spec = read_ensemble(folder)  # checked: one line for a broken file
@@ -50,7 +55,7 @@ def _members(folder: Path) -> tuple[list[tuple[Path, str]], dict | None]:
         used.add(dest)
         members.append((source, dest))
         entries.append({"path": dest, **{k: v for k, v in m.items() if k not in ("path", "shipped")}})
-    return members, ({**doc, "members": entries} if changed else None)
+    return members, ({**doc, "members": entries} if changed else None), spec.rerank
 
 
 def _copy_checkpoint(source: Path, dest: Path, label: str) -> list[str]:
@@ -140,7 +145,6 @@ def stage_push(plan: PushPlan, out: str | Path, overwrite: bool = False) -> Stag
     from ..core.outputs import check_folder_target, write_marker
     from .captioner import Captioner
     from .hub_card import card_facts, render_card
-    from .rerank import read_folder_rerank
 
     check_folder_target(out, overwrite=overwrite, kinds=("checkpoint", "ensemble"))
     folder = plan.folder
@@ -153,10 +157,9 @@ def stage_push(plan: PushPlan, out: str | Path, overwrite: bool = False) -> Stag
         if kind == "checkpoint":
             _copy_checkpoint(folder, tmp, str(folder))
         else:
-            members, rewritten = _members(folder)
+            members, rewritten, own = _members(folder)
             for source, dest in members:
                 _copy_checkpoint(source, tmp / dest, str(folder))
-            own = read_folder_rerank(folder)
             if own is not None:  # its own reranker's matcher, inside the folder: at the same place
                 shutil.copytree(own.matcher, tmp / own.matcher.relative_to(folder))
             if rewritten is None:

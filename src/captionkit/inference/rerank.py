@@ -38,7 +38,7 @@ import numpy as np
 from ..core.errors import CheckpointError, UserError
 from ..scoring import metrics as M
 from ..scoring.ptb_tokenize import tokenize_python
-from .folders import ENSEMBLE_FILE
+from .folders import ENSEMBLE_FILE, read_ensemble_doc
 
 RERANKERS = ("mbr", "match")
 RERANK_OFF = "none"  # --rerank none: no reranking, not even an ensemble folder's own
@@ -165,16 +165,17 @@ def match_choice(logprobs: Sequence[Sequence[float]], lengths: Sequence[Sequence
     return out
 
 
-def rare_word_gains(ids: Sequence[Sequence[int]], vocab_size: int) -> list[float]:
-    """Each caption's rare-word gain (``ids``: its word ids in a frequency-ordered vocabulary,
-    controls.RANKED_TOKENS): the sum over its words of what ``--rare-word-bonus 1`` adds to them
-    in the search (shaping.rare_word_bonus)."""
+def rare_word_gains(lists: Sequence[Sequence[Sequence[int]]], vocab_size: int) -> list[list[float]]:
+    """Each listed caption's rare-word gain (``lists``: n-best lists of captions as word ids in a
+    frequency-ordered vocabulary, controls.RANKED_TOKENS): the sum over its words of what
+    ``--rare-word-bonus 1`` adds to them in the search (shaping.rare_word_bonus; the table built
+    once for all the lists)."""
     import torch
 
     from .shaping import rare_word_bonus
 
     gain = rare_word_bonus(1.0, vocab_size, torch.device("cpu")).tolist()
-    return [sum(gain[i] for i in c) for c in ids]
+    return [[sum(gain[i] for i in c) for c in ids] for ids in lists]
 
 
 # ---- an ensemble folder's own reranker -------------------------------------------------------
@@ -228,9 +229,5 @@ def read_folder_rerank(folder: Path) -> FolderRerank | None:
     """An ensemble folder's own reranker (its ``ensemble.json``'s ``rerank``), or None; read
     without torch, for the command line's checks before anything loads (the folder's other
     fields are checked when it loads: captionkit.inference.ensemble.read_ensemble)."""
-    path = folder / ENSEMBLE_FILE
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
-    return folder_rerank(path, doc) if isinstance(doc, dict) else None
+    doc = read_ensemble_doc(folder)
+    return folder_rerank(folder / ENSEMBLE_FILE, doc) if isinstance(doc, dict) else None
