@@ -98,6 +98,7 @@ def _run_rerank(models: list[str] | None, rerank: str | None, nbest: int | None,
     before the outputs are checked: a folder that is not there, or one on the Hub (fetched only
     after the outputs are checked), is left to the loader (its own reranker then applies there,
     unrecorded) and to the checks that name it."""
+    from ..inference.controls import DEFAULT
     from ..inference.folders import is_ensemble
     from ..inference.hf_models import hf_source
     from ..inference.hub import HUB_PREFIX
@@ -107,8 +108,7 @@ def _run_rerank(models: list[str] | None, rerank: str | None, nbest: int | None,
     asked = (rerank, nbest, matcher, match_weight, match_rare_weight)
     if rerank == RERANK_OFF:
         return None, *asked[1:]
-    several = any(given.get(k) not in (None, False, 1) for k in ("num_captions", "sample", "beam_groups"))
-    if rerank is not None or (models and len(models) > 1) or several or beam == 1:
+    if rerank is not None or (models and len(models) > 1) or not DEFAULT.with_options(**given).gives_the_beams_best(beam):
         return asked
     if models and (hf_source(models[0]) is not None or str(models[0]).startswith(HUB_PREFIX)):
         return asked

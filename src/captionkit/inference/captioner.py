@@ -451,8 +451,7 @@ class Captioner:
         groups, which ask for other captions than the reranker chooses among."""
         if rerank not in (None, RERANK_OFF, *RERANKERS):
             raise UserError(f"unknown reranker {rerank!r} (known: {', '.join(RERANKERS)}, {RERANK_OFF})")
-        plain_beam = c.num_captions == 1 and not c.sample and c.beam_groups == 1 and c.beam(beam) > 1
-        if rerank is None and self.own_rerank is not None and plain_beam:
+        if rerank is None and self.own_rerank is not None and c.gives_the_beams_best(beam):
             rerank, nbest = self.own_rerank.method, nbest or self.own_rerank.nbest
         rerank = None if rerank == RERANK_OFF else rerank
         if rerank and not nbest:

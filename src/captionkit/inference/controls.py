@@ -140,6 +140,11 @@ class Controls:
                             f"model's tokens are {kind!r} tokens, in no such order")
         return self
 
+    def gives_the_beams_best(self, beam: int | None) -> bool:
+        """Whether decoding under these controls at ``beam`` gives the beam's one best caption
+        -- what a reranker chooses among -- and not greedy, sampled, several or grouped ones."""
+        return self.num_captions == 1 and not self.sample and self.beam_groups == 1 and self.beam(beam) > 1
+
     def beam(self, beam: int | None) -> int:
         """The beam width decoding uses: as given, else 1 for sampling and DEFAULT_BEAM for
         beam search."""
