@@ -11,12 +11,17 @@ from captionkit.inference.captioner import Captioner
 from captionkit.inference.shipped import DEFAULT_MODEL, FAST_MODEL, SHIPPED, model_folder
 
 
-def test_the_default_is_the_flip_averaged_ensemble_and_single_models_ship_by_name():
+def test_the_default_is_the_four_view_reranked_ensemble_and_single_models_ship_by_name():
     assert model_folder(None) == DEFAULT_MODEL
     default = Captioner.load(with_encoder=False)
-    assert default.config["family"] == "ensemble" and default.tta == "flip" and default.grid == (9, 9)
+    assert default.config["family"] == "ensemble" and default.tta == "flip-zoom" and default.grid == (9, 9)
     assert default.config["ensemble"]["families"] == ["transformer", "sat"]
-    assert default.decoder.views == [0, 0, 1, 1] and default.length_penalty == 1.5
+    # each member on the four views (the photo, its mirror image, the crop and its mirror image)
+    assert default.decoder.views == [0, 0, 1, 1, 2, 2, 3, 3] and default.length_penalty == 1.25
+    # its own reranker, with the matcher copy the folder carries
+    own = default.own_rerank
+    assert own.method == "match" and own.matcher == DEFAULT_MODEL / "matcher" and own.nbest == 3
+    assert (own.weight, own.rare_weight) == (0.1, 0.03)
     fast = Captioner.load(FAST_MODEL.name, with_encoder=False)
     assert fast.config["family"] == "transformer" and fast.tta is None
     lstm = Captioner.load("sat-lite2-flickr8k", with_encoder=False)
