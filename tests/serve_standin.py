@@ -37,7 +37,7 @@ def main() -> int:
         time.sleep(args.load_delay)
         return load_models(*a, **k)
 
-    decode = Captioner.decode_lists  # what the server's worker decodes a group with
+    decode = Captioner.decode_chosen  # what the server's worker decodes a group with
 
     @functools.wraps(decode)
     def slow_decode(self, *a, **k):
@@ -46,7 +46,7 @@ def main() -> int:
         return decode(self, *a, **k)
 
     serve_app.load_models = slow_load
-    Captioner.decode_lists = slow_decode
+    Captioner.decode_chosen = slow_decode
     return cli(["serve", *rest])
 
 

@@ -44,11 +44,14 @@ def test_caption_has_words_and_attention(client, shipped):
     assert len(body["attention"]) == len(body["words"])
     assert all(len(row) == 81 and abs(sum(row) - 1) < 1e-3 for row in body["attention"])
     assert body["elapsed_ms"] > 0
-    # the same caption as the library gives for the same bytes and beam
+    # the same caption as the library gives for the same bytes and beam: every view, and the
+    # default's own reranker choosing among its beams as `captionkit caption` does
+    assert body["caption"] == shipped(_jpeg(), beam=2).text
     from captionkit.data.images import decode_rgb, to_tensor
     x = to_tensor(decode_rgb(_jpeg()), shipped.encoder.preprocess)
-    ref = shipped.result(shipped.decode_features(shipped.encode_batch([x]), beam=2)[0])  # both views if flipped
-    assert body["caption"] == ref.text
+    lists = shipped.nbest_features(shipped.encode_batch([x]), 3, beam=2)
+    assert body["caption"] == shipped.text(shipped.match(lists, shipped.encode_batch([x]))[0])
+    assert body["caption"] != shipped.text(lists[0][0])  # (on this photo the matcher's choice is not the beam's)
 
 
 def test_models_health_and_page(client):

@@ -463,7 +463,7 @@ class Captioner:
                             "or beam groups")
         return rerank, nbest
 
-    def _decode(self, feats: torch.Tensor, beam: int | None, length_penalty: float | None, c: Controls,
+    def decode_chosen(self, feats: torch.Tensor, beam: int | None, length_penalty: float | None, c: Controls,
                 keys: torch.Tensor | None, rerank: str | None,
                 nbest: int | None) -> tuple[list[Caption], list[list[Caption]]]:
         """A batch's rows as :meth:`encode` gives them -> each image's caption and its list: the
@@ -511,7 +511,7 @@ class Captioner:
             several: dict[int, list[Caption]] = {}
             if batch.good:
                 keys = self.encode_keys(batch.pixels) if c.sample else None
-                chosen, found = self._decode(self.encode(batch.pixels), beam, length_penalty, c, keys, rerank, nbest)
+                chosen, found = self.decode_chosen(self.encode(batch.pixels), beam, length_penalty, c, keys, rerank, nbest)
                 caps = dict(zip(batch.good, chosen))
                 lists = dict(zip(batch.good, found)) if nbest else {}
                 several = dict(zip(batch.good, found))
@@ -582,7 +582,7 @@ class Captioner:
                 if good:
                     x = torch.stack([read[k] for k in good])  # (G, 3, S, S)
                     keys = self.encode_keys(x) if c.sample else None
-                    chosen, found = self._decode(self.encode(x), beam, length_penalty, c, keys, rerank, nbest)
+                    chosen, found = self.decode_chosen(self.encode(x), beam, length_penalty, c, keys, rerank, nbest)
                     # (the chosen caption first: with a reranker it may be any of the list's)
                     caps = dict(zip(good, ([a, *(b for b in f if b is not a)] for a, f in zip(chosen, found))))
                 for k, x in enumerate(read):
