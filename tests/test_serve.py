@@ -49,8 +49,9 @@ def test_caption_has_words_and_attention(client, shipped):
     assert body["caption"] == shipped(_jpeg(), beam=2).text
     from captionkit.data.images import decode_rgb, to_tensor
     x = to_tensor(decode_rgb(_jpeg()), shipped.encoder.preprocess)
-    lists = shipped.nbest_features(shipped.encode_batch([x]), 3, beam=2)
-    assert body["caption"] == shipped.text(shipped.match(lists, shipped.encode_batch([x]))[0])
+    feats = shipped.encode_batch([x])  # (1, V, L, D): every view
+    lists = shipped.nbest_features(feats, 3, beam=2)
+    assert body["caption"] == shipped.text(shipped.match(lists, feats)[0])
     assert body["caption"] != shipped.text(lists[0][0])  # (on this photo the matcher's choice is not the beam's)
 
 
