@@ -21,7 +21,7 @@ def test_the_default_is_the_four_view_reranked_ensemble_and_single_models_ship_b
     # its own reranker, with the matcher copy the folder carries
     own = default.own_rerank
     assert own.method == "match" and own.matcher == DEFAULT_MODEL / "matcher" and own.nbest == 3
-    assert (own.weight, own.rare_weight) == (0.1, 0.03)
+    assert (own.weight, own.rare_weight) == (0.07, 0.06)
     fast = Captioner.load(FAST_MODEL.name, with_encoder=False)
     assert fast.config["family"] == "transformer" and fast.tta is None
     lstm = Captioner.load("sat-lite2-flickr8k", with_encoder=False)
