@@ -325,6 +325,10 @@ def test_a_training_step_trains_exactly_the_chosen_side(arch, training, tiny_hf)
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     learning = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert learning <= trained and set(model.state_dict()) == trained == model.trained  # checkpoints hold them
+    # DDP's condition, family by family in one process: every trained parameter gets a gradient
+    # (a zero one counts: LoRA's A while its B is still 0); one that gets none stops a DDP run at
+    # its second step (tests/test_ddp_hf.py runs two families in two processes)
+    assert {n for n, p in model.named_parameters() if p.grad is not None} == trained
     expected = EXPECTED_GROUPS[training] - (set() if model.connector_prefixes else {"connector"})
     assert {model.groups[n] for n in learning} == expected == set(model.param_groups())
     if training == "lora":  # adapters on the language side only
