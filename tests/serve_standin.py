@@ -1,4 +1,4 @@
-"""`captionkit serve` with the shipped model made slow on purpose, for the drain and readiness
+"""`captionkit serve` with a shipped model made slow on purpose, for the drain and readiness
 tests (tests/test_serve_drain.py): a real server process, its real code path, with
 
     --load-delay S      seconds added before the models load (so /readyz can be seen at 503)
@@ -6,7 +6,7 @@ tests (tests/test_serve_drain.py): a real server process, its real code path, wi
 
     python tests/serve_standin.py --load-delay 3 --caption-delay 1.5 -- --port 0 [serve options...]
 
-The captions are the shipped model's own; only the time they take is stretched.
+The captions are the model's own; only the time they take is stretched.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 SIGTERM that answers every request in flight and exits within its bound, a request id on every
 answer and log line, JSON access lines.
 
-The process tests run a real `captionkit serve` (tests/serve_standin.py: the shipped model,
-its loading and captioning slowed on purpose) and real concurrent clients over loopback."""
+The process tests run a real `captionkit serve` (tests/serve_standin.py: the fast shipped model,
+`transformer-lite2-flickr8k`, its loading and captioning slowed on purpose) and real concurrent
+clients over loopback. What is tested is the server's life, not the model's captions (those are
+tests/test_serve.py's, with the default), so the quickest shipped model serves here."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ pytest.importorskip("multipart")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from captionkit.inference.captioner import Captioner  # noqa: E402
-from captionkit.inference.shipped import DEFAULT_MODEL  # noqa: E402
+from captionkit.inference.shipped import FAST_MODEL  # noqa: E402
 from captionkit.serve import ServeConfig, create_app  # noqa: E402
 from captionkit.serve.lifecycle import Gate, install_log_ids  # noqa: E402
 
@@ -78,7 +80,8 @@ class Standin:
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, str(STANDIN), "--load-delay", str(load_delay), "--caption-delay", str(caption_delay),
-                 "--", "--port", "0", "--threads", "1", *serve_args], stdout=out, stderr=subprocess.STDOUT)
+                 "--", "--port", "0", "--threads", "1", "--model", FAST_MODEL.name, *serve_args],
+                stdout=out, stderr=subprocess.STDOUT)
         self.port = 0
         deadline = time.time() + 60
         while not self.port:
@@ -252,10 +255,10 @@ def _safe_caption(port: int):
 
 @pytest.fixture(scope="module")
 def gated():
-    cap = Captioner.load()
+    cap = Captioner.load(FAST_MODEL.name)
     config = ServeConfig(max_upload_bytes=50_000, api_key="k-123", decode_queue=2)
     gate = Gate()
-    gate.ready(create_app({DEFAULT_MODEL.name: cap}, config))
+    gate.ready(create_app({FAST_MODEL.name: cap}, config))
     with TestClient(gate) as c:
         yield gate, c
 
