@@ -463,9 +463,17 @@ class Captioner:
                             "or beam groups")
         return rerank, nbest
 
+    def caption_pixels(self, pixels: torch.Tensor, beam: int | None, length_penalty: float | None, c: Controls,
+                       rerank: str | None, nbest: int | None) -> tuple[list[Caption], list[list[Caption]]]:
+        """Preprocessed pixels (B, 3, S, S) -> each image's caption and its list
+        (:meth:`decode_chosen` of their rows, every view, with their sampling keys when ``c``
+        samples): what caption_files, ``cap()`` and the server's worker decode a batch with."""
+        keys = self.encode_keys(pixels) if c.sample else None
+        return self.decode_chosen(self.encode(pixels), beam, length_penalty, c, keys, rerank, nbest)
+
     def decode_chosen(self, feats: torch.Tensor, beam: int | None, length_penalty: float | None, c: Controls,
-                keys: torch.Tensor | None, rerank: str | None,
-                nbest: int | None) -> tuple[list[Caption], list[list[Caption]]]:
+                      keys: torch.Tensor | None, rerank: str | None,
+                      nbest: int | None) -> tuple[list[Caption], list[list[Caption]]]:
         """A batch's rows as :meth:`encode` gives them -> each image's caption and its list: the
         n best beams when ``nbest`` (the caption: the reranker's choice among them, else the
         best), else the controls' captions (the caption: the first); as :meth:`rerank_plan` planned."""
@@ -510,8 +518,7 @@ class Captioner:
             lists: dict[int, list[Caption]] = {}
             several: dict[int, list[Caption]] = {}
             if batch.good:
-                keys = self.encode_keys(batch.pixels) if c.sample else None
-                chosen, found = self.decode_chosen(self.encode(batch.pixels), beam, length_penalty, c, keys, rerank, nbest)
+                chosen, found = self.caption_pixels(batch.pixels, beam, length_penalty, c, rerank, nbest)
                 caps = dict(zip(batch.good, chosen))
                 lists = dict(zip(batch.good, found)) if nbest else {}
                 several = dict(zip(batch.good, found))
@@ -581,8 +588,7 @@ class Captioner:
                 caps = {}
                 if good:
                     x = torch.stack([read[k] for k in good])  # (G, 3, S, S)
-                    keys = self.encode_keys(x) if c.sample else None
-                    chosen, found = self.decode_chosen(self.encode(x), beam, length_penalty, c, keys, rerank, nbest)
+                    chosen, found = self.caption_pixels(x, beam, length_penalty, c, rerank, nbest)
                     # (the chosen caption first: with a reranker it may be any of the list's)
                     caps = dict(zip(good, ([a, *(b for b in f if b is not a)] for a, f in zip(chosen, found))))
                 for k, x in enumerate(read):

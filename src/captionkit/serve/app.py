@@ -175,12 +175,10 @@ class ModelWorker:
         cap, controls = self.captioner, group[0].controls
         try:
             x = torch.stack([j.x for j in group])
-            feats = cap.encode(x)  # on the captioner's device; every view it averages
-            keys = cap.encode_keys(x) if controls.sample else None
             # a folder's own reranker chooses the caption as `captionkit caption` does
             rerank, nbest = cap.rerank_plan(None, None, controls, beam)
             results = []
-            for best, caps in zip(*cap.decode_chosen(feats, beam, None, controls, keys, rerank, nbest)):
+            for best, caps in zip(*cap.caption_pixels(x, beam, None, controls, rerank, nbest)):
                 res = cap.result(best)
                 if controls.num_captions > 1:
                     res.captions = [cap.text(c) for c in caps]
