@@ -477,13 +477,15 @@ def create_app(models: dict[str, Captioner], config: ServeConfig | None = None) 
 
 
 def warm_up(models: dict[str, Captioner], config: ServeConfig) -> None:
-    """Caption one full batch at the largest beam with each model, so that the memory measured
-    before serving includes the models' working memory."""
+    """Caption one full batch at the largest beam with each model, as the worker captions a
+    request (its own reranker, matcher included, where it has one), so that the memory measured
+    before serving includes the models' working memory and no first request pays a first call."""
     gen = torch.Generator().manual_seed(0)
     for cap in models.values():
         side = cap.encoder.preprocess.size
         x = torch.randn(config.max_batch, 3, side, side, generator=gen)
-        cap.decode_features(cap.encode(x), config.max_beam)
+        rerank, nbest = cap.rerank_plan(None, None, cap.controls, config.max_beam)
+        cap.caption_pixels(x, config.max_beam, None, cap.controls, rerank, nbest)
 
 
 def make_server(app, config: ServeConfig, gate=None, **uvicorn_options):
